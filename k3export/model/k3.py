@@ -1,0 +1,136 @@
+"""The K3 stack: embedding, decoder layers (KDA or MLA, then dense FFN or latent MoE), block
+AttnRes along depth, final norm and LM head. Parameter names are the published checkpoint's.
+
+    p = embed; bank = []
+    for each layer l:
+        h = p if not bank else Mix(bank + [p])             # self_attention_res_*
+        if l starts a block: bank.append(p); p = None
+        a = Attn(input_layernorm(h)); p = a if p is None else p + a
+        h = Mix(bank + [p])                                  # mlp_res_*
+        p = p + FFN(post_attention_layernorm(h))
+    logits = lm_head(norm(Mix(bank + [p])))                  # output_attn_res_*
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from k3export.config import K3Config
+from k3export.model.attnres import attn_res_mix
+from k3export.model.cache import K3Cache, LayerCache, empty_cache
+from k3export.model.kda import KimiDeltaAttention
+from k3export.model.layers import RMSNorm, SituMLP
+from k3export.model.mla import LatentMLA
+from k3export.model.moe import LatentMoE
+
+
+def _res_proj(config: K3Config, dtype: torch.dtype | None) -> nn.Linear:
+    return nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, index: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.index = index
+        self.starts_block = index % config.attn_res_block_size == 0
+        self.is_mla = config.is_mla(index)
+        self.is_dense = config.is_dense(index)
+        self.input_layernorm = RMSNorm(D, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(D, eps, dtype)
+        self.self_attention_res_norm = RMSNorm(D, eps, dtype)
+        self.self_attention_res_proj = _res_proj(config, dtype)
+        self.mlp_res_norm = RMSNorm(D, eps, dtype)
+        self.mlp_res_proj = _res_proj(config, dtype)
+        self.self_attn = LatentMLA(config, dtype) if self.is_mla else KimiDeltaAttention(config, dtype)
+        if self.is_dense:
+            self.mlp = SituMLP(D, config.intermediate_size, config.activation_situ_beta,
+                               config.activation_situ_linear_beta, dtype)
+        else:
+            self.block_sparse_moe = LatentMoE(config, dtype)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.mlp if self.is_dense else self.block_sparse_moe
+
+    def forward(self, bank: list[Tensor], partial: Tensor,
+                cache: LayerCache) -> tuple[list[Tensor], Tensor, LayerCache]:
+        h = attn_res_mix([*bank, partial], self.self_attention_res_proj,
+                         self.self_attention_res_norm) if bank else partial
+        if self.starts_block:
+            bank = [*bank, partial]
+        a, cache = self.self_attn(self.input_layernorm(h), cache)
+        partial = a if self.starts_block else partial + a
+        h = attn_res_mix([*bank, partial], self.mlp_res_proj, self.mlp_res_norm)
+        partial = partial + self.ffn(self.post_attention_layernorm(h))
+        return bank, partial, cache
+
+
+class K3Model(nn.Module):
+    """The decoder, named `model` in checkpoints."""
+
+    def __init__(self, config: K3Config, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.output_attn_res_proj = _res_proj(config, dtype)
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, config: K3Config, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype or getattr(torch, config.torch_dtype)
+        self.model = K3Model(config, self.dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype)
+
+    def forward(self, input_ids: Tensor, cache: K3Cache | None = None) -> tuple[Tensor, K3Cache]:
+        """input_ids [B, T] -> logits [B, T, vocab] and the cache after these T tokens."""
+        if cache is None:
+            cache = self.empty_cache(input_ids.shape[0])
+        bank, partial, cache = self.run_layers([], self.model.embed_tokens(input_ids), cache,
+                                               range(len(self.model.layers)))
+        return self.head(bank, partial), cache
+
+    def run_layers(self, bank: list[Tensor], partial: Tensor, cache: K3Cache,
+                   layers: range) -> tuple[list[Tensor], Tensor, K3Cache]:
+        """Runs `layers` from the AttnRes state (bank, partial); cache[j] is layers[j]'s."""
+        new_cache = []
+        for layer, layer_cache in zip(layers, cache, strict=True):
+            bank, partial, layer_cache = self.model.layers[layer](bank, partial, layer_cache)
+            new_cache.append(layer_cache)
+        return bank, partial, new_cache
+
+    def head(self, bank: list[Tensor], partial: Tensor) -> Tensor:
+        m = self.model
+        h = attn_res_mix([*bank, partial], m.output_attn_res_proj, m.output_attn_res_norm)
+        return self.lm_head(m.norm(h))
+
+    def empty_cache(self, batch: int) -> K3Cache:
+        return empty_cache(self.config, batch, self.dtype, self.lm_head.weight.device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Seeded random weights that keep activations near unit scale: matrices draw
+        N(0, 1/fan_in), the embedding N(0, 1), norms are ones; decay parameters give per-step
+        decays around exp(-0.4), so state persists over tens of tokens."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            shape = param.shape
+            if name.endswith("A_log"):
+                value = torch.empty(shape).uniform_(0.5, 2.0, generator=gen).log()
+            elif name.endswith("dt_bias"):
+                value = torch.empty(shape).uniform_(-4.0, -1.0, generator=gen)
+            elif name.endswith("e_score_correction_bias"):
+                value = torch.randn(shape, generator=gen) * 0.1
+            elif param.dim() == 1:
+                value = torch.ones(shape)
+            elif name.endswith("embed_tokens.weight"):
+                value = torch.randn(shape, generator=gen)
+            else:
+                value = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+            param.copy_(value)
