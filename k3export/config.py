@@ -23,6 +23,8 @@ class LinearAttnConfig:
     """KDA settings (`linear_attn_config`); `full_attn_layers` are 1-based MLA layer indices."""
 
     full_attn_layers: list[int]
+    # The complement of full_attn_layers, as published configs also list it; filled if absent.
+    kda_layers: list[int] | None = None
     num_heads: int = 96
     head_dim: int = 128
     short_conv_kernel_size: int = 4
@@ -79,6 +81,10 @@ class K3Config:
         if isinstance(self.linear_attn_config, dict):
             self.linear_attn_config = _build(LinearAttnConfig, self.linear_attn_config,
                                              "linear_attn_config.")
+        lac = self.linear_attn_config
+        if lac.kda_layers is None and isinstance(lac.full_attn_layers, list):
+            lac.kda_layers = [i for i in range(1, self.num_hidden_layers + 1)
+                              if i not in lac.full_attn_layers]
         self.validate()
 
     # -- derived quantities -------------------------------------------------------------
@@ -148,6 +154,9 @@ class K3Config:
                  f"1-based indices in 1..{self.num_hidden_layers} (num_hidden_layers); got {bad}")
         if len(set(layers)) != len(layers):
             fail("linear_attn_config.full_attn_layers", "no repeated layer index")
+        if sorted(set(lac.kda_layers) | set(layers)) != list(range(1, self.num_hidden_layers + 1)) \
+                or set(lac.kda_layers) & set(layers):
+            fail("linear_attn_config.kda_layers", "the layers not in full_attn_layers (1-based)")
         if lac.num_heads * lac.head_dim % self.num_attention_heads:
             fail("linear_attn_config.num_heads", "KDA channels divisible by num_attention_heads")
         if lac.gate_lower_bound is not None and not lac.gate_lower_bound < 0:

@@ -22,7 +22,7 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Tensor) -> tuple[Tensor, Tensor]:
     """Token by token, exactly as the contract reads: the naive reference."""
-    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    dtype, out_dtype = _compute_dtype(q, k, v, g, beta, initial_state), v.dtype
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     state = initial_state.to(dtype)
     outputs = []
@@ -32,7 +32,7 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         state = state + beta[:, t, :, None, None] * k[:, t, :, :, None] * u[:, :, None, :]
         outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
     o = torch.stack(outputs, dim=1)
-    return o.to(v.dtype), state.to(initial_state.dtype)
+    return o.to(out_dtype), state.to(initial_state.dtype)
 
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
@@ -44,7 +44,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_
         V' = U - W S;  O = (Q * exp(G)) S + tril(A_qk) V';  S <- exp(G_C) S + (K exp(G_C - G))^T V'
     """
     T = q.shape[1]
-    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    dtype, out_dtype = _compute_dtype(q, k, v, g, beta, initial_state), v.dtype
     C = chunk_size
     pad = (-T) % C
     # Padding tokens have k = 0, beta = 0 and g = 0: they leave the state untouched.
@@ -76,7 +76,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_
         state = G_last.exp().transpose(-1, -2) * state \
             + ((G_last - G).exp() * kc).transpose(-1, -2) @ V_new
     o = torch.cat(outputs, dim=2)[:, :, :T].transpose(1, 2)
-    return o.to(v.dtype), state.to(initial_state.dtype)
+    return o.to(out_dtype), state.to(initial_state.dtype)
 
 
 @torch.library.custom_op("k3::kda", mutates_args=())

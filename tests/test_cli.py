@@ -1,0 +1,34 @@
+import json
+import subprocess
+import sys
+
+from k3export.cli import main
+
+
+def test_info_kimi_k3(capsys):
+    assert main(["info", "--preset", "kimi-k3"]) == 0
+    out = capsys.readouterr().out
+    assert "2.7795T total, 104.19B active per token" in out
+    assert "(53.3x)" in out
+
+
+def test_info_json_from_config_file(tmp_path, capsys, tiny_config):
+    tiny_config.to_json(tmp_path / "config.json")
+    assert main(["info", "--config", str(tmp_path / "config.json"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"]["total"] == sum(report["parameters"]["by_component"].values())
+
+
+def test_bad_config_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"linear_attn_config": {"full_attn_layers": [200]}}))
+    assert main(["info", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "'linear_attn_config.full_attn_layers'" in err
+
+
+def test_demo_console_script():
+    result = subprocess.run([sys.executable, "-m", "k3export.cli", "demo", "--steps", "4"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "relative error" in result.stdout and "(ok)" in result.stdout
