@@ -32,7 +32,7 @@ def test_prefill_then_decode_equals_one_forward(tiny_model):
             assert rel_error(getattr(stepped, name), getattr(whole, name)) < 1e-5, name
     kinds = [type(c) for c in cache]
     assert kinds.count(MLACache) == 3 and kinds.count(KDACache) == 6
-    assert all(c.latent.shape[1] == N + M for c in cache if isinstance(c, MLACache))
+    assert all(c.mla_latent.shape[1] == N + M for c in cache if isinstance(c, MLACache))
 
 
 def plain_mla(layer, x):

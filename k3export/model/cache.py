@@ -17,7 +17,7 @@ from k3export.config import K3Config
 
 @dataclass
 class KDACache:
-    state: Tensor  # [B, H, K, V] float32
+    kda_state: Tensor  # [B, H, K, V] float32
     q_conv: Tensor  # [B, kernel - 1, H * K] model dtype
     k_conv: Tensor
     v_conv: Tensor
@@ -25,7 +25,7 @@ class KDACache:
 
 @dataclass
 class MLACache:
-    latent: Tensor  # [B, S, kv_lora_rank + qk_rope_head_dim] model dtype
+    mla_latent: Tensor  # [B, S, kv_lora_rank + qk_rope_head_dim] model dtype
 
 
 LayerCache = KDACache | MLACache

@@ -73,7 +73,7 @@ class KimiDeltaAttention(nn.Module):
         k = l2_normalize(k.unflatten(-1, heads))
         v = v.unflatten(-1, heads)
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, state = torch.ops.k3.kda(q, k, v, self.decay(x), beta, cache.state)
+        o, state = torch.ops.k3.kda(q, k, v, self.decay(x), beta, cache.kda_state)
         # RMSNorm over each head's dims (one weight shared by all heads), then the gate.
         y = self.o_norm(o.float()).flatten(-2) * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(y.to(x.dtype)), KDACache(state, q_conv, k_conv, v_conv)

@@ -53,7 +53,7 @@ class LatentMLA(nn.Module):
 
     def forward(self, x: Tensor, cache: MLACache) -> tuple[Tensor, MLACache]:
         q_nope, q_rope = self.query(x)
-        latent = torch.cat([cache.latent, self.latent_rows(x)], dim=1)
+        latent = torch.cat([cache.mla_latent, self.latent_rows(x)], dim=1)
         w_uk, w_uv = self.head_weights()
         q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
         o_latent = torch.ops.k3.latent_mla(torch.cat([q_latent, q_rope], dim=-1), latent,

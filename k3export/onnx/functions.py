@@ -1,0 +1,145 @@
+"""Model-local ONNX functions `k3.KDA` and `k3.LatentMLA`: each op's decomposition in standard ops.
+
+ONNX Runtime inlines them at load, so an exported file runs with no extra library; TensorRT maps a
+node to the plugin of the same name instead when one is registered (the node names its
+plugin_namespace). Both bodies cast to float32, compute there, and cast the results back (o to v's
+or q's dtype, the KDA state to its input's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import onnx
+from onnx import TensorProto, helper
+
+DOMAIN = "k3"
+DOMAIN_VERSION = 1
+PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+
+
+def _const(name: str, value: list[int]) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value_ints=value)
+
+
+def _attribute_constant(name: str, field: str, kind: int, attribute: str) -> onnx.NodeProto:
+    """A scalar Constant holding the value of the calling node's `attribute`."""
+    node = helper.make_node("Constant", [], [name])
+    node.attribute.append(onnx.AttributeProto(name=field, type=kind, ref_attr_name=attribute))
+    return node
+
+
+def _kda_step() -> onnx.GraphProto:
+    """One token of the recurrence on [B, H, ...] slices:
+    S <- diag(exp(g)) S;  u = v - S^T k;  S <- S + beta k u^T;  o = S^T q."""
+    nodes = [
+        _const("last", [-1]),
+        _const("second_last", [-2]),
+        helper.make_node("Exp", ["g_t"], ["decay"]),
+        helper.make_node("Unsqueeze", ["decay", "last"], ["decay_col"]),
+        helper.make_node("Mul", ["state_in", "decay_col"], ["decayed"]),
+        # k^T S and q^T S as [B, H, 1, K] @ [B, H, K, V] row-vector products.
+        helper.make_node("Unsqueeze", ["k_t", "second_last"], ["k_row"]),
+        helper.make_node("MatMul", ["k_row", "decayed"], ["predicted"]),
+        helper.make_node("Unsqueeze", ["v_t", "second_last"], ["v_row"]),
+        helper.make_node("Sub", ["v_row", "predicted"], ["u_row"]),
+        helper.make_node("Unsqueeze", ["beta_t", "last"], ["beta_col"]),
+        helper.make_node("Mul", ["k_t", "beta_col"], ["beta_k"]),
+        helper.make_node("Unsqueeze", ["beta_k", "last"], ["beta_k_col"]),
+        helper.make_node("MatMul", ["beta_k_col", "u_row"], ["update"]),
+        helper.make_node("Add", ["decayed", "update"], ["state_out"]),
+        helper.make_node("Unsqueeze", ["q_t", "second_last"], ["q_row"]),
+        helper.make_node("MatMul", ["q_row", "state_out"], ["o_row"]),
+        helper.make_node("Squeeze", ["o_row", "second_last"], ["o_t"]),
+    ]
+
+    def value(name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+
+    inputs = [value(n) for n in ("state_in", "q_t", "k_t", "v_t", "g_t", "beta_t")]
+    return helper.make_graph(nodes, "kda_step", inputs, [value("state_out"), value("o_t")])
+
+
+def kda_function(opset_version: int) -> onnx.FunctionProto:
+    """`k3.KDA(q, k, v, g, beta, initial_state) -> (o, final_state)` as a Scan over time."""
+    to_float = [helper.make_node("Cast", [name], [f"{name}_f"], to=TensorProto.FLOAT)
+                for name in ("q", "k", "v", "g", "beta", "initial_state")]
+    nodes = [
+        *to_float,
+        # Scanning axis 1 of the [B, T, ...] inputs and writing o along axis 1 spares the transposes.
+        helper.make_node("Scan", ["initial_state_f", "q_f", "k_f", "v_f", "g_f", "beta_f"],
+                         ["state_f", "o_f"], body=_kda_step(), num_scan_inputs=5,
+                         scan_input_axes=[1] * 5, scan_output_axes=[1]),
+        helper.make_node("CastLike", ["o_f", "v"], ["o"]),
+        helper.make_node("CastLike", ["state_f", "initial_state"], ["final_state"]),
+    ]
+    return helper.make_function(
+        DOMAIN, "KDA", ["q", "k", "v", "g", "beta", "initial_state"], ["o", "final_state"], nodes,
+        [helper.make_opsetid("", opset_version)], attributes=list(PLUGIN_ATTRIBUTES))
+
+
+def latent_mla_function(opset_version: int) -> onnx.FunctionProto:
+    """`k3.LatentMLA(q, kv) -> o` with attributes v_dim and scale: causal softmax attention of
+    q [B, T, H, D] over the shared latent rows kv [B, S, D], values kv[..., :v_dim]."""
+    nodes = [
+        helper.make_node("Cast", ["q"], ["q_f"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["kv"], ["kv_f"], to=TensorProto.FLOAT),
+        _const("zero_1d", [0]),
+        _const("axis_1", [1]),
+        _const("axis_2", [2]),
+        # scores [B, H, T, S] = scale * q [B, H, T, D] @ kv^T [B, 1, D, S]: one key head for all.
+        helper.make_node("Transpose", ["q_f"], ["q_heads"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["kv_f"], ["kv_t"], perm=[0, 2, 1]),
+        helper.make_node("Unsqueeze", ["kv_t", "axis_1"], ["keys"]),
+        helper.make_node("MatMul", ["q_heads", "keys"], ["dots"]),
+        _attribute_constant("scale_f", "value_float", onnx.AttributeProto.FLOAT, "scale"),
+        helper.make_node("Mul", ["dots", "scale_f"], ["scores"]),
+        # Query t sees rows 0 .. S - T + t: row index <= its last visible row.
+        helper.make_node("Shape", ["q"], ["t_1d"], start=1, end=2),
+        helper.make_node("Shape", ["kv"], ["s_1d"], start=1, end=2),
+        helper.make_node("Squeeze", ["t_1d"], ["t"]),
+        helper.make_node("Squeeze", ["s_1d"], ["s"]),
+        helper.make_node("Constant", [], ["zero"], value_int=0),
+        helper.make_node("Constant", [], ["one"], value_int=1),
+        helper.make_node("Range", ["zero", "s", "one"], ["rows"]),
+        helper.make_node("Sub", ["s", "t"], ["first_last_row"]),
+        helper.make_node("Range", ["first_last_row", "s", "one"], ["last_rows"]),
+        helper.make_node("Unsqueeze", ["rows", "zero_1d"], ["rows_2d"]),
+        helper.make_node("Unsqueeze", ["last_rows", "axis_1"], ["last_rows_2d"]),
+        helper.make_node("LessOrEqual", ["rows_2d", "last_rows_2d"], ["visible"]),
+        helper.make_node("Constant", [], ["neg_inf"], value_float=float("-inf")),
+        helper.make_node("Where", ["visible", "scores", "neg_inf"], ["masked"]),
+        # Every query sees row 0 (S >= T), so no row of the softmax is all -inf.
+        helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
+        _attribute_constant("v_dim_0d", "value_int", onnx.AttributeProto.INT, "v_dim"),
+        helper.make_node("Unsqueeze", ["v_dim_0d", "zero_1d"], ["v_dim_1d"]),
+        helper.make_node("Slice", ["kv_f", "zero_1d", "v_dim_1d", "axis_2"], ["values_3d"]),
+        helper.make_node("Unsqueeze", ["values_3d", "axis_1"], ["values"]),
+        helper.make_node("MatMul", ["probs", "values"], ["o_heads"]),
+        helper.make_node("Transpose", ["o_heads"], ["o_f"], perm=[0, 2, 1, 3]),
+        helper.make_node("CastLike", ["o_f", "q"], ["o"]),
+    ]
+    return helper.make_function(
+        DOMAIN, "LatentMLA", ["q", "kv"], ["o"], nodes, [helper.make_opsetid("", opset_version)],
+        attributes=[*PLUGIN_ATTRIBUTES, "v_dim", "scale"])
+
+
+_BUILDERS = {"KDA": kda_function, "LatentMLA": latent_mla_function}
+
+
+def k3_functions(op_types: Iterable[str], opset_version: int) -> list[onnx.FunctionProto]:
+    """The functions for those of `op_types` that are k3 ops, at the model's standard opset (ONNX
+    requires a function's opset to match its model's)."""
+    return [_BUILDERS[name](opset_version) for name in sorted(set(op_types) & _BUILDERS.keys())]
+
+
+def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Adds the k3 functions that the graph's nodes call, and the k3 opset import; returns `model`,
+    changed in place."""
+    present = {f.name for f in model.functions if f.domain == DOMAIN}
+    used = {n.op_type for n in model.graph.node if n.domain == DOMAIN} - present
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    model.functions.extend(k3_functions(used, opset))
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    return model

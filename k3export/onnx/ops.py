@@ -1,0 +1,106 @@
+"""The custom translation table: each `torch.ops.k3.*` call becomes one raw node in domain k3.
+
+The exporter inlines model-local functions (its version-conversion pass), so an onnxscript function
+would not survive as one node. Instead each op is an onnxscript `Op` backed by an `OpSchema`, which
+the exporter records as a plain node; `attach_functions` adds the bodies after export.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+import torch
+from onnx.defs import OpSchema
+from onnxscript import values
+
+import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3export.onnx.functions import DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, k3_functions
+
+PLUGIN_NAMESPACE = "k3"
+PLUGIN_VERSION = "1"
+
+_FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+_PLUGIN_ATTRS = [OpSchema.Attribute(name, OpSchema.AttrType.STRING, "TensorRT plugin lookup")
+                 for name in PLUGIN_ATTRIBUTES]
+
+
+def _inputs(*specs: tuple[str, str]) -> list[OpSchema.FormalParameter]:
+    return [OpSchema.FormalParameter(name, type_str) for name, type_str in specs]
+
+
+KDA_SCHEMA = OpSchema(
+    "KDA", DOMAIN, DOMAIN_VERSION,
+    doc="KDA recurrence; see k3export/ops/kda.py",
+    inputs=_inputs(("q", "T"), ("k", "T"), ("v", "T"), ("g", "TG"), ("beta", "TG"),
+                   ("initial_state", "TS")),
+    outputs=_inputs(("o", "T"), ("final_state", "TS")),
+    # g and beta may stay float32 under a half-precision model; the state is always float32.
+    type_constraints=[("T", _FLOATS, ""), ("TG", _FLOATS, ""), ("TS", ["tensor(float)"], "")],
+    attributes=_PLUGIN_ATTRS,
+)
+
+LATENT_MLA_SCHEMA = OpSchema(
+    "LatentMLA", DOMAIN, DOMAIN_VERSION,
+    doc="Absorbed latent attention; see k3export/ops/mla.py",
+    inputs=_inputs(("q", "T"), ("kv", "TKV")),
+    outputs=_inputs(("o", "T")),
+    type_constraints=[("T", _FLOATS, ""), ("TKV", _FLOATS, "")],
+    attributes=[*_PLUGIN_ATTRS,
+                OpSchema.Attribute("v_dim", OpSchema.AttrType.INT, "value width: kv[..., :v_dim]"),
+                OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "softmax scale")],
+)
+
+_K3 = values.Opset(DOMAIN, DOMAIN_VERSION)
+_KDA = values.Op(_K3, "KDA", KDA_SCHEMA)
+_LATENT_MLA = values.Op(_K3, "LatentMLA", LATENT_MLA_SCHEMA)
+
+
+def _kda(q, k, v, g, beta, initial_state):
+    return _KDA(q, k, v, g, beta, initial_state,
+                plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+
+
+# Annotated so that the exporter passes v_dim and scale as attributes, not as tensors.
+def _latent_mla(q, kv, v_dim: int, scale: float):
+    return _LATENT_MLA(q, kv, v_dim=v_dim, scale=scale,
+                       plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+
+
+TRANSLATION_TABLE: dict[Callable, Callable] = {
+    torch.ops.k3.kda.default: _kda,
+    torch.ops.k3.latent_mla.default: _latent_mla,
+}
+
+
+def attach_functions_ir(model: ir.Model) -> ir.Model:
+    """`attach_functions` for the exporter's in-memory model (no copy of the weights into a proto)."""
+    opset = model.opset_imports[""]
+    for proto in k3_functions({node.op_type for node in model.graph if node.domain == DOMAIN}, opset):
+        function = ir.serde.deserialize_function(proto)
+        model.functions[function.identifier()] = function
+    model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
+    return model
+
+
+def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.PathLike, *,
+                dynamic_shapes: Any = None, opset_version: int | None = None) -> ir.Model:
+    """Exports `module` with the k3 table, attaches the functions and writes `path` with its
+    weights in `<name>.data` beside it. Both files are written in a temporary folder and moved into
+    place, the model last, so an interrupted run leaves no model that points at missing data."""
+    program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
+                                dynamic_shapes=dynamic_shapes, opset_version=opset_version)
+    model = attach_functions_ir(program.model)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_name = f"{path.name}.data"
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        ir.save(model, Path(tmp) / path.name, external_data=data_name)
+        if (Path(tmp) / data_name).exists():
+            os.replace(Path(tmp) / data_name, path.with_name(data_name))
+        os.replace(Path(tmp) / path.name, path)
+    return model

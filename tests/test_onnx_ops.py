@@ -1,0 +1,137 @@
+"""ONNX lowering of the k3 ops: one custom node per call, the model-local functions, and ONNX Runtime
+(which runs the functions' bodies) against the eager ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import Tensor
+
+from k3export.onnx import TRANSLATION_TABLE, attach_functions, export_onnx
+
+H, K, V = 2, 16, 8  # K != V, so a transposed state cannot pass
+MLA_H, MLA_D, V_DIM, SCALE = 3, 24, 16, 0.2
+# float32 on both sides, different summation orders (eager prefill is chunked, ONNX a Scan).
+FP32_TOL = 1e-5
+# float16 q/k/v: both sides cast the same fp16 values to float32 exactly and compute in float32, so
+# they differ by ~1e-6 before o is cast to fp16, where an element can land one fp16 ulp apart
+# (<= 2^-10 of its value). Even if every element did, the relative error stays under 1e-3.
+FP16_TOL = 1e-3
+BATCH_TIME = {0: "batch", 1: "time"}
+
+
+class KDAModule(torch.nn.Module):
+    def forward(self, q, k, v, g, beta, initial_state):
+        return torch.ops.k3.kda(q, k, v, g, beta, initial_state)
+
+
+class MLAModule(torch.nn.Module):
+    def forward(self, q, kv):
+        return torch.ops.k3.latent_mla(q, kv, V_DIM, SCALE)
+
+
+def kda_inputs(B: int, T: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, ...]:
+    """Valid inputs: k L2-normed, beta in (0, 1), g in (-5, 0], q scaled; g, beta, state float32."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen) * K ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -5 * torch.rand(B, T, H, K, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen).clamp(1e-3, 1 - 1e-3)
+    state = torch.randn(B, H, K, V, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta, state
+
+
+def mla_inputs(B: int, T: int, S: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, MLA_H, MLA_D, generator=gen)
+    kv = torch.randn(B, S, MLA_D, generator=gen)
+    return q.to(dtype), kv.to(dtype)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, torch.dtype], Path]:
+    """One export per op and dtype, at example shapes other than those tested."""
+    folder = tmp_path_factory.mktemp("onnx")
+    paths = {}
+    for dtype in (torch.float32, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        paths["kda", dtype] = folder / f"kda_{name}.onnx"
+        export_onnx(KDAModule().eval(), kda_inputs(2, 5, dtype), paths["kda", dtype],
+                    dynamic_shapes=(*[BATCH_TIME] * 5, {0: "batch"}))
+        paths["mla", dtype] = folder / f"mla_{name}.onnx"
+        export_onnx(MLAModule().eval(), mla_inputs(2, 3, 7, dtype), paths["mla", dtype],
+                    dynamic_shapes=(BATCH_TIME, {0: "batch", 1: "cache"}))
+    return paths
+
+
+def run_ort(path: Path, inputs: tuple[Tensor, ...]) -> list[Tensor]:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    feed = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)}
+    return [torch.from_numpy(o) for o in session.run(None, feed)]
+
+
+def assert_close(actual: Tensor, expected: Tensor, tol: float) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    diff = actual.double() - expected.double()
+    rel = (diff.norm() / expected.double().norm()).item()
+    assert rel <= tol, f"relative error {rel:.3g} > {tol:g} (max abs {diff.abs().max().item():.3g})"
+
+
+@pytest.mark.parametrize(("op", "op_type", "attributes"), [
+    ("kda", "KDA", {"plugin_namespace": "k3", "plugin_version": "1"}),
+    ("mla", "LatentMLA", {"plugin_namespace": "k3", "plugin_version": "1", "v_dim": V_DIM,
+                          "scale": pytest.approx(SCALE)}),
+])
+def test_one_custom_node_and_its_function(models, op, op_type, attributes):
+    path = models[op, torch.float32]
+    onnx.checker.check_model(path, full_check=True)
+    model = onnx.load(path)
+    custom = [n for n in model.graph.node if n.domain == "k3"]
+    assert [n.op_type for n in custom] == [op_type]
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in custom[0].attribute} == {
+        name: value.encode() if isinstance(value, str) else value for name, value in attributes.items()}
+    (function,) = model.functions
+    assert (function.domain, function.name) == ("k3", op_type)
+    assert set(attributes) <= set(function.attribute)
+    opsets = {o.domain: o.version for o in model.opset_import}
+    assert opsets["k3"] == 1
+    assert {o.domain: o.version for o in function.opset_import} == {"": opsets[""]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("B", "T"), [(1, 1), (3, 1), (2, 37), (2, 64), (3, 100)])
+def test_kda_matches_eager(models, dtype, B, T):
+    inputs = kda_inputs(B, T, dtype, seed=T)
+    o, state = run_ort(models["kda", dtype], inputs)
+    o_ref, state_ref = torch.ops.k3.kda(*inputs)
+    assert_close(o, o_ref, FP32_TOL if dtype == torch.float32 else FP16_TOL)
+    assert_close(state, state_ref, FP32_TOL)  # the state is float32 math on both sides
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("B", "T", "S"), [(1, 1, 1), (2, 1, 300), (2, 6, 6), (1, 5, 257), (3, 70, 90)])
+def test_latent_mla_matches_eager(models, dtype, B, T, S):
+    inputs = mla_inputs(B, T, S, dtype, seed=S)
+    (o,) = run_ort(models["mla", dtype], inputs)
+    assert_close(o, torch.ops.k3.latent_mla(*inputs, V_DIM, SCALE),
+                 FP32_TOL if dtype == torch.float32 else FP16_TOL)
+
+
+def test_attach_functions_follows_the_model_opset():
+    """The in-memory path: export without a file, attach, check, run; at a non-default opset."""
+    inputs = mla_inputs(2, 3, 7, torch.float32)
+    program = torch.onnx.export(MLAModule().eval(), inputs, dynamo=True, opset_version=23,
+                                custom_translation_table=TRANSLATION_TABLE)
+    model = attach_functions(program.model_proto)
+    onnx.checker.check_model(model, full_check=True)
+    assert [o.version for o in model.functions[0].opset_import if o.domain == ""] == [23]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (o,) = session.run(None, {"q": inputs[0].numpy(), "kv": inputs[1].numpy()})
+    assert_close(torch.from_numpy(o), torch.ops.k3.latent_mla(*inputs, V_DIM, SCALE), FP32_TOL)
