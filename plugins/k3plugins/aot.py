@@ -1,0 +1,61 @@
+"""Ahead-of-time compilation of the kernel variants for sm_90, with no GPU needed.
+
+Triton fills a kernel's register and spill counts only when a driver loads it, so the counts come
+from the bundled `ptxas -v` run over the PTX instead.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from k3plugins.variants import KernelVariant
+
+TARGET = GPUTarget("cuda", 90, 32)
+# The H200's driver (CUDA 13.0) takes PTX <= 9.0 and triton 3.6 emits at most 8.7.
+PTX_VERSION = 87
+SM90_MAX_SHARED_BYTES = 232448
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+class KernelStats(NamedTuple):
+    registers: int
+    shared_bytes: int
+    spill_stores: int
+    spill_loads: int
+
+
+def compile_variant(variant: KernelVariant) -> triton.compiler.CompiledKernel:
+    # Pointers are assumed 16-byte aligned (torch and TensorRT allocate at 256 bytes), which lets
+    # Triton vectorise loads; a launcher must not hand these kernels unaligned views.
+    attrs = {(i,): [["tt.divisibility", 16]]
+             for i, ty in enumerate(variant.signature.values()) if ty.startswith("*")}
+    source = ASTSource(variant.fn, variant.signature, variant.constexprs, attrs)
+    return triton.compile(source, target=TARGET,
+                          options={"num_warps": variant.num_warps, "ptx_version": PTX_VERSION})
+
+
+def kernel_stats(kernel: triton.compiler.CompiledKernel) -> KernelStats:
+    """Registers and spills from `ptxas -v` on the kernel's PTX; shared memory from Triton."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        arch = re.search(r"^\.target\s+(\w+)", kernel.asm["ptx"], re.MULTILINE).group(1)
+        cubin = Path(tmp) / "kernel.cubin"
+        result = subprocess.run([str(PTXAS), "-v", f"-arch={arch}", str(ptx), "-o", str(cubin)],
+                                capture_output=True, text=True, check=True)
+    log = result.stderr + result.stdout
+
+    def count(pattern: str) -> int:
+        return int(re.search(pattern, log).group(1))
+
+    return KernelStats(registers=count(r"Used (\d+) registers"), shared_bytes=kernel.metadata.shared,
+                       spill_stores=count(r"(\d+) bytes spill stores"),
+                       spill_loads=count(r"(\d+) bytes spill loads"))

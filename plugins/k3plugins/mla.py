@@ -1,0 +1,181 @@
+"""Triton kernels for absorbed latent attention (the contract of `torch.ops.k3.latent_mla`).
+
+q [B, T, H, D] attends causally (offset S - T) to the shared latent cache kv [B, S, D]; the values
+are kv[..., :v_dim]. Every query head shares the one key head, so a program takes a tile of
+(token, head) rows and loads each cache block once for all of them. D is split into the value part
+[0, v_dim) and the rest [v_dim, D) (the rope slot), each padded to a power of two with masks, so
+D = 576 = 512 + 64 and the tiny model's 48 = 32 + 16 need no padding in memory.
+
+Decode (small T) splits the cache among programs (flash-decoding) and a second kernel combines
+the partial results by their log-sum-exp; prefill walks the whole visible cache in one program.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3plugins.variants import DTYPES, KernelVariant, pointer
+
+
+class _Tiles(NamedTuple):
+    block_t: int  # query tokens per program
+    block_h: int  # query heads per program
+    block_s: int  # cache rows per loop step
+    num_warps: int
+
+
+DECODE = _Tiles(block_t=1, block_h=16, block_s=16, num_warps=4)
+PREFILL = _Tiles(block_t=16, block_h=1, block_s=16, num_warps=8)
+DECODE_MAX_T = 16
+# Decode gives each program at least SPLIT_ROWS cache rows, in at most MAX_SPLITS splits.
+SPLIT_ROWS = 256
+MAX_SPLITS = 32
+COMBINE_BLOCK_R = 16
+COMBINE_WARPS = 4
+# (value block, rope block) of the presets: v_dim 32 / 128 / 512 with rope 16 / 32 / 64.
+BLOCK_DIMS = ((32, 16), (128, 32), (512, 64))
+
+
+@triton.jit
+def _mla_attn_kernel(q, kv, o, lse, T, S, H, D, v_dim, n_rows, split_len, scale,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                     BDV: tl.constexpr, BDR: tl.constexpr):
+    n_tblocks = tl.cdiv(T, BLOCK_T)
+    i_b = tl.program_id(0) // n_tblocks
+    t0 = tl.program_id(0) % n_tblocks * BLOCK_T
+    i_split = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_T * BLOCK_H)
+    t = t0 + offs_m // BLOCK_H
+    h = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
+    mask_m = (t < T) & (h < H)
+    row = (i_b * T + t).to(tl.int64) * H + h
+    offs_v = tl.arange(0, BDV)
+    offs_r = v_dim + tl.arange(0, BDR)
+    mask_v, mask_r = offs_v < v_dim, offs_r < D
+    q_v = tl.load(q + row[:, None] * D + offs_v[None, :], mask=mask_m[:, None] & mask_v[None, :], other=0.0)
+    q_r = tl.load(q + row[:, None] * D + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+
+    last = S - T + t  # the last cache row each query row sees
+    lo = i_split * split_len
+    hi = tl.minimum(lo + split_len, S - T + tl.minimum(t0 + BLOCK_T, T))
+    m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_H, BDV], dtype=tl.float32)
+    for s0 in range(lo, hi, BLOCK_S):
+        cols = s0 + tl.arange(0, BLOCK_S)
+        mask_s = cols < hi
+        kv_row = (i_b * S + cols).to(tl.int64) * D
+        kv_v = tl.load(kv + kv_row[:, None] + offs_v[None, :], mask=mask_s[:, None] & mask_v[None, :],
+                       other=0.0)
+        kv_r = tl.load(kv + kv_row[:, None] + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
+                       other=0.0)
+        scores = tl.dot(q_v, tl.trans(kv_v), input_precision="ieee") \
+            + tl.dot(q_r, tl.trans(kv_r), input_precision="ieee")
+        visible = mask_s[None, :] & (cols[None, :] <= last[:, None])
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row that has seen no visible key keeps m = -inf: shift it by 0 so exp gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_shift[:, None])
+        alpha = tl.exp(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v, input_precision="ieee")
+        m_i = m_new
+
+    # A row with no visible key in this split (T > 1) writes zeros and lse = -inf: weight 0.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out_row = i_split * n_rows + row
+    tl.store(o + out_row[:, None] * v_dim + offs_v[None, :], (acc / l_safe[:, None]).to(o.dtype.element_ty),
+             mask=mask_m[:, None] & mask_v[None, :])
+    tl.store(lse + out_row, m_i + tl.log(l_safe), mask=mask_m)
+
+
+@triton.jit
+def _mla_combine_kernel(o_part, lse, o, n_rows, v_dim, n_splits,
+                        BLOCK_R: tl.constexpr, BDV: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_v = tl.arange(0, BDV)
+    mask_r = rows < n_rows
+    mask = mask_r[:, None] & (offs_v < v_dim)[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BDV], dtype=tl.float32)
+    for sp in range(n_splits):
+        # Rows past n_rows read lse = 0 (not -inf) so that they stay finite.
+        lse_s = tl.load(lse + sp * n_rows + rows, mask=mask_r, other=0.0)
+        part = tl.load(o_part + (sp * n_rows + rows)[:, None] * v_dim + offs_v[None, :], mask=mask,
+                       other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_shift)
+        w = tl.exp(lse_s - m_shift)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        l_sum = l_sum * alpha + w
+        m = m_new
+    tl.store(o + rows[:, None] * v_dim + offs_v[None, :], (acc / l_sum[:, None]).to(o.dtype.element_ty),
+             mask=mask)
+
+
+def _block_dims(D: int, v_dim: int) -> tuple[int, int]:
+    dims = (max(16, triton.next_power_of_2(v_dim)), max(16, triton.next_power_of_2(D - v_dim)))
+    if dims not in BLOCK_DIMS:
+        raise ValueError(f"latent_mla: D={D}, v_dim={v_dim} needs blocks {dims}; the kernels are "
+                         f"built for {BLOCK_DIMS}")
+    return dims
+
+
+def latent_mla(q: Tensor, kv: Tensor, v_dim: int, scale: float) -> Tensor:
+    """o [B, T, H, v_dim] in q's dtype: split-KV decode for T <= DECODE_MAX_T, else prefill."""
+    B, T, H, D = q.shape
+    S = kv.shape[1]
+    bdv, bdr = _block_dims(D, v_dim)
+    q = q.contiguous()
+    kv = kv.to(q.dtype).contiguous()
+    n_rows = B * T * H
+    o = q.new_empty(B, T, H, v_dim)
+    tiles = DECODE if T <= DECODE_MAX_T else PREFILL
+    n_splits = min(MAX_SPLITS, triton.cdiv(S, SPLIT_ROWS)) if tiles is DECODE else 1
+    # Whole blocks per split; recount so that no split starts past the cache.
+    split_len = triton.cdiv(triton.cdiv(S, n_splits), tiles.block_s) * tiles.block_s
+    n_splits = triton.cdiv(S, split_len)
+    lse = q.new_empty(n_splits, n_rows, dtype=torch.float32)
+    out = o if n_splits == 1 else q.new_empty(n_splits, n_rows, v_dim, dtype=torch.float32)
+    grid = (B * triton.cdiv(T, tiles.block_t), triton.cdiv(H, tiles.block_h), n_splits)
+    _mla_attn_kernel[grid](q, kv, out, lse, T, S, H, D, v_dim, n_rows, split_len, scale,
+                           BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_S=tiles.block_s,
+                           BDV=bdv, BDR=bdr, num_warps=tiles.num_warps)
+    if n_splits > 1:
+        _mla_combine_kernel[(triton.cdiv(n_rows, COMBINE_BLOCK_R),)](
+            out, lse, o, n_rows, v_dim, n_splits, BLOCK_R=COMBINE_BLOCK_R, BDV=bdv,
+            num_warps=COMBINE_WARPS)
+    return o
+
+
+def kernel_variants() -> list[KernelVariant]:
+    """Every (kernel, dtype, block) combination `latent_mla` can pick. The attention kernel
+    writes either the final output (q's dtype) or float32 partials for the combine."""
+    variants = []
+    for dtype in DTYPES:
+        for bdv, bdr in BLOCK_DIMS:
+            for mode, tiles in (("decode", DECODE), ("prefill", PREFILL)):
+                out_types = (dtype, "fp32") if mode == "decode" and dtype != "fp32" else (dtype,)
+                for out in out_types:
+                    signature = {"q": pointer(dtype), "kv": pointer(dtype), "o": pointer(out),
+                                 "lse": "*fp32", "T": "i32", "S": "i32", "H": "i32", "D": "i32",
+                                 "v_dim": "i32", "n_rows": "i32", "split_len": "i32", "scale": "fp32"}
+                    constexprs = {"BLOCK_T": tiles.block_t, "BLOCK_H": tiles.block_h,
+                                  "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr}
+                    signature.update(dict.fromkeys(constexprs, "constexpr"))
+                    variants.append(KernelVariant(f"mla_{mode}_{dtype}_o{out}_v{bdv}_r{bdr}",
+                                                  _mla_attn_kernel, signature, constexprs,
+                                                  tiles.num_warps))
+            signature = {"o_part": "*fp32", "lse": "*fp32", "o": pointer(dtype), "n_rows": "i32",
+                         "v_dim": "i32", "n_splits": "i32", "BLOCK_R": "constexpr", "BDV": "constexpr"}
+            variants.append(KernelVariant(f"mla_combine_{dtype}_v{bdv}", _mla_combine_kernel, signature,
+                                          {"BLOCK_R": COMBINE_BLOCK_R, "BDV": bdv}, COMBINE_WARPS))
+    return variants

@@ -1,0 +1,25 @@
+"""The description of one ahead-of-time compilable kernel variant."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import triton
+
+# Triton's names for the element types the launchers accept.
+DTYPES = ("fp32", "fp16", "bf16")
+
+
+class KernelVariant(NamedTuple):
+    """One kernel specialisation: `signature` and `constexprs` are what `triton.compile`'s
+    ASTSource takes; `num_warps` is the launch width the launcher uses for it."""
+
+    name: str
+    fn: triton.JITFunction
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+
+
+def pointer(dtype: str) -> str:
+    return f"*{dtype}"

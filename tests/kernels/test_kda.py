@@ -1,0 +1,60 @@
+"""The KDA Triton kernels against the eager reference ops (run in float64 on the same inputs).
+
+bfloat16 is not tested: the interpreter's bf16 arithmetic is silently wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+import k3export.ops as ref
+import k3plugins
+
+# float16 inputs are rounded before both sides see them, so the kernel's error is its float32
+# arithmetic plus rounding o to float16 (relative 2^-11 per element, about 5e-4), and the float32
+# state carries no rounding at all.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-5)}
+
+
+def kda_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    gen = torch.Generator().manual_seed(B * 1000 + T * 10 + H + K + V)
+    q = torch.randn(B, T, H, K, generator=gen) * K**-0.5
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -5 * torch.rand(B, T, H, K, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta, h0
+
+
+def rel_err(x: Tensor, reference: Tensor) -> float:
+    return ((x.double() - reference).norm() / reference.norm()).item()
+
+
+def check(kernel, reference, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    inputs = kda_inputs(*shape, dtype)
+    o, state = kernel(*inputs)
+    o_ref, state_ref = reference(*(t.double() for t in inputs))
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    assert state.dtype == torch.float32 and state.shape == state_ref.shape
+    o_tol, state_tol = TOLERANCES[dtype]
+    assert rel_err(o, o_ref) < o_tol
+    assert rel_err(state, state_ref) < state_tol
+
+
+# (B, T, H, K, V): K and V not powers of two or not multiples of the V block exercise the masks.
+@pytest.mark.parametrize("shape", [(1, 1, 2, 32, 32), (2, 1, 3, 64, 48), (2, 7, 2, 48, 64),
+                                   (1, 33, 1, 32, 32), (1, 1, 2, 128, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_recurrent_kda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    check(k3plugins.recurrent_kda, ref.recurrent_kda, shape, dtype)
+
+
+# Ragged T (not a multiple of the 64-token chunk), several chunks, and one case at K = V = 128.
+@pytest.mark.parametrize("shape", [(1, 20, 1, 32, 32), (2, 64, 2, 32, 32), (1, 150, 2, 48, 40),
+                                   (2, 100, 1, 64, 64), (1, 70, 1, 128, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunk_kda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    check(k3plugins.chunk_kda, ref.chunk_kda, shape, dtype)
