@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,3 +34,22 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def staged_dir(path: Path) -> Iterator[Path]:
+    """Yields an empty folder beside `path`; on success it replaces `path` whole (a previous
+    `path` is removed only then), on failure it is removed and `path` is left as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stage = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    old = path.with_name(f".{path.name}.old{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        yield stage
+        if path.exists():
+            os.replace(path, old)
+        os.replace(stage, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -17,6 +18,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from k3export.artifacts import atomic_path, write_atomic
+from k3export.config import K3Config
+from k3export.model import K3ForCausalLM
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -137,3 +140,15 @@ def load_checkpoint(model: nn.Module, directory: str | Path) -> None:
         lines = [f"{label} ({len(items)}): " + ", ".join(items[:10]) + (" ..." if len(items) > 10 else "")
                  for label, items in problems]
         raise CheckpointError(f"{directory}: checkpoint does not match the model:\n  " + "\n  ".join(lines))
+
+
+def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any]) -> K3ForCausalLM:
+    """The eager model with its weights from `{"seed": N}` or `{"checkpoint": DIR}`."""
+    model = K3ForCausalLM(config, dtype).eval()
+    if "checkpoint" in weights:
+        load_checkpoint(model, weights["checkpoint"])
+    elif "seed" in weights:
+        model.init_weights(int(weights["seed"]))
+    else:
+        raise CheckpointError(f"weights {weights!r}: expected a seed or a checkpoint")
+    return model

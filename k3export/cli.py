@@ -6,20 +6,24 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from k3export.accounting import COMPONENTS, parameter_report
 from k3export.checkpoint import CheckpointError
 from k3export.config import PRESETS, ConfigError, K3Config
 
 
-def _add_model_source(parser: argparse.ArgumentParser, default_preset: str | None = None) -> None:
-    source = parser.add_mutually_exclusive_group(required=default_preset is None)
-    source.add_argument("--preset", choices=list(PRESETS), default=default_preset,
-                        help="a built-in configuration")
+def _add_model_source(parser: argparse.ArgumentParser, checkpoint: bool = False) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=list(PRESETS), help="a built-in configuration")
     source.add_argument("--config", metavar="PATH", help="an HF config.json (text_config is read)")
+    if checkpoint:
+        source.add_argument("--checkpoint", metavar="DIR", help="safetensors weights with their config.json")
 
 
 def _config(args: argparse.Namespace) -> K3Config:
+    if getattr(args, "checkpoint", None):
+        return K3Config.from_json(Path(args.checkpoint) / "config.json")
     return K3Config.from_json(args.config) if args.config else K3Config.from_preset(args.preset)
 
 
@@ -64,6 +68,51 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3export.artifacts import staged_dir
+    from k3export.checkpoint import build_model
+    from k3export.onnx.export import export_model, parse_layers
+
+    config = _config(args)
+    dtype_name = args.dtype or config.torch_dtype
+    try:
+        layers = parse_layers(args.layers, config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    weights = {"checkpoint": str(Path(args.checkpoint).resolve())} if args.checkpoint else {"seed": args.seed}
+    print(f"building the eager model: layers {layers.start}..{layers.stop - 1} of "
+          f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
+    model = build_model(config, getattr(torch, dtype_name), weights)
+    out = Path(args.out)
+    print(f"exporting to {out} (torch.export, then ONNX translation; minutes for large models)")
+    with staged_dir(out) as stage:
+        manifest = export_model(model, stage, layers, weights)
+    nodes = manifest["custom_nodes"]
+    size = sum((out / f).stat().st_size for f in manifest["sha256"])
+    print(f"wrote {out}/{manifest['graph']}: {nodes['KDA']} KDA and {nodes['LatentMLA']} LatentMLA nodes, "
+          f"opset {manifest['opset']}, {_human(size, 'B')} with weights; inputs/outputs in export.json")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from k3export.onnx.check import run_check
+
+    report = run_check(args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
+                       prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        failed = ", ".join(report["failed_outputs"]) or "tokens"
+        verdict = "PASSED" if report["passed"] else f"FAILED: {failed}"
+        print(f"{verdict} ({report['dtype']}, relative error <= {report['tolerance']['rel']}; "
+              f"greedy streams identical: {report['greedy_streams_identical']}, "
+              f"token mismatches past the margin: {report['token_mismatches']})")
+        print(f"replay the prefill comparison: {report['polygraphy_command']}")
+    return 0 if report["passed"] else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from k3export.demo import run_demo
 
@@ -80,6 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=cmd_info)
 
+    export = sub.add_parser("export", help="the model (or a layer range) as one ONNX graph")
+    _add_model_source(export, checkpoint=True)
+    export.add_argument("--seed", type=int, default=0, help="seeded random weights (no --checkpoint)")
+    export.add_argument("--out", required=True, metavar="DIR")
+    export.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="default: the config's torch_dtype")
+    export.add_argument("--layers", metavar="A:B", help="0-based layer range [A, B); default all")
+    export.set_defaults(run=cmd_export)
+
+    check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")
+    check.add_argument("--onnx", required=True, metavar="DIR", help="a `k3export export` folder")
+    check.add_argument("--steps", type=int, default=16, help="greedy decode steps after the prefill")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    check.add_argument("--batch", type=int, default=2)
+    check.add_argument("--prompt-len", type=int, default=70)
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(run=cmd_check)
+
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: prefill, then greedy decode")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--prompt-len", type=int, default=80)
@@ -93,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         code = args.run(args)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"k3export: error: {e}", file=sys.stderr)
         return 2
     if not getattr(args, "json", False):

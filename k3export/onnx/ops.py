@@ -16,6 +16,7 @@ from typing import Any
 import onnx_ir as ir
 import torch
 from onnx.defs import OpSchema
+from onnxscript import opset18 as op
 from onnxscript import values
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
@@ -71,9 +72,17 @@ def _latent_mla(q, kv, v_dim: int, scale: float):
                        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
 
 
+def _stable_sort(self, stable: bool | None = None, dim: int = -1, descending: bool = False):
+    """The router's tie rule (lowest expert index first) is a stable sort; ONNX TopK over the
+    whole axis breaks ties to the lower index in both directions, which is the same order."""
+    size = op.Shape(self, start=dim) if dim == -1 else op.Shape(self, start=dim, end=dim + 1)
+    return op.TopK(self, size, axis=dim, largest=descending, sorted=True)
+
+
 TRANSLATION_TABLE: dict[Callable, Callable] = {
     torch.ops.k3.kda.default: _kda,
     torch.ops.k3.latent_mla.default: _latent_mla,
+    torch.ops.aten.sort.stable: _stable_sort,
 }
 
 
@@ -88,12 +97,14 @@ def attach_functions_ir(model: ir.Model) -> ir.Model:
 
 
 def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.PathLike, *,
-                dynamic_shapes: Any = None, opset_version: int | None = None) -> ir.Model:
+                dynamic_shapes: Any = None, opset_version: int | None = None,
+                input_names: list[str] | None = None, output_names: list[str] | None = None) -> ir.Model:
     """Exports `module` with the k3 table, attaches the functions and writes `path` with its
     weights in `<name>.data` beside it. Both files are written in a temporary folder and moved into
     place, the model last, so an interrupted run leaves no model that points at missing data."""
     program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
-                                dynamic_shapes=dynamic_shapes, opset_version=opset_version)
+                                dynamic_shapes=dynamic_shapes, opset_version=opset_version,
+                                input_names=input_names, output_names=output_names, verbose=False)
     model = attach_functions_ir(program.model)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
