@@ -35,6 +35,7 @@ class Comparison:
     max_abs: float
     rel: float
     cosine: float
+    bound: float  # the relative error accepted
     passed: bool
 
     def as_dict(self) -> dict:
@@ -44,7 +45,7 @@ class Comparison:
 def compare(name: str, actual: np.ndarray, reference: np.ndarray, tolerance: Tolerance) -> Comparison:
     a, r = actual.astype(np.float64).ravel(), reference.astype(np.float64).ravel()
     if a.shape != r.shape:
-        return Comparison(name, float("inf"), float("inf"), 0.0, False)
+        return Comparison(name, float("inf"), float("inf"), 0.0, tolerance.rel, False)
     diff = a - r
     ref_norm, act_norm = np.linalg.norm(r), np.linalg.norm(a)
     rel = float(np.linalg.norm(diff) / ref_norm) if ref_norm > 0 else float(np.linalg.norm(diff))
@@ -52,7 +53,7 @@ def compare(name: str, actual: np.ndarray, reference: np.ndarray, tolerance: Tol
     cosine = float(a @ r / (act_norm * ref_norm)) if both else float(act_norm == ref_norm)
     max_abs = float(np.abs(diff).max()) if diff.size else 0.0
     passed = bool(np.isfinite(a).all() and rel <= tolerance.rel)
-    return Comparison(name, max_abs, rel, cosine, passed)
+    return Comparison(name, max_abs, rel, cosine, tolerance.rel, passed)
 
 
 @dataclass
@@ -70,7 +71,8 @@ class TokenAgreement:
 
 
 def top1_agreement(logits: np.ndarray, reference: np.ndarray, margin: float) -> TokenAgreement:
-    """Greedy tokens over the last axis; a disagreement at a near-tie is counted as a tie."""
+    """Greedy tokens over the last axis; a disagreement where the reference's top-1 margin is
+    within `margin` is counted as a tie."""
     ref = reference.reshape(-1, reference.shape[-1]).astype(np.float64)
     other = logits.reshape(-1, logits.shape[-1])
     top2 = np.sort(ref, axis=-1)[:, -2:]

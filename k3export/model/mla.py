@@ -55,9 +55,10 @@ class LatentMLA(nn.Module):
         q_nope, q_rope = self.query(x)
         latent = torch.cat([cache.mla_latent, self.latent_rows(x)], dim=1)
         w_uk, w_uv = self.head_weights()
-        q_latent = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
+        # Per-head matmuls with heads leading (ONNX's Einsum has no bfloat16).
+        q_latent = (q_nope.transpose(1, 2) @ w_uk).transpose(1, 2)  # [B, T, H, rank]
         o_latent = torch.ops.k3.latent_mla(torch.cat([q_latent, q_rope], dim=-1), latent,
                                            self.latent_rank, self.scale)
-        o = torch.einsum("bthc,hvc->bthv", o_latent, w_uv).flatten(-2)
+        o = (o_latent.transpose(1, 2) @ w_uv.transpose(1, 2)).transpose(1, 2).flatten(-2)
         y = o.float() * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(y.to(x.dtype)), MLACache(latent)

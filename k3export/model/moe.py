@@ -53,11 +53,12 @@ class RoutedExperts(nn.Module):
         Dense dispatch: every expert runs on every token and `combine` (zero off the top-k)
         selects. It is static-shaped, so it traces and exports, at E / k times the FLOPs of a
         grouped GEMM; a grouped-GEMM MoE plugin is later work."""
-        a = torch.einsum("nl,eil->nei", z, self.w1)
-        b = torch.einsum("nl,eil->nei", z, self.w3)
+        # Batched matmuls over experts rather than einsum: ONNX's Einsum has no bfloat16.
+        a = z @ self.w1.transpose(1, 2)  # [E, N, I]
+        b = z @ self.w3.transpose(1, 2)
         h = situ_glu(a, b, self.beta, self.linear_beta).to(z.dtype)
-        y = torch.einsum("nei,eli->nel", h, self.w2)
-        return torch.einsum("nel,ne->nl", y.float(), combine)
+        y = h @ self.w2.transpose(1, 2)  # [E, N, L]
+        return (y.float() * combine.T[..., None]).sum(0)
 
 
 class LatentMoE(nn.Module):

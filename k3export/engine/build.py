@@ -1,0 +1,197 @@
+"""Builds a TensorRT-RTX engine from an export folder, with the k3 plugins in place of the functions.
+
+    python -m k3export.engine.build EXPORT_DIR --out model.engine --target sm89
+
+One engine serves both graphs of the export as two optimization profiles: 0 prefill (seq 1..N) and
+1 decode (seq 1), both with batch 1..B and past 0..P. TensorRT-RTX builds with no GPU for a named
+compute capability (SM75..SM121 less SM90); the engine cannot be deserialized without one.
+
+The parser silently inlines a k3 node's ONNX function (Scan loops for KDA) when no creator matches
+its name, plugin_version and plugin_namespace, which would build a correct but slow engine; so the
+builder checks every k3 node against the registry first and refuses with a message that says which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import onnx
+
+from k3export.artifacts import atomic_path
+from k3export.engine.rtx_setup import ensure_symlink
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
+from k3export.onnx.functions import DOMAIN
+
+# The names TensorRT-RTX's ComputeCapability enum knows; it has no SM90.
+TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
+
+
+@dataclass
+class Limits:
+    """The largest shapes the engine takes."""
+
+    batch: int = 4
+    seq: int = 256  # prefill tokens per call
+    past: int = 1024  # tokens already in the MLA cache
+
+
+@dataclass
+class NetworkSummary:
+    layers: int
+    layer_types: dict[str, int]
+    plugin_layers: list[str]  # "name: namespace::type v<version>" of each plugin layer
+    plugin_fields: dict[str, list[dict[str, Any]]]  # op -> fields of each plugin created, in order
+
+
+@dataclass
+class BuildResult:
+    engine: str
+    target: str
+    profiles: list[dict[str, dict[str, list[int]]]]  # per profile: input -> [min, opt, max] shapes
+    bytes: int
+    seconds: float
+    network: NetworkSummary = field(repr=False)
+
+
+def load_tensorrt_rtx() -> ModuleType:
+    """tensorrt_rtx, after making sure its parser can load plugins (see rtx_setup)."""
+    ensure_symlink()
+    import tensorrt_rtx
+
+    return tensorrt_rtx
+
+
+def check_plugins(model_path: Path, trt: ModuleType) -> None:
+    """Raises if a k3 node names a plugin that `trt`'s registry lacks (the parser would inline it)."""
+    model = onnx.load(model_path, load_external_data=False)
+    registry = trt.get_plugin_registry()
+    for node in model.graph.node:
+        if node.domain != DOMAIN:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        version = attrs.get("plugin_version", b"").decode()
+        namespace = attrs.get("plugin_namespace", b"").decode()
+        if registry.get_creator(node.op_type, version, namespace) is None:
+            known = sorted(f"{c.plugin_namespace}::{c.name} v{c.plugin_version}"
+                           for c in registry.all_creators if c.plugin_namespace == DOMAIN)
+            raise LookupError(
+                f"{model_path}: node {node.name!r} ({DOMAIN}.{node.op_type}) asks for plugin "
+                f"{namespace}::{node.op_type} version {version!r}, which is not registered "
+                f"(registered k3 plugins: {', '.join(known) or 'none'}); without it the parser would "
+                f"inline the node's ONNX function. Call k3plugins.trt.register(trt) before parsing, or "
+                f"export again with this k3plugins' plugin version.")
+
+
+def parse(model_path: Path, trt: ModuleType, logger: Any, *, strict: bool = True) -> tuple[Any, Any, Any]:
+    """(builder, network, parser) for `model_path`. `strict` checks the k3 nodes' plugins first."""
+    if strict:
+        check_plugins(model_path, trt)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(model_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"{model_path}: the ONNX parser failed: {errors}")
+    return builder, network, parser
+
+
+def summarize(network: Any, trt: ModuleType, creators: dict[str, Any] | None = None) -> NetworkSummary:
+    """Layer counts by type, the plugin layers, and the fields each creator was given."""
+    types: Counter[str] = Counter()
+    plugins = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        types[layer.type.name] += 1
+        if layer.type == trt.LayerType.PLUGIN_V3:
+            layer.__class__ = trt.IPluginV3Layer  # the network hands out plain ILayer objects
+            core = layer.plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+            plugins.append(f"{layer.name}: {core.plugin_namespace}::{core.plugin_name} "
+                           f"v{core.plugin_version}")
+    fields = {name: list(c.created) for name, c in (creators or {}).items()}
+    return NetworkSummary(network.num_layers, dict(types), plugins, fields)
+
+
+def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, list[list[int]]]]:
+    """[prefill, decode]: input name -> [min, opt, max] shapes from export.json's symbolic dims."""
+    ranges = {
+        "prefill": {"batch": (1, limits.batch, limits.batch), "seq": (1, limits.seq, limits.seq),
+                    "past": (0, limits.past, limits.past)},
+        "decode": {"batch": (1, limits.batch, limits.batch), "seq": (1, 1, 1),
+                   "past": (0, limits.past, limits.past)},
+    }
+    profiles = []
+    for dims in ranges.values():
+        shapes = {}
+        for spec in manifest["inputs"]:
+            shapes[spec["name"]] = [[dims[d][k] if isinstance(d, str) else d for d in spec["shape"]]
+                                    for k in range(3)]
+        profiles.append(shapes)
+    return profiles
+
+
+def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89",
+                 limits: Limits | None = None, trt: ModuleType | None = None) -> BuildResult:
+    """Parses export_dir/model.onnx with the k3 plugins registered and writes an engine to `out`
+    (through a temporary name) for `target`, with the prefill and decode profiles."""
+    import k3plugins.trt
+
+    if target not in TARGETS:
+        raise ValueError(f"--target {target!r}: expected one of {', '.join(TARGETS)}")
+    trt = trt or load_tensorrt_rtx()
+    start = time.perf_counter()
+    export_dir, out = Path(export_dir), Path(out)
+    manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
+    logger = trt.Logger(trt.Logger.WARNING)
+    creators = k3plugins.trt.register(trt)
+    # The parser owns the weights the network points at: keep it alive until the build is done.
+    builder, network, _parser = parse(export_dir / GRAPH_FILE, trt, logger)
+    summary = summarize(network, trt, creators)
+
+    config = builder.create_builder_config()
+    # The list of targets is empty until sized; set_compute_capability fails (returns False) before.
+    config.num_compute_capabilities = 1
+    if not config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), 0):
+        raise RuntimeError(f"TensorRT-RTX refused compute capability {target}")
+    profiles = profile_shapes(manifest, limits or Limits())
+    for shapes in profiles:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise RuntimeError(f"{export_dir / GRAPH_FILE}: TensorRT-RTX could not build an engine for "
+                           f"{target} (see the log above)")
+    with atomic_path(out) as tmp:
+        tmp.write_bytes(serialized)
+    return BuildResult(str(out), target, profiles, out.stat().st_size, time.perf_counter() - start, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k3export.engine.build",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("export_dir", help="a folder written by `k3export export`")
+    parser.add_argument("--out", required=True, help="the engine file to write")
+    parser.add_argument("--target", default="sm89", choices=TARGETS)
+    parser.add_argument("--batch", type=int, default=Limits.batch)
+    parser.add_argument("--seq", type=int, default=Limits.seq)
+    parser.add_argument("--past", type=int, default=Limits.past)
+    args = parser.parse_args(argv)
+    result = build_engine(args.export_dir, args.out, target=args.target,
+                          limits=Limits(args.batch, args.seq, args.past))
+    report = asdict(result)
+    report["network"].pop("layer_types")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
