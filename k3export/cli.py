@@ -116,6 +116,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def cmd_build(args: argparse.Namespace) -> int:
+    from k3export.engine.build import Limits, build_engine
+
+    limits = Limits(args.max_batch, args.max_seq, args.max_past)
+    print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
+          f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}, "
+          f"past 0..{limits.past})")
+    result = build_engine(args.onnx, args.out, target=args.target, limits=limits)
+    plugins = result.network.plugin_layers
+    print(f"wrote {result.engine}: {_human(result.bytes, 'B')} in {result.seconds:.1f} s; "
+          f"{result.network.layers} layers, {len(plugins)} k3 plugin layers")
+    print("this engine cannot be run on this machine (no GPU); TensorRT-RTX has no sm90 target")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from k3export.demo import run_demo
 
@@ -150,6 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     check.set_defaults(run=cmd_check)
 
+    from k3export.engine.build import TARGETS, Limits
+
+    build = sub.add_parser("build", help="a TensorRT-RTX engine from an export, k3 plugins in place")
+    build.add_argument("--onnx", required=True, metavar="DIR", help="a `k3export export` folder")
+    build.add_argument("--out", required=True, metavar="FILE", help="the engine file to write")
+    build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
+    build.add_argument("--max-batch", type=int, default=Limits.batch)
+    build.add_argument("--max-seq", type=int, default=Limits.seq, help="prefill tokens per call")
+    build.add_argument("--max-past", type=int, default=Limits.past, help="tokens already cached")
+    build.set_defaults(run=cmd_build)
+
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: prefill, then greedy decode")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--prompt-len", type=int, default=80)
@@ -163,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         code = args.run(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, LookupError, ValueError) as e:
         print(f"k3export: error: {e}", file=sys.stderr)
         return 2
     if not getattr(args, "json", False):

@@ -26,11 +26,6 @@ def export(folder: Path, *args: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def fp32_export(tmp_path_factory) -> Path:
-    return export(tmp_path_factory.mktemp("fp32") / "tiny", "--preset", "k3-tiny", "--seed", "0")
-
-
-@pytest.fixture(scope="session")
 def bf16_export(tmp_path_factory) -> Path:
     return export(tmp_path_factory.mktemp("bf16") / "tiny", "--preset", "k3-tiny", "--dtype", "bfloat16")
 
@@ -53,23 +48,23 @@ def census(path: Path) -> onnx.ModelProto:
     return model
 
 
-def test_census_and_checker(fp32_export, bf16_export):
-    for folder in (fp32_export, bf16_export):
+def test_census_and_checker(tiny_export, bf16_export):
+    for folder in (tiny_export, bf16_export):
         census(folder / "model.onnx")
-    manifest = json.loads((fp32_export / "export.json").read_text())
+    manifest = json.loads((tiny_export / "export.json").read_text())
     assert manifest["custom_nodes"] == {"KDA": 6, "LatentMLA": 3}
     names = [s["name"] for s in manifest["inputs"]]
     assert names[:2] == ["input_ids", "past.0.kda_state"] and "past.3.mla_latent" in names
     assert manifest["outputs"][0]["name"] == "logits"
-    assert manifest["sha256"]["model.onnx.data"] == sha256(fp32_export / "model.onnx.data")
+    assert manifest["sha256"]["model.onnx.data"] == sha256(tiny_export / "model.onnx.data")
     assert "56x" in manifest["moe"]
 
 
 @pytest.mark.parametrize(("batch", "prompt_len", "steps"), [(2, 70, 16), (1, 1, 2), (3, 5, 2)])
-def test_onnxruntime_matches_eager_fp32(fp32_export, batch, prompt_len, steps):
+def test_onnxruntime_matches_eager_fp32(tiny_export, batch, prompt_len, steps):
     """Prefill (length 1, short, and past KDA's chunk of 64), then greedy decode feeding each side
     its own caches: logits and every cache within 1e-4 relative, identical greedy tokens."""
-    report = run_check(fp32_export, steps=steps, batch=batch, prompt_len=prompt_len, log=lambda _: None)
+    report = run_check(tiny_export, steps=steps, batch=batch, prompt_len=prompt_len, log=lambda _: None)
     assert report["passed"], report["failed_outputs"]
     assert report["greedy_streams_identical"] and report["token_mismatches"] == 0
     assert len(report["steps"]) == steps + 1
@@ -78,14 +73,14 @@ def test_onnxruntime_matches_eager_fp32(fp32_export, batch, prompt_len, steps):
     assert len(report["steps"][0]["outputs"]) == 1 + 6 * 4 + 3  # logits, KDA state + 3 tails, MLA
 
 
-def test_polygraphy_replay_files(fp32_export):
+def test_polygraphy_replay_files(tiny_export):
     from polygraphy.comparator import RunResults
     from polygraphy.json import load_json
 
-    report = run_check(fp32_export, steps=0, log=lambda _: None)
-    inputs = load_json(str(fp32_export / "check" / "inputs.json"))
-    golden = RunResults.load(str(fp32_export / "check" / "golden.json"))
-    manifest = json.loads((fp32_export / "export.json").read_text())
+    report = run_check(tiny_export, steps=0, log=lambda _: None)
+    inputs = load_json(str(tiny_export / "check" / "inputs.json"))
+    golden = RunResults.load(str(tiny_export / "check" / "golden.json"))
+    manifest = json.loads((tiny_export / "export.json").read_text())
     assert list(inputs[0]) == [s["name"] for s in manifest["inputs"]]
     assert list(golden.keys()) == ["eager"] and "logits" in golden["eager"][0]
     assert "--load-inputs" in report["polygraphy_command"]
@@ -119,15 +114,15 @@ def test_bfloat16_is_valid_onnx_that_onnxruntime_cpu_cannot_run(bf16_export):
         run_check(bf16_export, log=lambda _: None)
 
 
-def test_exports_are_deterministic(fp32_export, tmp_path):
+def test_exports_are_deterministic(tiny_export, tmp_path):
     again = export(tmp_path / "again", "--preset", "k3-tiny", "--seed", "0")
     for name in ("model.onnx", "model.onnx.data", "config.json"):
-        assert sha256(again / name) == sha256(fp32_export / name), name
+        assert sha256(again / name) == sha256(tiny_export / name), name
 
 
-def test_check_fails_on_a_perturbed_weight(fp32_export, tmp_path, capsys):
+def test_check_fails_on_a_perturbed_weight(tiny_export, tmp_path, capsys):
     broken = tmp_path / "broken"
-    shutil.copytree(fp32_export, broken)
+    shutil.copytree(tiny_export, broken)
     model = onnx.load(broken / "model.onnx", load_external_data=False)
     # Layer 5's latent MoE up-projection: it runs after layer 5's cache is written, so every later
     # cache and the logits must diverge while present.5.* stays within tolerance.

@@ -1,6 +1,6 @@
 """Builds a TensorRT-RTX engine from an export folder, with the k3 plugins in place of the functions.
 
-    python -m k3export.engine.build EXPORT_DIR --out model.engine --target sm89
+    k3export build --onnx EXPORT_DIR --out model.engine --target sm89
 
 One engine serves both graphs of the export as two optimization profiles: 0 prefill (seq 1..N) and
 1 decode (seq 1), both with batch 1..B and past 0..P. TensorRT-RTX builds with no GPU for a named
@@ -13,12 +13,10 @@ builder checks every k3 node against the registry first and refuses with a messa
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -173,25 +171,3 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
     with atomic_path(out) as tmp:
         tmp.write_bytes(serialized)
     return BuildResult(str(out), target, profiles, out.stat().st_size, time.perf_counter() - start, summary)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m k3export.engine.build",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("export_dir", help="a folder written by `k3export export`")
-    parser.add_argument("--out", required=True, help="the engine file to write")
-    parser.add_argument("--target", default="sm89", choices=TARGETS)
-    parser.add_argument("--batch", type=int, default=Limits.batch)
-    parser.add_argument("--seq", type=int, default=Limits.seq)
-    parser.add_argument("--past", type=int, default=Limits.past)
-    args = parser.parse_args(argv)
-    result = build_engine(args.export_dir, args.out, target=args.target,
-                          limits=Limits(args.batch, args.seq, args.past))
-    report = asdict(result)
-    report["network"].pop("layer_types")
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

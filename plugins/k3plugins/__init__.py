@@ -5,6 +5,7 @@ from __future__ import annotations
 from k3plugins import kda, mla
 from k3plugins.kda import chunk_kda, recurrent_kda
 from k3plugins.mla import latent_mla
+from k3plugins.trt import register
 from k3plugins.variants import KernelVariant
 
 
@@ -13,4 +14,4 @@ def kernel_variants() -> list[KernelVariant]:
     return kda.kernel_variants() + mla.kernel_variants()
 
 
-__all__ = ["KernelVariant", "chunk_kda", "kernel_variants", "latent_mla", "recurrent_kda"]
+__all__ = ["KernelVariant", "chunk_kda", "kernel_variants", "latent_mla", "recurrent_kda", "register"]

@@ -39,7 +39,8 @@ def compile_variant(variant: KernelVariant) -> triton.compiler.CompiledKernel:
              for i, ty in enumerate(variant.signature.values()) if ty.startswith("*")}
     source = ASTSource(variant.fn, variant.signature, variant.constexprs, attrs)
     return triton.compile(source, target=TARGET,
-                          options={"num_warps": variant.num_warps, "ptx_version": PTX_VERSION})
+                          options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,
+                                   "ptx_version": PTX_VERSION})
 
 
 def kernel_stats(kernel: triton.compiler.CompiledKernel) -> KernelStats:

@@ -5,11 +5,22 @@ Per batch b and head h, with S the [K, V] float32 state:
 q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] float32.
 Both launchers return o [B, T, H, V] in v's dtype and the final state in float32.
 
-Each program owns one (batch, head, V-block) slice of the state and walks the whole sequence,
-so the state stays in registers and never round-trips through memory between tokens or chunks.
+`recurrent_kda` walks the tokens with one program per (batch, head, V-block), the state in
+registers. `chunk_kda` takes chunks of 64 tokens in the UT-transform form of
+flash-linear-attention's chunk pipeline (see k3export/ops/kda.py for the math), as four kernels
+so that none holds more than a few float32 tiles at once:
+    intra   per chunk:  A_qk, and UT = (I + A_kk)^-1 diag(beta) by forward substitution
+    wy      per chunk:  G = cumsum(g), W = UT (exp(G) * K), U = UT V
+    state   per (batch, head, V-block), sequential over chunks: each chunk's start state S and
+            V' = U - W S
+    output  per chunk and V-block:  O = (Q * exp(G)) S + A_qk V'
+Intermediates are float32, and every product is a float32 FMA ("ieee") dot: exact float32, and
+TF32x3 tensor-core dots need more registers than these kernels can spare.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -19,13 +30,17 @@ from torch import Tensor
 from k3plugins.variants import DTYPES, KernelVariant, pointer
 
 CHUNK_SIZE = 64
-# Head dims the kernels are built for (the presets use 32, 64 and 128); K <= 128 keeps a chunk's
-# [64, K] float32 tiles in registers.
+# Head dims the state-holding kernels are built for (the presets use 32, 64 and 128).
 BLOCK_KS = (32, 64, 128)
-RECURRENT_BLOCK_V = 32
-RECURRENT_WARPS = 4
-CHUNK_BLOCK_V = 32
-CHUNK_WARPS = 8
+# Block sizes, sized with the launch options below so that no variant spills registers on sm_90
+# (tests/test_aot.py). V columns per program of the recurrent and output kernels (the output
+# kernel also steps over K in blocks of this); K or V columns per program of the wy kernel.
+BLOCK_V = 32
+WY_BLOCK = 16
+# The state pass takes V blocks of 16 and a chunk 16 rows at a time: a [64, 128] float32 tile at
+# once would spill.
+STATE_BLOCK_V = 16
+STATE_ROWS = 16
 
 
 @triton.jit
@@ -55,71 +70,166 @@ def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
 
 
 @triton.jit
-def _chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
-                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    i_bh = tl.program_id(0).to(tl.int64)
+def _chunk_kda_intra_kernel(q, k, g, beta, a_qk, ut, T, H, K, BT: tl.constexpr):
+    """Per chunk: A_qk (causal) and UT = (I + A_kk)^-1 diag(beta), each [BT, BT] per token row."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     offs_t = tl.arange(0, BT)
+    # Rows past T load k = 0, beta = 0 and g = 0: they add nothing to the state.
+    mask_t = i_t * BT + offs_t < T
+    tok = (i_b * T + i_t * BT + offs_t) * H + i_h
+    causal = offs_t[:, None] >= offs_t[None, :]
+    b_beta = tl.load(beta + tok, mask=mask_t, other=0.0)
+
+    # A_kk[i, j] = sum_d k_id k_jd exp(G_id - G_jd) (and A_qk with q_i), one key channel at a
+    # time: the decay is formed from the difference of cumulative gates, masked to j <= i
+    # before exponentiating, so it never overflows however long the chunk's decay.
+    A_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    A_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for d in range(K):
+        k_d = tl.load(k + tok * K + d, mask=mask_t, other=0.0).to(tl.float32)
+        q_d = tl.load(q + tok * K + d, mask=mask_t, other=0.0).to(tl.float32)
+        G_d = tl.cumsum(tl.load(g + tok * K + d, mask=mask_t, other=0.0), axis=0)
+        decay_k = k_d[None, :] * tl.exp(tl.where(causal, G_d[:, None] - G_d[None, :], float("-inf")))
+        A_kk += k_d[:, None] * decay_k
+        A_qk += q_d[:, None] * decay_k
+    tt_offs = tok[:, None] * BT + offs_t[None, :]
+    tl.store(a_qk + tt_offs, A_qk, mask=mask_t[:, None])
+    A_kk = tl.where(causal & (offs_t[:, None] != offs_t[None, :]), A_kk * b_beta[:, None], 0.0)
+
+    # Forward substitution: row i of UT = beta_i e_i - A_kk[i, :] UT, where the rows not yet
+    # filled are zero.
+    UT = tl.zeros([BT, BT], dtype=tl.float32)
+    for i in range(BT):
+        row = offs_t == i
+        a_i = tl.sum(tl.where(row[:, None], A_kk, 0.0), axis=0)
+        beta_i = tl.sum(tl.where(row, b_beta, 0.0))
+        ut_i = tl.where(row, beta_i, 0.0) - tl.sum(a_i[:, None] * UT, axis=0)
+        UT = tl.where(row[:, None], ut_i[None, :], UT)
+    tl.store(ut + tt_offs, UT, mask=mask_t[:, None])
+
+
+@triton.jit
+def _chunk_kda_wy_kernel(k, v, g, ut, gcum, w, u, T, H, K, V, BT: tl.constexpr, BV: tl.constexpr):
+    """Per chunk and block of BV columns: G = cumsum(g) and W = UT (exp(G) * K) for the key
+    column blocks, U = UT V for the value column blocks after them. One product per program
+    spreads the work and needs fewer registers than a loop over the blocks holding UT."""
+    i_t, i_bh, i_c = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    offs_t = tl.arange(0, BT)
+    mask_t = i_t * BT + offs_t < T
+    tok = (i_b * T + i_t * BT + offs_t) * H + i_h
+    UT = tl.load(ut + tok[:, None] * BT + offs_t[None, :], mask=mask_t[:, None], other=0.0)
+    n_kblocks = tl.cdiv(K, BV)
+    if i_c < n_kblocks:
+        offs_k = i_c * BV + tl.arange(0, BV)
+        tk_offs = tok[:, None] * K + offs_k[None, :]
+        mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
+        G = tl.cumsum(tl.load(g + tk_offs, mask=mask_tk, other=0.0), axis=0)
+        tl.store(gcum + tk_offs, G, mask=mask_tk)
+        b_k = tl.load(k + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
+        tl.store(w + tk_offs, tl.dot(UT, b_k * tl.exp(G), input_precision="ieee"), mask=mask_tk)
+    else:
+        offs_v = (i_c - n_kblocks) * BV + tl.arange(0, BV)
+        tv_offs = tok[:, None] * V + offs_v[None, :]
+        mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
+        b_v = tl.load(v + tv_offs, mask=mask_tv, other=0.0).to(tl.float32)
+        tl.store(u + tv_offs, tl.dot(UT, b_v, input_precision="ieee"), mask=mask_tv)
+
+
+@triton.jit
+def _chunk_kda_state_kernel(k, gcum, w, u, h0, h, v_new, ht, T, H, K, V,
+                            BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The only sequential pass: one program per (batch, head, V-block) carries S across the
+    chunks, stores each chunk's start state, and forms V' = U - W S. A chunk is taken BR rows at
+    a time, so that no [BT, BK] float32 tile need be held at once."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    n_chunks = tl.cdiv(T, BT)
+    offs_r = tl.arange(0, BR)
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_s = mask_k[:, None] & mask_v[None, :]
-    s_offs = (i_bh * K + offs_k[:, None]) * V + offs_v[None, :]
-    S = tl.load(h0 + s_offs, mask=mask_s, other=0.0)
-    causal = offs_t[:, None] >= offs_t[None, :]
-    for start in range(0, T, BT):
-        # Rows past T load k = 0, beta = 0 and g = 0: they add nothing to the state.
-        mask_t = start + offs_t < T
-        tok = (i_b * T + start + offs_t) * H + i_h
+    s_offs = offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(h0 + i_bh * K * V + s_offs, mask=mask_s, other=0.0)
+    for i_t in range(n_chunks):
+        tl.store(h + (i_bh * n_chunks + i_t) * K * V + s_offs, S, mask=mask_s)
+        last = (i_b * T + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
+        G_last = tl.load(gcum + last * K + offs_k, mask=mask_k, other=0.0)
+        # S_next = exp(G_last) S + (K exp(G_last - G))^T V', summed over the row blocks.
+        S_next = S * tl.exp(G_last)[:, None]
+        for r0 in range(i_t * BT, i_t * BT + BT, BR):
+            mask_t = r0 + offs_r < T
+            tok = (i_b * T + r0 + offs_r) * H + i_h
+            tk_offs = tok[:, None] * K + offs_k[None, :]
+            mask_tk = mask_t[:, None] & mask_k[None, :]
+            tv_offs = tok[:, None] * V + offs_v[None, :]
+            mask_tv = mask_t[:, None] & mask_v[None, :]
+            b_w = tl.load(w + tk_offs, mask=mask_tk, other=0.0)
+            b_u = tl.load(u + tv_offs, mask=mask_tv, other=0.0)
+            V_new = b_u - tl.dot(b_w, S, input_precision="ieee")
+            tl.store(v_new + tv_offs, V_new, mask=mask_tv)
+            G = tl.load(gcum + tk_offs, mask=mask_tk, other=0.0)
+            # Rows past T have k = 0; their exponent is zeroed so that it cannot overflow.
+            decay = tl.exp(tl.where(mask_tk, G_last[None, :] - G, 0.0))
+            b_k = tl.load(k + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
+            S_next += tl.dot(tl.trans(b_k * decay), V_new, input_precision="ieee")
+        S = S_next
+    tl.store(ht + i_bh * K * V + s_offs, S, mask=mask_s)
+
+
+@triton.jit
+def _chunk_kda_output_kernel(q, gcum, a_qk, h, v_new, o, T, H, K, V,
+                             BT: tl.constexpr, BV: tl.constexpr):
+    """Per chunk and V-block, given the chunk's start state S: O = (Q * exp(G)) S + A_qk V',
+    the first product BV key channels at a time."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    offs_t = tl.arange(0, BT)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mask_t, mask_v = i_t * BT + offs_t < T, offs_v < V
+    tok = (i_b * T + i_t * BT + offs_t) * H + i_h
+    tv_offs = tok[:, None] * V + offs_v[None, :]
+    mask_tv = mask_t[:, None] & mask_v[None, :]
+
+    A_qk = tl.load(a_qk + tok[:, None] * BT + offs_t[None, :], mask=mask_t[:, None], other=0.0)
+    V_new = tl.load(v_new + tv_offs, mask=mask_tv, other=0.0)
+    b_o = tl.dot(A_qk, V_new, input_precision="ieee")
+    h_chunk = h + (i_bh * tl.cdiv(T, BT) + i_t) * K * V
+    for c0 in range(0, K, BV):
+        offs_k = c0 + tl.arange(0, BV)
+        mask_k = offs_k < K
         tk_offs = tok[:, None] * K + offs_k[None, :]
         mask_tk = mask_t[:, None] & mask_k[None, :]
-        b_beta = tl.load(beta + tok, mask=mask_t, other=0.0).to(tl.float32)
-
-        # A_kk[i, j] = sum_d k_id k_jd exp(G_id - G_jd) (and A_qk with q_i), one key channel at a
-        # time: the decay is formed from the difference of cumulative gates, masked to j <= i
-        # before exponentiating, so it never overflows however long the chunk's decay.
-        A_kk = tl.zeros([BT, BT], dtype=tl.float32)
-        A_qk = tl.zeros([BT, BT], dtype=tl.float32)
-        for d in range(K):
-            k_d = tl.load(k + tok * K + d, mask=mask_t, other=0.0).to(tl.float32)
-            q_d = tl.load(q + tok * K + d, mask=mask_t, other=0.0).to(tl.float32)
-            G_d = tl.cumsum(tl.load(g + tok * K + d, mask=mask_t, other=0.0).to(tl.float32), axis=0)
-            decay_k = k_d[None, :] * tl.exp(tl.where(causal, G_d[:, None] - G_d[None, :], float("-inf")))
-            A_kk += k_d[:, None] * decay_k
-            A_qk += q_d[:, None] * decay_k
-        A_kk = tl.where(causal & (offs_t[:, None] != offs_t[None, :]), A_kk * b_beta[:, None], 0.0)
-
-        # T = (I + A_kk)^-1 diag(beta) by forward substitution: row i = beta_i e_i - A_kk[i, :] T,
-        # where the rows of T not yet filled are zero.
-        T_mat = tl.zeros([BT, BT], dtype=tl.float32)
-        for i in range(BT):
-            row = offs_t == i
-            a_i = tl.sum(tl.where(row[:, None], A_kk, 0.0), axis=0)
-            beta_i = tl.sum(tl.where(row, b_beta, 0.0))
-            t_i = tl.where(row, beta_i, 0.0) - tl.sum(a_i[:, None] * T_mat, axis=0)
-            T_mat = tl.where(row[:, None], t_i[None, :], T_mat)
-
-        b_g = tl.load(g + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
-        G = tl.cumsum(b_g, axis=0)
-        b_k = tl.load(k + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
-        tv_offs = tok[:, None] * V + offs_v[None, :]
-        mask_tv = mask_t[:, None] & mask_v[None, :]
-        b_v = tl.load(v + tv_offs, mask=mask_tv, other=0.0).to(tl.float32)
-        # float32 products on tensor cores as three TF32 products: near float32 accuracy, and fewer
-        # registers than the FMA ("ieee") path at these tile sizes.
-        W = tl.dot(T_mat, b_k * tl.exp(G), input_precision="tf32x3")
-        U = tl.dot(T_mat, b_v, input_precision="tf32x3")
-        V_new = U - tl.dot(W, S, input_precision="tf32x3")
-
         b_q = tl.load(q + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
-        b_o = tl.dot(b_q * tl.exp(G), S, input_precision="tf32x3") \
-            + tl.dot(A_qk, V_new, input_precision="tf32x3")
-        tl.store(o + tv_offs, b_o.to(o.dtype.element_ty), mask=mask_tv)
+        G = tl.load(gcum + tk_offs, mask=mask_tk, other=0.0)
+        S = tl.load(h_chunk + offs_k[:, None] * V + offs_v[None, :],
+                    mask=mask_k[:, None] & mask_v[None, :], other=0.0)
+        b_o += tl.dot(b_q * tl.exp(G), S, input_precision="ieee")
+    tl.store(o + tv_offs, b_o.to(o.dtype.element_ty), mask=mask_tv)
 
-        G_last = tl.sum(b_g, axis=0)
-        k_decayed = b_k * tl.exp(G_last[None, :] - G)
-        S = S * tl.exp(G_last)[:, None] + tl.dot(tl.trans(k_decayed), V_new, input_precision="tf32x3")
-    tl.store(ht + s_offs, S, mask=mask_s)
+
+class _Kernel(NamedTuple):
+    fn: triton.JITFunction
+    blocks: dict[str, int]  # constexpr block sizes, bar BK
+    per_bk: bool  # built per padded head dim BK (the kernels that hold a [BK, BV] state)
+    num_warps: int
+    num_stages: int = 3  # Triton's default
+
+    def launch(self, grid: tuple[int, ...], *args: Any, **constexprs: int) -> None:
+        self.fn[grid](*args, **self.blocks, **constexprs, num_warps=self.num_warps,
+                      num_stages=self.num_stages)
+
+
+RECURRENT = _Kernel(_recurrent_kda_kernel, {"BV": BLOCK_V}, per_bk=True, num_warps=4)
+INTRA = _Kernel(_chunk_kda_intra_kernel, {"BT": CHUNK_SIZE}, per_bk=False, num_warps=8)
+WY = _Kernel(_chunk_kda_wy_kernel, {"BT": CHUNK_SIZE, "BV": WY_BLOCK}, per_bk=False, num_warps=8)
+# One stage: software pipelining would hold the next row block's tiles as well, and spill. With 8
+# warps ptxas still spilled a few bytes at some K; 16 leave it ample room.
+STATE = _Kernel(_chunk_kda_state_kernel, {"BT": CHUNK_SIZE, "BR": STATE_ROWS, "BV": STATE_BLOCK_V},
+                per_bk=True, num_warps=16, num_stages=1)
+OUTPUT = _Kernel(_chunk_kda_output_kernel, {"BT": CHUNK_SIZE, "BV": BLOCK_V}, per_bk=False, num_warps=8)
 
 
 def _block_k(K: int) -> int:
@@ -129,51 +239,76 @@ def _block_k(K: int) -> int:
     raise ValueError(f"KDA head dim K={K}: the kernels support K <= {BLOCK_KS[-1]}")
 
 
-def _launch(kernel: triton.JITFunction, block_v: int, num_warps: int, q: Tensor, k: Tensor,
-            v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
-            **constexprs: int) -> tuple[Tensor, Tensor]:
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+             initial_state: Tensor) -> tuple[Tensor, ...]:
     # g and beta go in as float32 and q, k in v's dtype: the set of compiled variants stays small.
     q, k, v = (t.to(v.dtype).contiguous() for t in (q, k, v))
     g, beta, h0 = (t.float().contiguous() for t in (g, beta, initial_state))
-    o = torch.empty_like(v)
-    ht = torch.empty_like(h0)
-    grid = (B * H, triton.cdiv(V, block_v))
-    kernel[grid](q, k, v, g, beta, h0, o, ht, T, H, K, V, BK=_block_k(K), BV=block_v,
-                 num_warps=num_warps, **constexprs)
-    return o, ht
+    return q, k, v, g, beta, h0
 
 
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Tensor) -> tuple[Tensor, Tensor]:
     """Token by token: the decode path (T = 1), fine for any small T."""
-    return _launch(_recurrent_kda_kernel, RECURRENT_BLOCK_V, RECURRENT_WARPS,
-                   q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state)
+    o, ht = torch.empty_like(v), torch.empty_like(h0)
+    RECURRENT.launch((B * H, triton.cdiv(V, BLOCK_V)), q, k, v, g, beta, h0, o, ht, T, H, K, V,
+                     BK=_block_k(K))
+    return o, ht
 
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
               initial_state: Tensor) -> tuple[Tensor, Tensor]:
-    """Chunked UT-transform form for prefill: chunks of 64 tokens, state carried in registers."""
-    return _launch(_chunk_kda_kernel, CHUNK_BLOCK_V, CHUNK_WARPS, q, k, v, g, beta, initial_state,
-                   BT=CHUNK_SIZE)
+    """Chunked UT-transform form for prefill: chunks of 64 tokens, four launches (see above)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    bk = _block_k(K)
+    q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state)
+    n_chunks = triton.cdiv(T, CHUNK_SIZE)
+    a_qk, ut = (g.new_empty(B, T, H, CHUNK_SIZE) for _ in range(2))
+    gcum, w = torch.empty_like(g), torch.empty_like(g)
+    u, v_new = (v.new_empty(v.shape, dtype=torch.float32) for _ in range(2))
+    h = h0.new_empty(B, H, n_chunks, K, V)  # each chunk's start state
+    o, ht = torch.empty_like(v), torch.empty_like(h0)
+    INTRA.launch((n_chunks, B * H), q, k, g, beta, a_qk, ut, T, H, K)
+    WY.launch((n_chunks, B * H, triton.cdiv(K, WY_BLOCK) + triton.cdiv(V, WY_BLOCK)),
+              k, v, g, ut, gcum, w, u, T, H, K, V)
+    STATE.launch((B * H, triton.cdiv(V, STATE_BLOCK_V)), k, gcum, w, u, h0, h, v_new, ht, T, H, K, V,
+                 BK=bk)
+    OUTPUT.launch((n_chunks, B * H, triton.cdiv(V, BLOCK_V)), q, gcum, a_qk, h, v_new, o, T, H, K, V)
+    return o, ht
+
+
+def _signatures(x: str) -> dict[str, dict[str, str]]:
+    """Each kernel's runtime arguments, with x the pointer type of the tensors in v's dtype."""
+    f32 = "*fp32"
+    sizes = {"T": "i32", "H": "i32", "K": "i32", "V": "i32"}
+    return {
+        "recurrent_kda": {"q": x, "k": x, "v": x, "g": f32, "beta": f32, "h0": f32, "o": x, "ht": f32,
+                          **sizes},
+        "chunk_kda_intra": {"q": x, "k": x, "g": f32, "beta": f32, "a_qk": f32, "ut": f32, "T": "i32",
+                            "H": "i32", "K": "i32"},
+        "chunk_kda_wy": {"k": x, "v": x, "g": f32, "ut": f32, "gcum": f32, "w": f32, "u": f32, **sizes},
+        "chunk_kda_state": {"k": x, "gcum": f32, "w": f32, "u": f32, "h0": f32, "h": f32, "v_new": f32,
+                            "ht": f32, **sizes},
+        "chunk_kda_output": {"q": x, "gcum": f32, "a_qk": f32, "h": f32, "v_new": f32, "o": x, **sizes},
+    }
 
 
 def kernel_variants() -> list[KernelVariant]:
     """Every (kernel, dtype, block) combination the launchers above can pick."""
-    kernels = [
-        ("recurrent_kda", _recurrent_kda_kernel, RECURRENT_BLOCK_V, RECURRENT_WARPS, {}),
-        ("chunk_kda", _chunk_kda_kernel, CHUNK_BLOCK_V, CHUNK_WARPS, {"BT": CHUNK_SIZE}),
-    ]
+    kernels = {"recurrent_kda": RECURRENT, "chunk_kda_intra": INTRA, "chunk_kda_wy": WY,
+               "chunk_kda_state": STATE, "chunk_kda_output": OUTPUT}
     variants = []
-    for name, fn, block_v, num_warps, extra in kernels:
-        for dtype in DTYPES:
-            for bk in BLOCK_KS:
-                signature = {"q": pointer(dtype), "k": pointer(dtype), "v": pointer(dtype),
-                             "g": "*fp32", "beta": "*fp32", "h0": "*fp32", "o": pointer(dtype),
-                             "ht": "*fp32", "T": "i32", "H": "i32", "K": "i32", "V": "i32"}
-                constexprs = {**extra, "BK": bk, "BV": block_v}
-                signature.update(dict.fromkeys(constexprs, "constexpr"))
-                variants.append(KernelVariant(f"{name}_{dtype}_k{bk}", fn, signature, constexprs,
-                                              num_warps))
+    for dtype in DTYPES:
+        signatures = _signatures(pointer(dtype))
+        for name, kernel in kernels.items():
+            for bk in BLOCK_KS if kernel.per_bk else (None,):
+                constexprs = {**kernel.blocks, **({"BK": bk} if bk else {})}
+                signature = {arg: signatures[name].get(arg, "constexpr") for arg in kernel.fn.arg_names}
+                suffix = f"_k{bk}" if bk else ""
+                variants.append(KernelVariant(f"{name}_{dtype}{suffix}", kernel.fn, signature,
+                                              constexprs, kernel.num_warps, kernel.num_stages))
     return variants

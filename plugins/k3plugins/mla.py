@@ -31,6 +31,9 @@ class _Tiles(NamedTuple):
 
 DECODE = _Tiles(block_t=1, block_h=16, block_s=16, num_warps=4)
 PREFILL = _Tiles(block_t=16, block_h=1, block_s=16, num_warps=8)
+# At 8 warps float32 prefill spills registers at the published width (v_dim 512) on sm_90, and
+# at 4 warps at v_dim 128; 16 warps leave ptxas room.
+PREFILL_FP32 = PREFILL._replace(num_warps=16)
 DECODE_MAX_T = 16
 # Decode gives each program at least SPLIT_ROWS cache rows, in at most MAX_SPLITS splits.
 SPLIT_ROWS = 256
@@ -138,7 +141,7 @@ def latent_mla(q: Tensor, kv: Tensor, v_dim: int, scale: float) -> Tensor:
     kv = kv.to(q.dtype).contiguous()
     n_rows = B * T * H
     o = q.new_empty(B, T, H, v_dim)
-    tiles = DECODE if T <= DECODE_MAX_T else PREFILL
+    tiles = DECODE if T <= DECODE_MAX_T else PREFILL_FP32 if q.dtype == torch.float32 else PREFILL
     n_splits = min(MAX_SPLITS, triton.cdiv(S, SPLIT_ROWS)) if tiles is DECODE else 1
     # Whole blocks per split; recount so that no split starts past the cache.
     split_len = triton.cdiv(triton.cdiv(S, n_splits), tiles.block_s) * tiles.block_s
@@ -162,7 +165,8 @@ def kernel_variants() -> list[KernelVariant]:
     variants = []
     for dtype in DTYPES:
         for bdv, bdr in BLOCK_DIMS:
-            for mode, tiles in (("decode", DECODE), ("prefill", PREFILL)):
+            prefill = PREFILL_FP32 if dtype == "fp32" else PREFILL
+            for mode, tiles in (("decode", DECODE), ("prefill", prefill)):
                 out_types = (dtype, "fp32") if mode == "decode" and dtype != "fp32" else (dtype,)
                 for out in out_types:
                     signature = {"q": pointer(dtype), "kv": pointer(dtype), "o": pointer(out),

@@ -12,13 +12,15 @@ DTYPES = ("fp32", "fp16", "bf16")
 
 class KernelVariant(NamedTuple):
     """One kernel specialisation: `signature` and `constexprs` are what `triton.compile`'s
-    ASTSource takes; `num_warps` is the launch width the launcher uses for it."""
+    ASTSource takes; `num_warps` and `num_stages` are the launch options the launcher uses for it
+    (3 stages is Triton's default)."""
 
     name: str
     fn: triton.JITFunction
     signature: dict[str, str]
     constexprs: dict[str, Any]
     num_warps: int
+    num_stages: int = 3
 
 
 def pointer(dtype: str) -> str:

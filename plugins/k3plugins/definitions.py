@@ -1,0 +1,129 @@
+"""One definition per custom op, in plain Python that imports neither TensorRT flavour.
+
+A definition says what a TensorRT plugin for the op must: its lookup keys (name, namespace,
+version), its fields (the ONNX node's attributes that reach the plugin), output shapes as expressions
+of the input dims, dtypes, formats, and the launch. The adapters in `k3plugins.trt` and
+`k3plugins.trt_aot` present it to a builder; nothing here needs a GPU except `launch` itself.
+
+Dtypes are torch's names ("float32", "float16", "bfloat16"). Tensors whose `group` is the same must
+share one dtype (the ONNX schema's type constraints in k3export/onnx/ops.py); every tensor is linear
+(dense, row-major).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from k3plugins.kda import chunk_kda, recurrent_kda
+from k3plugins.mla import latent_mla
+
+NAMESPACE = "k3"
+VERSION = "1"
+FLOATS = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Field:
+    """A plugin field: an ONNX attribute of the node, passed to the plugin with its ONNX type."""
+
+    name: str
+    type: type  # int or float
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    name: str
+    group: str  # dtype constraint group: tensors of one group share a dtype
+
+
+@dataclass(frozen=True)
+class PluginDefinition:
+    name: str
+    fields: tuple[Field, ...]
+    inputs: tuple[TensorArg, ...]
+    outputs: tuple[TensorArg, ...]
+    groups: Mapping[str, tuple[str, ...]]  # group -> dtypes it allows
+    # (input dims, fields, constant) -> output dims; `constant` turns an int into a dimension, so the
+    # one expression serves ints and a builder's symbolic dims alike.
+    output_shapes: Callable[[Sequence[Sequence[Any]], Mapping[str, Any], Callable[[int], Any]],
+                            list[list[Any]]]
+    # (input tensors, fields) -> output tensors, on torch's current CUDA stream.
+    launch: Callable[[Sequence[Tensor], Mapping[str, Any]], tuple[Tensor, ...]]
+    namespace: str = NAMESPACE
+    version: str = VERSION
+
+    def output_dtypes(self, input_dtypes: Sequence[str]) -> list[str]:
+        """An output takes its group's one dtype, or else that of the group's first input."""
+        dtypes = []
+        for out in self.outputs:
+            allowed = self.groups[out.group]
+            if len(allowed) == 1:
+                dtypes.append(allowed[0])
+            else:
+                first = next(i for i, arg in enumerate(self.inputs) if arg.group == out.group)
+                dtypes.append(input_dtypes[first])
+        return dtypes
+
+    def supports(self, dtypes: Sequence[str | None]) -> bool:
+        """Whether a dtype assignment to inputs then outputs is allowed; None marks a tensor that is
+        not yet decided (TensorRT asks position by position, earlier positions fixed)."""
+        chosen: dict[str, str] = {}
+        for arg, dtype in zip(self.inputs + self.outputs, dtypes, strict=False):
+            if dtype is None:
+                continue
+            if dtype not in self.groups[arg.group] or chosen.setdefault(arg.group, dtype) != dtype:
+                return False
+        return True
+
+    def parse_fields(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The fields from what a builder passed (scalars or one-element arrays), each checked."""
+        missing = [f.name for f in self.fields if f.name not in values]
+        if missing:
+            raise ValueError(f"{self.namespace}::{self.name} v{self.version}: missing fields {missing}; "
+                             f"the ONNX node must carry them as attributes")
+        return {f.name: f.type(_scalar(values[f.name])) for f in self.fields}
+
+
+def _scalar(value: Any) -> Any:
+    # A builder hands fields over as arrays of one element.
+    return value.reshape(-1)[0].item() if hasattr(value, "reshape") else value
+
+
+def _launch_kda(inputs: Sequence[Tensor], fields: Mapping[str, Any]) -> tuple[Tensor, ...]:
+    # As torch.ops.k3.kda: the recurrence for decode (T = 1), the chunked form for prefill.
+    step = recurrent_kda if inputs[0].shape[1] == 1 else chunk_kda
+    return step(*inputs)
+
+
+def _launch_latent_mla(inputs: Sequence[Tensor], fields: Mapping[str, Any]) -> tuple[Tensor, ...]:
+    # latent_mla itself picks split-KV decode (T <= 16) or prefill tiles from T.
+    return (latent_mla(*inputs, fields["v_dim"], fields["scale"]),)
+
+
+KDA = PluginDefinition(
+    name="KDA",
+    fields=(),
+    inputs=tuple(TensorArg(n, g) for n, g in (("q", "T"), ("k", "T"), ("v", "T"), ("g", "TG"),
+                                                 ("beta", "TG"), ("initial_state", "TS"))),
+    outputs=(TensorArg("o", "T"), TensorArg("final_state", "TS")),
+    # g and beta may stay float32 under a half-precision model; the state is always float32.
+    groups={"T": FLOATS, "TG": FLOATS, "TS": ("float32",)},
+    output_shapes=lambda dims, fields, constant: [list(dims[2]), list(dims[5])],
+    launch=_launch_kda,
+)
+
+LATENT_MLA = PluginDefinition(
+    name="LatentMLA",
+    fields=(Field("v_dim", int), Field("scale", float)),
+    inputs=(TensorArg("q", "T"), TensorArg("kv", "TKV")),
+    outputs=(TensorArg("o", "T"),),
+    groups={"T": FLOATS, "TKV": FLOATS},
+    output_shapes=lambda dims, fields, constant: [[*dims[0][:3], constant(fields["v_dim"])]],
+    launch=_launch_latent_mla,
+)
+
+DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA)

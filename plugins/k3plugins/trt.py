@@ -1,0 +1,174 @@
+"""IPluginV3 adapters: present each `k3plugins.definitions` definition to a TensorRT builder.
+
+The classes are written against a `trt` module passed in, so that the one code serves `tensorrt`
+and `tensorrt_rtx` (both accept Python IPluginV3 plugins with an IPluginCreatorV3One creator):
+
+    import tensorrt_rtx as trt
+    import k3plugins.trt
+    k3plugins.trt.register(trt)   # before parsing an ONNX file with k3 nodes
+
+Shapes, dtypes, formats and fields come from the definition. `enqueue` wraps TensorRT's device
+pointers as torch tensors and calls the definition's launch on TensorRT's stream; it has not been
+executed (no GPU on the machines this was written on), and it copies the launchers' outputs into
+TensorRT's buffers, since the launchers allocate their own.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from k3plugins.definitions import DEFINITIONS, PluginDefinition
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _dtype_names(trt: ModuleType) -> dict[Any, str]:
+    return {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16", trt.DataType.BF16: "bfloat16"}
+
+
+def _field_types(trt: ModuleType) -> dict[type, tuple[Any, Any]]:
+    # The ONNX parser hands INT attributes over as INT32 and FLOAT ones as FLOAT32.
+    return {int: (trt.PluginFieldType.INT32, np.int32), float: (trt.PluginFieldType.FLOAT32, np.float32)}
+
+
+class _DeviceBuffer:
+    """A device allocation in the `__cuda_array_interface__` protocol, which torch.as_tensor reads."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
+                                         "version": 3}
+
+
+def _as_tensor(pointer: int, dims: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    shape = tuple(dims)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    # Bytes first, then the dtype: the interface has no type string for bfloat16.
+    return torch.as_tensor(_DeviceBuffer(pointer, nbytes), device="cuda").view(dtype).view(shape)
+
+
+@functools.cache
+def plugin_classes(trt: ModuleType) -> tuple[type, type]:
+    """(plugin class, creator class) for one TensorRT flavour."""
+    dtype_names = _dtype_names(trt)
+    field_types = _field_types(trt)
+
+    class K3Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+        def __init__(self, definition: PluginDefinition, fields: dict[str, Any]) -> None:
+            trt.IPluginV3.__init__(self)
+            trt.IPluginV3OneCore.__init__(self)
+            trt.IPluginV3OneBuild.__init__(self)
+            trt.IPluginV3OneRuntime.__init__(self)
+            self.definition, self.fields = definition, fields
+            self.plugin_name = definition.name
+            self.plugin_namespace = definition.namespace
+            self.plugin_version = definition.version
+            self.num_outputs = len(definition.outputs)
+
+        def get_capability_interface(self, type):
+            return self
+
+        def clone(self):
+            return K3Plugin(self.definition, dict(self.fields))
+
+        # Build capability.
+        def get_output_data_types(self, input_types):
+            names = self.definition.output_dtypes([dtype_names.get(t) for t in input_types])
+            by_name = {name: t for t, name in dtype_names.items()}
+            return [by_name[name] for name in names]
+
+        def get_output_shapes(self, inputs, shape_inputs, expr_builder):
+            dims = [[d[i] for i in range(len(d))] for d in inputs]
+            shapes = self.definition.output_shapes(dims, self.fields, expr_builder.constant)
+            outputs = []
+            for shape in shapes:
+                out = trt.DimsExprs(len(shape))
+                for i, d in enumerate(shape):
+                    out[i] = d
+                outputs.append(out)
+            return outputs
+
+        def supports_format_combination(self, pos, in_out, num_inputs):
+            desc = in_out[pos].desc
+            if desc.format != trt.TensorFormat.LINEAR or desc.type not in dtype_names:
+                return False
+            # Positions before pos are already decided; later ones are not yet.
+            dtypes = [dtype_names.get(d.desc.type) for d in in_out[:pos + 1]]
+            return self.definition.supports(dtypes)
+
+        def configure_plugin(self, inp, out):
+            pass
+
+        def get_workspace_size(self, inputs, outputs):
+            return 0
+
+        def get_valid_tactics(self):
+            return []
+
+        # Runtime capability.
+        def set_tactic(self, tactic):
+            pass
+
+        def on_shape_change(self, inp, out):
+            pass
+
+        def attach_to_context(self, context):
+            return self.clone()
+
+        def get_fields_to_serialize(self):
+            return trt.PluginFieldCollection([
+                trt.PluginField(f.name, np.array([self.fields[f.name]], dtype=field_types[f.type][1]),
+                                field_types[f.type][0])
+                for f in self.definition.fields])
+
+        def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
+            # Not executed yet: needs a GPU. Triton launches on torch's current stream.
+            def wrap(desc, pointer):
+                return _as_tensor(pointer, desc.dims, _TORCH_DTYPES[dtype_names[desc.type]])
+
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+                args = [wrap(d, p) for d, p in zip(input_desc, inputs, strict=True)]
+                results = self.definition.launch(args, self.fields)
+                for desc, pointer, result in zip(output_desc, outputs, results, strict=True):
+                    wrap(desc, pointer).copy_(result)
+            return 0
+
+    class K3PluginCreator(trt.IPluginCreatorV3One):
+        def __init__(self, definition: PluginDefinition) -> None:
+            trt.IPluginCreatorV3One.__init__(self)
+            self.definition = definition
+            self.name = definition.name
+            self.plugin_namespace = definition.namespace
+            self.plugin_version = definition.version
+            # Only fields declared here reach create_plugin from the ONNX node's attributes.
+            self.field_names = trt.PluginFieldCollection([
+                trt.PluginField(f.name, np.array([]), field_types[f.type][0]) for f in definition.fields])
+            # The fields of every plugin created, in order: what the parser passed from the ONNX file.
+            self.created: list[dict[str, Any]] = []
+
+        def create_plugin(self, name, fc, phase):
+            fields = self.definition.parse_fields({f.name: f.data for f in fc})
+            self.created.append(fields)
+            return K3Plugin(self.definition, fields)
+
+    return K3Plugin, K3PluginCreator
+
+
+def register(trt: ModuleType) -> dict[str, Any]:
+    """Registers a creator per definition with `trt`'s plugin registry; returns them by op name.
+    Idempotent: a creator already registered for a definition is returned as it is."""
+    _, creator_class = plugin_classes(trt)
+    registry = trt.get_plugin_registry()
+    creators = {}
+    for definition in DEFINITIONS:
+        existing = registry.get_creator(definition.name, definition.version, definition.namespace)
+        if existing is None:
+            existing = creator_class(definition)
+            registry.register_creator(existing, definition.namespace)
+        creators[definition.name] = existing
+    return creators

@@ -1,0 +1,146 @@
+"""Full TensorRT 10.x's `tensorrt.plugin` registration of the k3 ops, with KDA compiled ahead of time.
+
+UNEXECUTED: full TensorRT cannot be installed on the machines this was written on (and TensorRT-RTX
+ships no working `tensorrt.plugin`), so `register()` has never run; the plain parts it is built from
+(`kda_aot_kernel`, `kda_aot_launch`, the definitions' shapes) are tested directly.
+
+    import k3plugins.trt_aot
+    k3plugins.trt_aot.register()   # imports tensorrt.plugin; before parsing the ONNX file
+
+Both ops get a just-in-time `impl` (Python at run time, the definitions' launch, as the IPluginV3
+adapters do). KDA also gets an `aot_impl`: PTX baked into the engine, so that it runs without Python;
+TensorRT's ONNX parser takes it only for nodes carrying the attribute `aot = 1`, which the export
+does not write yet. LatentMLA has no AOT form: its kernel stores a log-sum-exp buffer that an AOT
+plugin has no workspace for, and AOT scalar arguments are int32 only (its `scale` is a float).
+
+An AOT plugin is one kernel launch with no workspace, so the AOT KDA runs the recurrence (exact for
+any T, the decode kernel) also for prefill: the chunked form is four kernels with intermediate
+buffers. An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the KDA
+kernel takes the outputs before the scalars, so `_kda_aot_kernel` reorders them. The compiled kernel
+also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
+"""
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from k3plugins import kernel_variants
+from k3plugins.aot import compile_variant
+from k3plugins.definitions import KDA, LATENT_MLA, PluginDefinition
+from k3plugins.variants import KernelVariant
+
+# Any recurrent variant gives the kernel function; dtype and block sizes are chosen when compiling.
+_RECURRENT = next(v for v in kernel_variants() if v.name.startswith("recurrent_kda_"))
+_recurrent_kda_kernel = _RECURRENT.fn
+BLOCK_V = _RECURRENT.constexprs["BV"]
+
+_TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+@triton.jit
+def _kda_aot_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BK: tl.constexpr, BV: tl.constexpr):
+    _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV)
+
+
+def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
+    """The AOT KDA kernel for q, k, v, o in `dtype` ("float32", ...) and key head dim `head_dim`;
+    g, beta and the states are float32."""
+    block_k = next((bk for bk in (32, 64, 128) if bk >= head_dim), None)
+    if block_k is None:
+        raise ValueError(f"KDA head dim K={head_dim}: the kernels support K <= 128")
+    t = _TRITON_DTYPES[dtype]
+    signature = {"q": f"*{t}", "k": f"*{t}", "v": f"*{t}", "g": "*fp32", "beta": "*fp32", "h0": "*fp32",
+                 "T": "i32", "H": "i32", "K": "i32", "V": "i32", "o": f"*{t}", "ht": "*fp32"}
+    constexprs = {"BK": block_k, "BV": BLOCK_V}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return KernelVariant(f"kda_aot_{t}_k{block_k}", _kda_aot_kernel, signature, constexprs,
+                         _RECURRENT.num_warps)
+
+
+def kda_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid, scalar args T, H, K, V) from q [B, T, H, K] and v [B, T, H, V]; the dims may be ints
+    or `tensorrt.plugin` shape expressions (only +, * and // are used)."""
+    B, T, H, K = q_dims
+    V = v_dims[3]
+    return (B * H, (V + BLOCK_V - 1) // BLOCK_V), [T, H, K, V]
+
+
+def _outputs(trtp: Any, trt: Any, definition: PluginDefinition, descs: Sequence[Any],
+             fields: dict[str, Any]) -> tuple[Any, ...]:
+    names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
+    types = {name: t for t, name in names.items()}
+    shapes = definition.output_shapes([list(d.shape_expr) for d in descs], fields, int)
+    dtypes = definition.output_dtypes([names[d.dtype] for d in descs])
+    return tuple(trtp.from_shape_expr(tuple(s), dtype=types[t]) for s, t in zip(shapes, dtypes, strict=True))
+
+
+def _run(definition: PluginDefinition, tensors: Sequence[Any], fields: dict[str, Any],
+         outputs: Sequence[Any], stream: int) -> None:
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        args = [torch.as_tensor(t, device="cuda") for t in tensors]
+        for out, result in zip(outputs, definition.launch(args, fields), strict=True):
+            torch.as_tensor(out, device="cuda").copy_(result)
+
+
+def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
+    """The autotune type combinations, one per choice of dtype for each group, each naming one type
+    per position (a string cannot mix tied and independent positions). The AOT KDA kernel takes g
+    and beta in float32 only."""
+    codes = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+    groups = dict(definition.groups)
+    if aot and definition is KDA:
+        groups["TG"] = ("float32",)
+    combinations = []
+    for choice in itertools.product(*groups.values()):
+        dtype = dict(zip(groups, choice, strict=True))
+        combinations.append(", ".join(codes[dtype[a.group]] for a in definition.inputs + definition.outputs))
+    return combinations
+
+
+def register() -> None:
+    """Registers k3::KDA and k3::LatentMLA with `tensorrt.plugin` (full TensorRT only). UNEXECUTED."""
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+
+    Desc = trtp.TensorDesc
+
+    @trtp.register("k3::KDA")
+    def kda_desc(q: Desc, k: Desc, v: Desc, g: Desc, beta: Desc, initial_state: Desc) -> tuple[Desc, Desc]:
+        return _outputs(trtp, trt, KDA, (q, k, v, g, beta, initial_state), {})
+
+    @trtp.autotune("k3::KDA")
+    def kda_autotune(q, k, v, g, beta, initial_state, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(KDA, aot=True)]
+
+    @trtp.impl("k3::KDA")
+    def kda_impl(q, k, v, g, beta, initial_state, outputs, stream: int) -> None:
+        _run(KDA, (q, k, v, g, beta, initial_state), {}, outputs, stream)
+
+    @trtp.aot_impl("k3::KDA")
+    def kda_aot(q, k, v, g, beta, initial_state, outputs, tactic: int):
+        names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
+        head_dim = q.shape_expr[3].constant_value()  # the model's head dim: static
+        compiled = compile_variant(kda_aot_kernel(names[v.dtype], head_dim))
+        grid, scalars = kda_aot_launch(list(q.shape_expr), list(v.shape_expr))
+        params = trtp.KernelLaunchParams()
+        params.grid_x, params.grid_y = grid
+        params.block_x = compiled.metadata.num_warps * 32
+        params.shared_mem = compiled.metadata.shared
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(s) for s in scalars])
+        return compiled.metadata.name, compiled.asm["ptx"], params, extra
+
+    @trtp.register("k3::LatentMLA")
+    def latent_mla_desc(q: Desc, kv: Desc, v_dim: int, scale: float) -> Desc:
+        return _outputs(trtp, trt, LATENT_MLA, (q, kv), {"v_dim": v_dim, "scale": scale})[0]
+
+    @trtp.autotune("k3::LatentMLA")
+    def latent_mla_autotune(q, kv, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(LATENT_MLA, aot=False)]
+
+    @trtp.impl("k3::LatentMLA")
+    def latent_mla_impl(q, kv, v_dim: int, scale: float, outputs, stream: int) -> None:
+        _run(LATENT_MLA, (q, kv), {"v_dim": v_dim, "scale": scale}, outputs, stream)

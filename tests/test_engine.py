@@ -1,0 +1,130 @@
+"""TensorRT-RTX on CPU: the k3 plugins replace the ONNX functions, an engine builds for SM89 and
+SM120 with the prefill and decode profiles, and a missing plugin is refused with a clear message.
+
+Every parse and build runs in a subprocess: some TensorRT failures abort the process."""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+
+if importlib.util.find_spec("tensorrt_rtx") is None:
+    pytest.skip("tensorrt_rtx is not installed (pip install tensorrt-rtx-cu13, then "
+                "python -m k3export.engine.rtx_setup)", allow_module_level=True)
+
+# Prints, as JSON: the parsed network's summary, or the built engine's report, or the error.
+SCRIPT = """
+import json, sys
+from dataclasses import asdict
+from pathlib import Path
+import k3plugins.trt
+from k3export.engine import build
+
+mode, register, export_dir = sys.argv[1], sys.argv[2] == "register", Path(sys.argv[3])
+trt = build.load_tensorrt_rtx()
+creators = k3plugins.trt.register(trt) if register else {}
+try:
+    if mode == "build":
+        result = asdict(build.build_engine(export_dir, sys.argv[4], target=sys.argv[5],
+                                           limits=build.Limits(batch=2, seq=64, past=128), trt=trt))
+    else:
+        logger = trt.Logger(trt.Logger.ERROR)
+        _, network, _ = build.parse(export_dir / "model.onnx", trt, logger, strict=mode == "strict")
+        result = asdict(build.summarize(network, trt, creators))
+except LookupError as error:
+    result = {"error": str(error)}
+print(json.dumps(result))
+"""
+
+LOOP_LAYERS = {"LOOP_OUTPUT", "RECURRENCE", "ITERATOR", "TRIP_LIMIT"}
+
+
+def run(mode: str, export_dir: Path, *args: str, register: bool = True) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, "register" if register else "none",
+                           str(export_dir), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def k3_nodes(export_dir: Path) -> list[onnx.NodeProto]:
+    model = onnx.load(export_dir / "model.onnx", load_external_data=False)
+    return [n for n in model.graph.node if n.domain == "k3"]
+
+
+@pytest.fixture(scope="module")
+def version2_export(tiny_export: Path, tmp_path_factory) -> Path:
+    """The export with every k3 node asking for plugin_version "2"."""
+    folder = tmp_path_factory.mktemp("engine") / "v2"
+    shutil.copytree(tiny_export, folder)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if node.domain == "k3" and attr.name == "plugin_version":
+                attr.s = b"2"
+    onnx.save(model, folder / "model.onnx")
+    return folder
+
+
+def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
+    manifest = json.loads((tiny_export / "export.json").read_text())
+    summary = run("strict", tiny_export)
+
+    plugins = [p.split(": ", 1)[1] for p in summary["plugin_layers"]]
+    mixers = [layer["mixer"] for layer in manifest["schedule"]]
+    assert plugins == [{"KDA": "k3::KDA v1", "MLA": "k3::LatentMLA v1"}[m] for m in mixers]
+    assert summary["layer_types"]["PLUGIN_V3"] == len(k3_nodes(tiny_export))
+    assert not LOOP_LAYERS & set(summary["layer_types"]), "a KDA function body was inlined"
+
+    # The fields the parser passed are the nodes' ONNX attributes.
+    expected = [{"v_dim": onnx.helper.get_attribute_value(a_v), "scale": onnx.helper.get_attribute_value(a_s)}
+                for node in k3_nodes(tiny_export) if node.op_type == "LatentMLA"
+                for a_v in node.attribute if a_v.name == "v_dim"
+                for a_s in node.attribute if a_s.name == "scale"]
+    assert len(expected) == mixers.count("MLA")
+    fields = summary["plugin_fields"]
+    assert fields["KDA"] == [{}] * mixers.count("KDA")
+    assert [f["v_dim"] for f in fields["LatentMLA"]] == [e["v_dim"] for e in expected]
+    assert [f["scale"] for f in fields["LatentMLA"]] == pytest.approx([e["scale"] for e in expected])
+
+
+@pytest.mark.parametrize("target", ["sm89", "sm120"])
+def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path, target: str) -> None:
+    out = tmp_path / f"tiny.{target}.engine"
+    report = run("build", tiny_export, str(out), target)
+
+    assert out.stat().st_size == report["bytes"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == [out.name], "a temporary file was left behind"
+    prefill, decode = report["profiles"]
+    # [min, opt, max] of input_ids [batch, seq]: prefill seq 1..64, decode seq 1; batch 1..2.
+    assert prefill["input_ids"] == [[1, 1], [2, 64], [2, 64]]
+    assert decode["input_ids"] == [[1, 1], [2, 1], [2, 1]]
+    latent = next(name for name in decode if name.endswith("mla_latent"))
+    assert [shape[1] for shape in decode[latent]] == [0, 128, 128]  # past 0..128
+    assert len(report["network"]["plugin_layers"]) == len(k3_nodes(tiny_export))
+
+
+def test_wrong_plugin_version_is_refused(version2_export: Path) -> None:
+    error = run("strict", version2_export)["error"]
+    assert "asks for plugin k3::KDA version '2', which is not registered" in error
+    assert "registered k3 plugins: k3::KDA v1, k3::LatentMLA v1" in error
+
+    # What the check guards against: the parser itself reports nothing and inlines the functions.
+    summary = run("lenient", version2_export)
+    assert summary["plugin_layers"] == []
+    assert summary["layer_types"]["RECURRENCE"] == sum(n.op_type == "KDA" for n in k3_nodes(version2_export))
+
+
+def test_unregistered_plugin_is_refused(tiny_export: Path) -> None:
+    error = run("strict", tiny_export, register=False)["error"]
+    assert "asks for plugin k3::KDA version '1', which is not registered" in error
+    assert "(registered k3 plugins: none)" in error
+
+    summary = run("lenient", tiny_export, register=False)
+    assert summary["plugin_layers"] == []
+    assert set(summary["layer_types"]) >= LOOP_LAYERS
