@@ -101,11 +101,22 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
                 input_names: list[str] | None = None, output_names: list[str] | None = None) -> ir.Model:
     """Exports `module` with the k3 table, attaches the functions and writes `path` with its
     weights in `<name>.data` beside it. Both files are written in a temporary folder and moved into
-    place, the model last, so an interrupted run leaves no model that points at missing data."""
+    place, the model last, so an interrupted run leaves no model that points at missing data.
+
+    A module whose weights are on the meta device exports without weights: each becomes a graph
+    input of its shape and dtype (after the weight inputs' names, the graph's own), so the file is
+    complete ONNX that checkers and shape inference accept at real shapes, with no weight bytes."""
+    with_weights = all(p.device.type != "meta" for p in module.parameters())
     program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
                                 dynamic_shapes=dynamic_shapes, opset_version=opset_version,
-                                input_names=input_names, output_names=output_names, verbose=False)
+                                input_names=input_names, output_names=output_names, verbose=False,
+                                optimize=with_weights)  # constant folding would read the weights
     model = attach_functions_ir(program.model)
+    if not with_weights:
+        for name in list(model.graph.initializers):
+            value = model.graph.initializers.pop(name)
+            value.const_value = None
+            model.graph.inputs.append(value)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data_name = f"{path.name}.data"
