@@ -7,10 +7,11 @@ and `tensorrt_rtx` (both accept Python IPluginV3 plugins with an IPluginCreatorV
     import k3plugins.trt
     k3plugins.trt.register(trt)   # before parsing an ONNX file with k3 nodes
 
-Shapes, dtypes, formats and fields come from the definition. `enqueue` wraps TensorRT's device
-pointers as torch tensors and calls the definition's launch on TensorRT's stream; it has not been
-executed (no GPU on the machines this was written on), and it copies the launchers' outputs into
-TensorRT's buffers, since the launchers allocate their own.
+Shapes, dtypes, formats and fields come from the definition. `enqueue` hands TensorRT's device
+pointers to `launch_from_pointers`, which wraps them as torch tensors, calls the definition's launch
+on TensorRT's stream and copies the launchers' outputs into TensorRT's buffers (the launchers
+allocate their own). That function takes no TensorRT types, so tools/gpu_check runs it on a GPU
+directly; enqueue itself has not run under TensorRT (no GPU where this was written).
 """
 
 from __future__ import annotations
@@ -50,6 +51,24 @@ def _as_tensor(pointer: int, dims: Sequence[int], dtype: torch.dtype) -> torch.T
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     # Bytes first, then the dtype: the interface has no type string for bfloat16.
     return torch.as_tensor(_DeviceBuffer(pointer, nbytes), device="cuda").view(dtype).view(shape)
+
+
+def launch_from_pointers(definition: PluginDefinition, fields: dict[str, Any],
+                         input_descs: Sequence[tuple[Sequence[int], str]],
+                         output_descs: Sequence[tuple[Sequence[int], str]],
+                         inputs: Sequence[int], outputs: Sequence[int], stream: int) -> None:
+    """The body of the plugin's enqueue, free of TensorRT types: each desc is (dims, dtype name),
+    `inputs` and `outputs` are device pointers and `stream` a CUDA stream handle. Triton launches on
+    torch's current stream, so that is made `stream` for the launch and the copies."""
+    def wrap(desc: tuple[Sequence[int], str], pointer: int) -> torch.Tensor:
+        dims, dtype = desc
+        return _as_tensor(pointer, dims, _TORCH_DTYPES[dtype])
+
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        args = [wrap(d, p) for d, p in zip(input_descs, inputs, strict=True)]
+        results = definition.launch(args, fields)
+        for desc, pointer, result in zip(output_descs, outputs, results, strict=True):
+            wrap(desc, pointer).copy_(result)
 
 
 @functools.cache
@@ -127,15 +146,11 @@ def plugin_classes(trt: ModuleType) -> tuple[type, type]:
                 for f in self.definition.fields])
 
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
-            # Not executed yet: needs a GPU. Triton launches on torch's current stream.
-            def wrap(desc, pointer):
-                return _as_tensor(pointer, desc.dims, _TORCH_DTYPES[dtype_names[desc.type]])
+            def plain(descs):
+                return [(tuple(d.dims), dtype_names[d.type]) for d in descs]
 
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                args = [wrap(d, p) for d, p in zip(input_desc, inputs, strict=True)]
-                results = self.definition.launch(args, self.fields)
-                for desc, pointer, result in zip(output_desc, outputs, results, strict=True):
-                    wrap(desc, pointer).copy_(result)
+            launch_from_pointers(self.definition, self.fields, plain(input_desc), plain(output_desc),
+                                 inputs, outputs, stream)
             return 0
 
     class K3PluginCreator(trt.IPluginCreatorV3One):
