@@ -1,14 +1,24 @@
 """Weights in and out as safetensors (never pickle), under the published checkpoint's names.
 
 The model holds the routed experts stacked ([E, ...] per projection); checkpoints hold one
-tensor per expert (`...experts.{e}.w1.weight`). `checkpoint_slots` is the one place where the
-two meet. Large checkpoints are sharded with a `model.safetensors.index.json` beside them.
+tensor per expert (`...experts.{e}.w1.weight`, or its MXFP4 pair `.weight_packed` +
+`.weight_scale`). `checkpoint_slots` is the one place where the two meet. Large checkpoints are
+sharded with a `model.safetensors.index.json` beside them.
+
+Two layouts load: our own (names as the model's) and the published Kimi-K3 one, whose
+language-model names carry a `language_model.` prefix and whose other tensors (the vision tower)
+are skipped and counted. `published_name` translates names; `_to_model_layout` holds the
+published tensors' quirks (A_log padding, conv layout, dtypes); mxfp4.py decodes experts.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from k3export import mxfp4
 from k3export.artifacts import atomic_path, write_atomic
 from k3export.config import K3Config
 from k3export.model import K3ForCausalLM
@@ -24,7 +35,12 @@ from k3export.model import K3ForCausalLM
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 4 << 30
-_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(w[123])")
+PUBLISHED_PREFIX = "language_model."
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+_STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(w[123])(_packed|_scale)?")
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+# One routed expert's matrix in a checkpoint: `.weight`, or a half of its MXFP4 pair.
+EXPERT_WEIGHT = re.compile(r"(.*\.experts\.\d+\.w[123])\.weight(?:_(packed|scale))?")
 
 
 class CheckpointError(ValueError):
@@ -32,19 +48,23 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_slots(model: nn.Module) -> dict[str, tuple[Tensor, int | None]]:
-    """Checkpoint name -> (parameter, expert index or None) for every tensor of the model."""
+    """Checkpoint name -> (parameter or buffer, expert index or None) for every tensor of the model.
+
+    Stacked experts [E, ...] give one name per expert; kept-packed experts (`w1_packed`,
+    `w1_scale` buffers) give the MXFP4 pair `experts.{e}.w1.weight_packed` / `.weight_scale`."""
     slots: dict[str, tuple[Tensor, int | None]] = {}
-    for name, param in model.named_parameters():
+    for name, tensor in chain(model.named_parameters(), model.named_buffers()):
         stacked = _STACKED_EXPERTS.fullmatch(name)
         if stacked:
-            for e in range(param.shape[0]):
-                slots[f"{stacked[1]}.{e}.{stacked[2]}.weight"] = (param, e)
+            suffix = "weight" + (stacked[3] or "")
+            for e in range(tensor.shape[0]):
+                slots[f"{stacked[1]}.{e}.{stacked[2]}.{suffix}"] = (tensor, e)
         else:
-            slots[name] = (param, None)
+            slots[name] = (tensor, None)
     return slots
 
 
-def _slot_tensor(param: Tensor, expert: int | None) -> Tensor:
+def slot_tensor(param: Tensor, expert: int | None) -> Tensor:
     return param if expert is None else param[expert]
 
 
@@ -58,7 +78,7 @@ def save_checkpoint(model: nn.Module, directory: str | Path,
     shard_bytes = 0
     slots = checkpoint_slots(model)
     for name, (param, expert) in slots.items():
-        size = _slot_tensor(param, expert).nbytes
+        size = slot_tensor(param, expert).nbytes
         if shards[-1] and shard_bytes + size > max_shard_bytes:
             shards.append([])
             shard_bytes = 0
@@ -71,13 +91,13 @@ def save_checkpoint(model: nn.Module, directory: str | Path,
     written = []
     for file_name, shard in zip(names, shards, strict=True):
         # Clones: safetensors refuses views that share storage (the per-expert slices).
-        tensors = {n: _slot_tensor(*slots[n]).detach().clone().contiguous() for n in shard}
+        tensors = {n: slot_tensor(*slots[n]).detach().clone().contiguous() for n in shard}
         path = directory / file_name
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata={"format": "pt"})
         written.append(path)
     if len(shards) > 1:
-        total = sum(_slot_tensor(p, e).nbytes for p, e in slots.values())
+        total = sum(slot_tensor(p, e).nbytes for p, e in slots.values())
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: f for f, shard in zip(names, shards, strict=True) for n in shard}}
         write_atomic(directory / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
@@ -106,47 +126,240 @@ def weight_map(directory: str | Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+def published_name(name: str) -> str | None:
+    """A published checkpoint's tensor name -> ours, or None for a tensor not of the language model.
+
+    `language_model.model.layers.3.x` -> `model.layers.3.x`, `language_model.lm_head.weight` ->
+    `lm_head.weight`. The form without `.model` (`language_model.layers.3.x`) is accepted too,
+    as sglang's KimiK3 loader accepts it (its WeightsMapper adds the infix)."""
+    if not name.startswith(PUBLISHED_PREFIX):
+        return None
+    name = name.removeprefix(PUBLISHED_PREFIX)
+    return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
+
+
+@dataclass
+class CheckpointLayout:
+    """What a checkpoint folder holds, from its index alone (no tensor is read)."""
+
+    directory: Path
+    published: bool
+    # Our name -> (the name in the file, the file).
+    tensors: dict[str, tuple[str, Path]]
+    # Tensors that are not the language model's (published layout only), by top-level name.
+    skipped: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def mxfp4_experts(self) -> int:
+        return sum(name.endswith(".weight_packed") for name in self.tensors)
+
+    def summary(self) -> str:
+        files = len({path for _, path in self.tensors.values()})
+        kind = "published (language_model.*)" if self.published else "k3export"
+        experts = f", {self.mxfp4_experts} routed-expert matrices in MXFP4" if self.mxfp4_experts else ""
+        line = f"checkpoint {self.directory}: {kind} layout, {len(self.tensors)} language-model tensors " \
+               f"in {files} files{experts}"
+        if self.published:
+            counts = ", ".join(f"{prefix}: {n}" for prefix, n in sorted(self.skipped.items())) or "none"
+            line += f"; skipped {sum(self.skipped.values())} other tensors ({counts})"
+        return line
+
+
+def read_layout(directory: str | Path) -> CheckpointLayout:
+    """The checkpoint's names mapped to ours. The published layout is recognised by its
+    `language_model.` names; its MXFP4 experts need config.json's quantization_config to say so."""
+    directory = Path(directory)
+    files = weight_map(directory)
+    published = any(name.startswith(PUBLISHED_PREFIX) for name in files)
+    layout = CheckpointLayout(directory, published, {})
+    for name, path in files.items():
+        ours = published_name(name) if published else name
+        if ours is None:
+            layout.skipped[name.split(".")[0]] += 1
+        elif ours in layout.tensors:
+            raise CheckpointError(f"{directory}: tensors {layout.tensors[ours][0]} and {name} both map "
+                                  f"to {ours}; expected one of them")
+        else:
+            layout.tensors[ours] = (name, path)
+    if published and layout.mxfp4_experts:
+        _check_quantization_config(directory / "config.json")
+    return layout
+
+
+def _check_quantization_config(path: Path) -> None:
+    """The published config.json keeps quantization_config under text_config (sglang copies it
+    to the top level): accept either, and require compressed-tensors MXFP4, groups of 32."""
+    try:
+        config = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: expected the checkpoint's config.json ({e})") from None
+    quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("format") != MXFP4_FORMAT:
+        raise CheckpointError(f"{path}: field 'text_config.quantization_config.format': expected "
+                              f"{MXFP4_FORMAT!r} for the checkpoint's .weight_packed tensors")
+    for group, scheme in quant.get("config_groups", {}).items():
+        weights = scheme.get("weights") or {}
+        expected = {"num_bits": 4, "type": "float", "group_size": mxfp4.GROUP}
+        for key, value in expected.items():
+            if weights.get(key) != value:
+                raise CheckpointError(f"{path}: field 'quantization_config.config_groups.{group}.weights."
+                                      f"{key}' = {weights.get(key)!r}: expected {value!r} (MXFP4)")
+
+
+def _in_range(name: str, layers: range, num_layers: int) -> bool:
+    """Whether a tensor (our name) is used by `layers`: the embedding by layer 0, the final
+    norm, AttnRes output mix and LM head by the last layer."""
+    layer = LAYER_NAME.match(name)
+    if layer:
+        return int(layer[1]) in layers
+    if name.startswith("model.embed_tokens."):
+        return layers.start == 0
+    return layers.stop == num_layers
+
+
+def _to_model_layout(name: str, tensor: Tensor, target: Tensor, where: str) -> Tensor:
+    """The published tensors' quirks, in one place; dtypes are cast by the copy that follows
+    (so a bfloat16 e_score_correction_bias, as sglang's loader allows, reaches the float32 slot)."""
+    if name.endswith(".A_log"):
+        # Published: F32 [128], heads first, zero padding after; sglang/vLLM (Kimi Linear) hold
+        # [1, 1, H, 1]. The model holds [H].
+        padded = tensor.dim() == 1 or (tensor.dim() == 4 and tensor.shape[:2] + tensor.shape[3:] == (1, 1, 1))
+        flat, heads = tensor.flatten(), target.shape[0]
+        if padded and flat.numel() > heads:
+            if flat[heads:].any():
+                raise CheckpointError(f"{where}: {name} has non-zero entries past the {heads} heads "
+                                      f"(shape {list(tensor.shape)}); expected zero padding")
+            return flat[:heads]
+        return flat if padded else tensor
+    if name.endswith("_conv1d.weight") and tensor.dim() == 2:
+        # nn.Conv1d's depthwise [C, 1, W] as published; [C, W] is accepted as well.
+        return tensor.unsqueeze(1)
+    return tensor
+
+
+class _Loader:
+    """One load: fills the model's slots from the files, recording what did not fit."""
+
+    def __init__(self, model: nn.Module, layout: CheckpointLayout) -> None:
+        self.slots = checkpoint_slots(model)
+        self.layout = layout
+        self.loaded: set[str] = set()
+        self.misshaped: dict[str, str] = {}
+        self.pairs: dict[str, dict[str, Tensor]] = {}  # MXFP4 halves waiting for their partner
+
+    def fills(self, ours: str) -> bool:
+        """Whether a checkpoint tensor has a slot: its own, or for an MXFP4 half when the model
+        holds dequantised experts, the expert's `.weight`."""
+        pair = EXPERT_WEIGHT.fullmatch(ours)
+        return ours in self.slots or (pair is not None and f"{pair[1]}.weight" in self.slots)
+
+    def copy(self, ours: str, tensor: Tensor, path: Path) -> None:
+        target = slot_tensor(*self.slots[ours])
+        name, shape = self.layout.tensors[ours][0], list(tensor.shape)
+        tensor = _to_model_layout(name, tensor, target, str(path))
+        if tensor.shape != target.shape:
+            self.misshaped[ours] = f"{name} ({path.name}: {shape}, model: {list(target.shape)})"
+            return
+        target.copy_(tensor)
+        self.loaded.add(ours)
+
+    def add(self, ours: str, tensor: Tensor, path: Path) -> None:
+        pair = EXPERT_WEIGHT.fullmatch(ours)
+        if pair is None or pair[2] is None:
+            self.copy(ours, tensor, path)
+            return
+        # Both halves are needed to check (and perhaps decode) either; they usually share a shard.
+        halves = self.pairs.setdefault(pair[1], {})
+        halves[pair[2]] = tensor
+        if len(halves) < 2:
+            return
+        del self.pairs[pair[1]]
+        base, packed, scale = pair[1], halves["packed"], halves["scale"]
+        try:
+            mxfp4.check(packed, scale, f"{path}: {self.layout.tensors[f'{base}.weight_scale'][0]}")
+        except mxfp4.MXFP4Error as e:
+            raise CheckpointError(str(e)) from None
+        dense = f"{base}.weight"
+        if dense not in self.slots:
+            self.copy(f"{base}.weight_packed", packed, path)
+            self.copy(f"{base}.weight_scale", scale, path)
+            return
+        target = slot_tensor(*self.slots[dense])
+        if packed.shape[-1] * 2 != target.shape[-1] or scale.shape != (*target.shape[:-1],
+                                                                      target.shape[-1] // mxfp4.GROUP):
+            name = self.layout.tensors[f"{base}.weight_packed"][0]
+            self.misshaped[dense] = (f"{name}/_scale ({path.name}: {list(packed.shape)} + "
+                                     f"{list(scale.shape)}, model: {list(target.shape)} as MXFP4)")
+            return
+        target.copy_(mxfp4.dequantize(packed, scale, target.dtype))
+        self.loaded.add(dense)
+
+
+@dataclass
+class LoadReport:
+    layout: CheckpointLayout
+    files_read: list[Path]
+    tensors_loaded: int
+
+    def summary(self) -> str:
+        total = len({path for _, path in self.layout.tensors.values()})
+        return (f"{self.layout.summary()}; loaded {self.tensors_loaded} tensors from "
+                f"{len(self.files_read)} of those {total} files")
+
+
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, directory: str | Path) -> None:
-    """Copies every tensor into the model (cast to the parameter's dtype), one file at a time.
+def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | None = None) -> LoadReport:
+    """Copies the checkpoint's tensors into the model (cast to each slot's dtype), one file at a
+    time; with `layers`, only those layers' tensors (and the globals they need), opening only
+    the files that hold them. Reads either layout (see read_layout); MXFP4 experts are decoded
+    to the model dtype, or copied as they are into a model whose experts are kept packed.
 
     Raises CheckpointError naming every missing, unexpected and mis-shaped tensor; the model
     may then be partly loaded and should be discarded."""
-    slots = checkpoint_slots(model)
+    layout = read_layout(directory)
+    loader = _Loader(model, layout)
+
+    def needed(name: str) -> bool:
+        return layers is None or _in_range(name, layers, len(model.model.layers))
+
+    wanted = [n for n in loader.slots if needed(n)]
     files: dict[Path, list[str]] = {}
-    for name, path in weight_map(directory).items():
-        files.setdefault(path, []).append(name)
     unexpected: list[str] = []
-    misshaped: dict[str, str] = {}
-    loaded: set[str] = set()
+    for ours, (name, path) in layout.tensors.items():
+        if not loader.fills(ours):
+            unexpected.append(name)
+        elif needed(ours):
+            files.setdefault(path, []).append(ours)
     for path, names in files.items():
         with safe_open(path, framework="pt") as f:
-            for name in names:
-                if name not in slots:
-                    unexpected.append(name)
-                    continue
-                target = _slot_tensor(*slots[name])
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(target.shape):
-                    misshaped[name] = f"{name} ({path.name}: {list(shape)}, model: {list(target.shape)})"
-                    continue
-                target.copy_(f.get_tensor(name))
-                loaded.add(name)
-    missing = [name for name in slots if name not in loaded and name not in misshaped]
+            for ours in names:
+                loader.add(ours, f.get_tensor(layout.tensors[ours][0]), path)
+    missing = [n for n in wanted if n not in loader.loaded and n not in loader.misshaped]
     problems = [(label, items) for label, items in
-                (("missing", missing), ("unexpected", unexpected), ("mis-shaped", list(misshaped.values())))
-                if items]
+                (("missing", missing), ("unexpected", unexpected),
+                 ("mis-shaped", list(loader.misshaped.values()))) if items]
     if problems:
         lines = [f"{label} ({len(items)}): " + ", ".join(items[:10]) + (" ..." if len(items) > 10 else "")
                  for label, items in problems]
         raise CheckpointError(f"{directory}: checkpoint does not match the model:\n  " + "\n  ".join(lines))
+    return LoadReport(layout, list(files), len(loader.loaded))
 
 
-def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any]) -> K3ForCausalLM:
-    """The eager model with its weights from `{"seed": N}` or `{"checkpoint": DIR}`."""
+def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], layers: range | None = None,
+                log: Callable[[str], None] = lambda _: None) -> K3ForCausalLM:
+    """The eager model with its weights from `{"seed": N}` or `{"checkpoint": DIR}`; with a
+    checkpoint, `"packed_experts": true` keeps its MXFP4 routed experts packed (dequantised in
+    forward) and `layers` loads only those layers' weights (the rest stay uninitialised)."""
     model = K3ForCausalLM(config, dtype).eval()
     if "checkpoint" in weights:
-        load_checkpoint(model, weights["checkpoint"])
+        if weights.get("packed_experts"):
+            if not read_layout(weights["checkpoint"]).mxfp4_experts:
+                raise CheckpointError(f"{weights['checkpoint']}: packed experts need MXFP4 routed experts "
+                                      "(experts.{e}.w1.weight_packed); this checkpoint has none")
+            for layer in model.model.layers:
+                if not layer.is_dense:
+                    layer.block_sparse_moe.experts.keep_packed()
+        log(load_checkpoint(model, weights["checkpoint"], layers).summary())
     elif "seed" in weights:
         model.init_weights(int(weights["seed"]))
     else:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from k3export.accounting import COMPONENTS, parameter_report
-from k3export.checkpoint import CheckpointError
+from k3export.checkpoint import CheckpointError, read_layout
 from k3export.config import PRESETS, ConfigError, K3Config
 
 
@@ -18,7 +18,8 @@ def _add_model_source(parser: argparse.ArgumentParser, checkpoint: bool = False)
     source.add_argument("--preset", choices=list(PRESETS), help="a built-in configuration")
     source.add_argument("--config", metavar="PATH", help="an HF config.json (text_config is read)")
     if checkpoint:
-        source.add_argument("--checkpoint", metavar="DIR", help="safetensors weights with their config.json")
+        source.add_argument("--checkpoint", metavar="DIR", help="safetensors weights with their config.json "
+                            "(ours, or the published layout with the language model under language_model.)")
 
 
 def _config(args: argparse.Namespace) -> K3Config:
@@ -40,6 +41,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     config = _config(args)
     report = parameter_report(config)
     cache = report.cache(args.context)
+    layout = read_layout(args.checkpoint) if args.checkpoint else None
     if args.json:
         print(json.dumps({
             "parameters": {"total": report.total, "active_per_token": report.active,
@@ -47,8 +49,17 @@ def cmd_info(args: argparse.Namespace) -> int:
             "weight_bytes": {"all_in_model_dtype": report.weight_bytes,
                              "routed_experts_mxfp4": report.weight_bytes_mxfp4_experts},
             "decode_cache_bytes": cache,
+            **({"checkpoint": {"published": layout.published, "language_model_tensors": len(layout.tensors),
+                               "mxfp4_expert_matrices": layout.mxfp4_experts,
+                               "skipped": dict(layout.skipped)}} if layout else {}),
         }, indent=2))
         return 0
+    if layout:
+        print(layout.summary())
+        if layout.mxfp4_experts:
+            print(f"its MXFP4 routed experts load dequantised to {config.torch_dtype} "
+                  f"({_human(report.weight_bytes, 'B')} of weights in all), or kept packed with "
+                  f"`export --packed-experts` ({_human(report.weight_bytes_mxfp4_experts, 'B')})")
     n_mla = len(config.mla_layers)
     print(f"{config.num_hidden_layers} layers: {config.num_hidden_layers - n_mla} KDA, {n_mla} MLA "
           f"(1-based {config.linear_attn_config.full_attn_layers}); weights {config.torch_dtype}")
@@ -82,9 +93,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     weights = {"checkpoint": str(Path(args.checkpoint).resolve())} if args.checkpoint else {"seed": args.seed}
+    if args.packed_experts:
+        if not args.checkpoint:
+            raise ConfigError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts")
+        weights["packed_experts"] = True
     print(f"building the eager model: layers {layers.start}..{layers.stop - 1} of "
           f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
-    model = build_model(config, getattr(torch, dtype_name), weights)
+    model = build_model(config, getattr(torch, dtype_name), weights, layers, log=print)
     out = Path(args.out)
     print(f"exporting to {out} (torch.export, then ONNX translation; minutes for large models)")
     with staged_dir(out) as stage:
@@ -142,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="parameters, active parameters, cache and weight bytes")
-    _add_model_source(info)
+    _add_model_source(info, checkpoint=True)
     info.add_argument("--context", type=int, default=131072, help="tokens for the per-sequence cache")
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=cmd_info)
@@ -154,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="default: the config's torch_dtype")
     export.add_argument("--layers", metavar="A:B", help="0-based layer range [A, B); default all")
+    export.add_argument("--packed-experts", action="store_true",
+                        help="keep the checkpoint's MXFP4 routed experts packed in the eager model "
+                        "(4.25 bits a weight in memory; the ONNX file still holds them dequantised)")
     export.set_defaults(run=cmd_export)
 
     check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")

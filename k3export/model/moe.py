@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from k3export import mxfp4
 from k3export.config import K3Config
 from k3export.model.layers import RMSNorm, SituMLP, situ_glu
 
@@ -37,15 +38,40 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     """All routed experts' weights stacked: w1/w3 (gate/up) [E, I, L], w2 (down) [E, L, I].
 
-    Checkpoints hold them per expert (`experts.{e}.w1.weight`); checkpoint.py converts."""
+    Checkpoints hold them per expert (`experts.{e}.w1.weight`); checkpoint.py converts.
+    After `keep_packed()` they are MXFP4 buffers instead, dequantised on every forward call."""
+
+    PROJECTIONS = ("w1", "w2", "w3")
 
     def __init__(self, config: K3Config, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         E, I, L = config.num_experts, config.moe_intermediate_size, config.routed_expert_hidden_size
         self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.packed = False
         self.w1 = nn.Parameter(torch.empty(E, I, L, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(E, I, L, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(E, L, I, dtype=dtype))
+
+    def keep_packed(self) -> None:
+        """Replaces w1/w2/w3 [E, O, I] by MXFP4 buffers `{w}_packed` [E, O, I/2] and `{w}_scale`
+        [E, O, I/32] (uint8, 4.25 bits a weight instead of 16), as the published checkpoint
+        stores them; forward then dequantises to the model dtype. torch.export's graph keeps that
+        dequantisation; the ONNX exporter currently folds it into float initializers."""
+        for name in self.PROJECTIONS:
+            weight = getattr(self, name)
+            E, O, I = weight.shape
+            self.dtype = weight.dtype
+            delattr(self, name)
+            self.register_buffer(f"{name}_packed", torch.zeros(E, O, I // 2, dtype=torch.uint8,
+                                                               device=weight.device))
+            self.register_buffer(f"{name}_scale", torch.zeros(E, O, I // mxfp4.GROUP, dtype=torch.uint8,
+                                                              device=weight.device))
+        self.packed = True
+
+    def weight(self, name: str) -> Tensor:
+        if not self.packed:
+            return getattr(self, name)
+        return mxfp4.dequantize(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), self.dtype)
 
     def forward(self, z: Tensor, combine: Tensor) -> Tensor:
         """sum_e combine[n, e] * E_e(z_n), accumulated in float32.
@@ -54,10 +80,10 @@ class RoutedExperts(nn.Module):
         selects. It is static-shaped, so it traces and exports, at E / k times the FLOPs of a
         grouped GEMM; a grouped-GEMM MoE plugin is later work."""
         # Batched matmuls over experts rather than einsum: ONNX's Einsum has no bfloat16.
-        a = z @ self.w1.transpose(1, 2)  # [E, N, I]
-        b = z @ self.w3.transpose(1, 2)
+        a = z @ self.weight("w1").transpose(1, 2)  # [E, N, I]
+        b = z @ self.weight("w3").transpose(1, 2)
         h = situ_glu(a, b, self.beta, self.linear_beta).to(z.dtype)
-        y = h @ self.w2.transpose(1, 2)  # [E, N, L]
+        y = h @ self.weight("w2").transpose(1, 2)  # [E, N, L]
         return (y.float() * combine.T[..., None]).sum(0)
 
 

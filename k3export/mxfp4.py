@@ -1,0 +1,88 @@
+"""MXFP4 as the published checkpoint stores routed experts (compressed-tensors `mxfp4-pack-quantized`).
+
+A weight [O, I] is held as `weight_packed` uint8 [O, I/2] and `weight_scale` uint8 [O, I/32]:
+- each byte packs two E2M1 codes along the input dim, element 2i in the low nibble, 2i+1 in the high;
+- an E2M1 code is bit 3 sign, bits 0-2 an index into {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+- each group of 32 inputs shares one E8M0 scale byte s, meaning 2^(s - 127); s = 255 is NaN.
+Every decoded value is a power of two times an E2M1 value, so float32 and bfloat16 hold it exactly
+unless it overflows (only possible for s >= 253). The functions are pure tensor code, so the
+exported graph can run `dequantize` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+GROUP = 32
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NAN_SCALE = 255
+
+
+class MXFP4Error(ValueError):
+    """Packed data that does not decode to finite weights; the message names the tensor."""
+
+
+def _scale_values() -> Tensor:
+    """2^(s - 127) for every byte s, built from float32 bit patterns so that each is exact
+    (s = 0 is the subnormal 2^-127; s = 255 gives NaN, as OCP E8M0 defines it)."""
+    bits = torch.arange(256, dtype=torch.int32) << 23
+    bits[0] = 1 << 22
+    bits[NAN_SCALE] = 0x7FC00000
+    return bits.view(torch.float32)
+
+
+# Lookup tables, built once: traced graphs then carry them as constants.
+SCALE_VALUES = _scale_values()
+E2M1_TABLE = torch.tensor(E2M1_VALUES)
+
+
+def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """packed [..., I/2] and scale [..., I/32] (uint8) -> weights [..., I] in `dtype`.
+
+    Computed in float32, where every product is exact, then cast (exact for bfloat16 too)."""
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).long()
+    magnitude = E2M1_TABLE.to(packed.device)[codes & 0x7]
+    values = torch.where(codes >= 8, -magnitude, magnitude)
+    factor = SCALE_VALUES.to(packed.device)[scale.long()]
+    grouped = values.unflatten(-1, (scale.shape[-1], GROUP)) * factor[..., None]
+    return grouped.flatten(-2).to(dtype)
+
+
+def check(packed: Tensor, scale: Tensor, name: str) -> None:
+    """Refuses a scale byte of 255 (NaN in OCP E8M0) and values beyond the float32 range."""
+    bad = (scale == NAN_SCALE).nonzero()
+    if len(bad):
+        raise MXFP4Error(f"{name}: {len(bad)} scale bytes are 255, NaN in OCP E8M0 (first at "
+                         f"{bad[0].tolist()}); expected 0..254")
+    # Only 2^126 and 2^127 times the largest E2M1 values reach 2^128; skip decoding otherwise.
+    if int(scale.max()) >= 253 and not torch.isfinite(dequantize(packed, scale, torch.float32)).all():
+        raise MXFP4Error(f"{name}: scale bytes of {int(scale.max())} make values beyond the float32 "
+                         "range; expected finite weights")
+
+
+def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weights [..., I] -> (packed, scale), the inverse of `dequantize` up to rounding.
+
+    Rounding rule: each group of 32 gets the smallest power-of-two scale 2^e with
+    max|w| <= 6 * 2^e (so nothing saturates; e clamped to -127..127), and each w / 2^e rounds to
+    the nearest E2M1 value, ties to the even code. The error is then at most half the local
+    E2M1 spacing times 2^e: 0.25, 0.5 or 1 times 2^e below 2, 4 and 6 times 2^e."""
+    if weight.shape[-1] % GROUP:
+        raise ValueError(f"MXFP4 needs the input dim to be a multiple of {GROUP}; got {list(weight.shape)}")
+    groups = weight.float().unflatten(-1, (-1, GROUP))
+    amax = groups.abs().amax(-1)
+    powers = SCALE_VALUES
+    exponent = torch.ceil(torch.log2(amax / 6)).nan_to_num(-127.0, -127.0, -127.0).clamp(-127, 127).long()
+    # log2 in float is inexact: settle the exponent on exact power-of-two comparisons.
+    exponent = exponent + ((amax > 6 * powers[exponent + 127]) & (exponent < 127)).long()
+    exponent = exponent - ((amax <= 3 * powers[exponent + 127]) & (exponent > -127)).long()
+    scaled = (groups / powers[exponent + 127][..., None]).abs()
+    midpoints = (E2M1_TABLE[1:] + E2M1_TABLE[:-1]) / 2
+    # Index of the nearest value; at a midpoint, the neighbour with the even index.
+    index = (scaled[..., None] > midpoints).sum(-1)
+    tie_up = (scaled[..., None] == midpoints) & (torch.arange(1, 8) % 2 == 0)
+    index = index + tie_up.sum(-1)
+    codes = (index + 8 * (groups < 0)).to(torch.uint8).flatten(-2)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).to(torch.uint8)
