@@ -347,9 +347,13 @@ def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | Non
 
 def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], layers: range | None = None,
                 log: Callable[[str], None] = lambda _: None) -> K3ForCausalLM:
-    """The eager model with its weights from `{"seed": N}` or `{"checkpoint": DIR}`; with a
+    """The eager model with its weights from `{"seed": N}` or `{"checkpoint": DIR}`, or with none
+    (`{"stripped": true}`: on the meta device, for exporting a graph at real shapes); with a
     checkpoint, `"packed_experts": true` keeps its MXFP4 routed experts packed (dequantised in
     forward) and `layers` loads only those layers' weights (the rest stay uninitialised)."""
+    if weights.get("stripped"):
+        with torch.device("meta"):
+            return K3ForCausalLM(config, dtype).eval()
     model = K3ForCausalLM(config, dtype).eval()
     if "checkpoint" in weights:
         if weights.get("packed_experts"):
@@ -363,5 +367,6 @@ def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], l
     elif "seed" in weights:
         model.init_weights(int(weights["seed"]))
     else:
-        raise CheckpointError(f"weights {weights!r}: expected a seed or a checkpoint")
+        raise CheckpointError(f"weights {weights!r}: expected a seed or a checkpoint "
+                              "(an export made with --no-weights has no numbers to check)")
     return model

@@ -92,7 +92,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         layers = parse_layers(args.layers, config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    weights = {"checkpoint": str(Path(args.checkpoint).resolve())} if args.checkpoint else {"seed": args.seed}
+    if args.no_weights:
+        weights: dict = {"stripped": True}
+    elif args.checkpoint:
+        weights = {"checkpoint": str(Path(args.checkpoint).resolve())}
+    else:
+        weights = {"seed": args.seed}
     if args.packed_experts:
         if not args.checkpoint:
             raise ConfigError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts")
@@ -106,8 +111,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         manifest = export_model(model, stage, layers, weights)
     nodes = manifest["custom_nodes"]
     size = sum((out / f).stat().st_size for f in manifest["sha256"])
+    held = "no weights (they are graph inputs)" if args.no_weights else "with weights"
     print(f"wrote {out}/{manifest['graph']}: {nodes['KDA']} KDA and {nodes['LatentMLA']} LatentMLA nodes, "
-          f"opset {manifest['opset']}, {_human(size, 'B')} with weights; inputs/outputs in export.json")
+          f"opset {manifest['opset']}, {_human(size, 'B')} {held}; inputs/outputs in export.json")
     return 0
 
 
@@ -169,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="default: the config's torch_dtype")
     export.add_argument("--layers", metavar="A:B", help="0-based layer range [A, B); default all")
+    export.add_argument("--no-weights", action="store_true",
+                        help="the graph alone at real shapes: weights stay on the meta device and "
+                             "become named graph inputs; nothing to check numerically")
     export.add_argument("--packed-experts", action="store_true",
                         help="keep the checkpoint's MXFP4 routed experts packed in the eager model "
                         "(4.25 bits a weight in memory; the ONNX file still holds them dequantised)")

@@ -43,7 +43,9 @@ class LatentMLA(nn.Module):
 
     def latent_rows(self, x: Tensor) -> Tensor:
         """The cache rows of x's tokens: [RMSNorm(c_kv) | k_r], k_r shared by all heads."""
-        c_kv, k_r = self.kv_a_proj_with_mqa(x).split([self.latent_rank, self.rope_dim], dim=-1)
+        # Slices, not split(): ONNX's SplitToSequence has no bfloat16.
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_r = kv[..., :self.latent_rank], kv[..., self.latent_rank:]
         return torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1)
 
     def head_weights(self) -> tuple[Tensor, Tensor]:

@@ -117,6 +117,9 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
     manifest, config = read_export(onnx_dir)
     dtype = manifest["dtype"]
+    if manifest["weights"].get("stripped"):
+        raise ValueError(f"{onnx_dir}: exported with --no-weights, so there are no numbers to check; "
+                         "it is checked structurally (onnx.checker full_check)")
     if dtype == "bfloat16":
         raise ValueError(f"{onnx_dir}: a bfloat16 export cannot be fed through numpy; "
                          "it is checked structurally (see the README)")

@@ -121,7 +121,8 @@ class ExportGraph(nn.Module):
         if layers.start == 0:
             bank, partial, rest = [], model.model.embed_tokens(inputs[0]), list(inputs[1:])
         else:
-            bank, partial, rest = list(inputs[0].unbind(0)), inputs[1], list(inputs[2:])
+            bank = [inputs[0][j] for j in range(inputs[0].shape[0])]  # the row count is static
+            partial, rest = inputs[1], list(inputs[2:])
         caches: list[LayerCache] = []
         for layer in layers:
             kind = MLACache if model.config.is_mla(layer) else KDACache
