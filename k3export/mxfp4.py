@@ -41,8 +41,11 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat1
     """packed [..., I/2] and scale [..., I/32] (uint8) -> weights [..., I] in `dtype`.
 
     Computed in float32, where every product is exact, then cast (exact for bfloat16 too)."""
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).long()
-    magnitude = E2M1_TABLE.to(packed.device)[codes & 0x7]
+    # Nibbles by integer division, not shifts: it exports to ONNX ops that every backend has
+    # (the exporter's uint8 right shift is mistyped, and BitShift takes unsigned types only).
+    byte = packed.long()
+    codes = torch.stack([byte % 16, byte // 16], dim=-1).flatten(-2)
+    magnitude = E2M1_TABLE.to(packed.device)[codes % 8]
     values = torch.where(codes >= 8, -magnitude, magnitude)
     factor = SCALE_VALUES.to(packed.device)[scale.long()]
     grouped = values.unflatten(-1, (scale.shape[-1], GROUP)) * factor[..., None]

@@ -103,14 +103,18 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     weights in `<name>.data` beside it. Both files are written in a temporary folder and moved into
     place, the model last, so an interrupted run leaves no model that points at missing data.
 
+    MXFP4 experts kept packed stay uint8 in the file and are dequantised by the graph.
     A module whose weights are on the meta device exports without weights: each becomes a graph
     input of its shape and dtype (after the weight inputs' names, the graph's own), so the file is
     complete ONNX that checkers and shape inference accept at real shapes, with no weight bytes."""
     with_weights = all(p.device.type != "meta" for p in module.parameters())
+    # The optimizer's constant folding would read meta weights, and would fold packed MXFP4 experts
+    # (uint8 buffers) back into float weights.
+    optimize = with_weights and not any(b.dtype == torch.uint8 for b in module.buffers())
     program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
                                 dynamic_shapes=dynamic_shapes, opset_version=opset_version,
                                 input_names=input_names, output_names=output_names, verbose=False,
-                                optimize=with_weights)  # constant folding would read the weights
+                                optimize=optimize)
     model = attach_functions_ir(program.model)
     if not with_weights:
         for name in list(model.graph.initializers):
