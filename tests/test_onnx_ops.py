@@ -9,6 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from reference import kda_inputs, rel_error
 from torch import Tensor
 
 from k3export.onnx import TRANSLATION_TABLE, attach_functions, export_onnx
@@ -34,18 +35,6 @@ class MLAModule(torch.nn.Module):
         return torch.ops.k3.latent_mla(q, kv, V_DIM, SCALE)
 
 
-def kda_inputs(B: int, T: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, ...]:
-    """Valid inputs: k L2-normed, beta in (0, 1), g in (-5, 0], q scaled; g, beta, state float32."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=gen) * K ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = -5 * torch.rand(B, T, H, K, generator=gen)
-    beta = torch.rand(B, T, H, generator=gen).clamp(1e-3, 1 - 1e-3)
-    state = torch.randn(B, H, K, V, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta, state
-
-
 def mla_inputs(B: int, T: int, S: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, MLA_H, MLA_D, generator=gen)
@@ -61,7 +50,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, torch.dt
     for dtype in (torch.float32, torch.float16):
         name = str(dtype).removeprefix("torch.")
         paths["kda", dtype] = folder / f"kda_{name}.onnx"
-        export_onnx(KDAModule().eval(), kda_inputs(2, 5, dtype), paths["kda", dtype],
+        export_onnx(KDAModule().eval(), kda_inputs(2, 5, H, K, V, dtype), paths["kda", dtype],
                     dynamic_shapes=(*[BATCH_TIME] * 5, {0: "batch"}))
         paths["mla", dtype] = folder / f"mla_{name}.onnx"
         export_onnx(MLAModule().eval(), mla_inputs(2, 3, 7, dtype), paths["mla", dtype],
@@ -79,9 +68,7 @@ def run_ort(path: Path, inputs: tuple[Tensor, ...]) -> list[Tensor]:
 
 def assert_close(actual: Tensor, expected: Tensor, tol: float) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    diff = actual.double() - expected.double()
-    rel = (diff.norm() / expected.double().norm()).item()
-    assert rel <= tol, f"relative error {rel:.3g} > {tol:g} (max abs {diff.abs().max().item():.3g})"
+    assert rel_error(actual, expected) <= tol
 
 
 @pytest.mark.parametrize(("op", "op_type", "attributes"), [
@@ -108,7 +95,7 @@ def test_one_custom_node_and_its_function(models, op, op_type, attributes):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("B", "T"), [(1, 1), (3, 1), (2, 37), (2, 64), (3, 100)])
 def test_kda_matches_eager(models, dtype, B, T):
-    inputs = kda_inputs(B, T, dtype, seed=T)
+    inputs = kda_inputs(B, T, H, K, V, dtype, seed=T)
     o, state = run_ort(models["kda", dtype], inputs)
     o_ref, state_ref = torch.ops.k3.kda(*inputs)
     assert_close(o, o_ref, FP32_TOL if dtype == torch.float32 else FP16_TOL)
