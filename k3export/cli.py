@@ -153,9 +153,27 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """The eager model, then the pipeline on it: export, check, build (when TensorRT-RTX is there)."""
+    import importlib.util
+
     from k3export.demo import run_demo
 
-    return run_demo(args.seed, args.prompt_len, args.steps)
+    code = run_demo(args.seed, args.prompt_len, args.steps)
+    out = Path(args.out)
+    stages = [["export", "--preset", "k3-tiny", "--seed", str(args.seed), "--out", str(out)],
+              ["check", "--onnx", str(out), "--steps", str(args.steps)]]
+    if importlib.util.find_spec("tensorrt_rtx"):
+        stages.append(["build", "--onnx", str(out), "--out", str(out / "k3-tiny.sm89.engine"),
+                       "--max-seq", "128", "--max-past", "256"])
+    else:
+        print("(TensorRT-RTX is not installed: `pip install -c constraints.txt -e '.[engine]'` "
+              "adds the build stage)")
+    for stage in stages:
+        if code:
+            break
+        print(f"\n$ k3export {' '.join(stage)}", flush=True)
+        code = main(stage)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,10 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--max-past", type=int, default=Limits.past, help="tokens already cached")
     build.set_defaults(run=cmd_build)
 
-    demo = sub.add_parser("demo", help="k3-tiny with seeded weights: prefill, then greedy decode")
+    demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then "
+                                       "export, check and build")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--prompt-len", type=int, default=80)
     demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--out", default="out/demo", metavar="DIR", help="where the export and engine go")
     demo.set_defaults(run=cmd_demo)
     return parser
 
