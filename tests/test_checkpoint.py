@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from k3export.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from k3export.checkpoint import CheckpointError, build_model, load_checkpoint, save_checkpoint
 from k3export.config import K3Config
 from k3export.model import K3ForCausalLM
 
@@ -70,3 +70,16 @@ def test_bad_index_and_empty_dir(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weights": {}}))
     with pytest.raises(CheckpointError, match="index.json: expected JSON with a 'weight_map'"):
         load_checkpoint(fresh(K3Config.from_preset("k3-tiny")), tmp_path)
+
+
+def test_layer_range_build_holds_only_its_layers(tiny_config):
+    """A shard's eager model: the range's layers (and the head, as the range ends at the last
+    layer) get the same seeded weights as in the whole model; the rest stay on the meta device."""
+    whole = dict(build_model(tiny_config, torch.float32, {"seed": 3}).named_parameters())
+    part = build_model(tiny_config, torch.float32, {"seed": 3}, range(4, 9))
+    for name, param in part.named_parameters():
+        used = name.startswith(("lm_head.", "model.norm.", "model.output_attn_res")) or any(
+            name.startswith(f"model.layers.{i}.") for i in range(4, 9))
+        assert (param.device.type != "meta") == used, name
+        if used:
+            assert torch.equal(param, whole[name]), name

@@ -301,9 +301,9 @@ def test_round_trip_mxfp4_experts(mxfp4_dir, source):
     """The loader adds nothing to the MXFP4 rounding: the logits equal, bit for bit, those of the
     source with its experts rounded by quantize/dequantize, whether the experts are decoded on load
     or kept packed. The rounding itself: at most half an E2M1 spacing per weight (see
-    test_mxfp4_quantize_rounding_rule), 12.1% relative per expert matrix here, which moves
-    k3-tiny's logits by 55% (relative), about what Gaussian noise of the same relative size per
-    matrix does (54%): this toy model amplifies expert errors about 4.5x."""
+    test_mxfp4_quantize_rounding_rule), about 12% relative per expert matrix here, which moves
+    k3-tiny's logits by 60% (relative), no more than Gaussian noise of the same relative size per
+    matrix does (63%): this toy model amplifies expert errors about 5x."""
     config = source.config
     rounded, noisy = fresh(config), fresh(config)
     rounded.load_state_dict(source.state_dict())
@@ -330,7 +330,7 @@ def test_round_trip_mxfp4_experts(mxfp4_dir, source):
     assert torch.equal(logits(packed), logits(rounded))
     reference = logits(source)
     mxfp4_error, noise_error = rel_error(logits(rounded), reference), rel_error(logits(noisy), reference)
-    assert 0.3 < mxfp4_error < 0.6 and mxfp4_error < 1.1 * noise_error, (mxfp4_error, noise_error)
+    assert 0.3 < mxfp4_error < 0.7 and mxfp4_error < 1.1 * noise_error, (mxfp4_error, noise_error)
 
 
 # -- streaming -----------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ AttnRes along depth, final norm and LM head. Parameter names are the published c
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import Tensor, nn
 
@@ -110,6 +112,17 @@ class K3ForCausalLM(nn.Module):
         h = attn_res_mix([*bank, partial], m.output_attn_res_proj, m.output_attn_res_norm)
         return self.lm_head(m.norm(h))
 
+    def parts(self, layers: range) -> list[nn.Module]:
+        """The submodules that running `layers` uses: those layers, the embedding if they start at
+        layer 0, and the output mix, final norm and LM head if they end at the last layer."""
+        m = self.model
+        parts: list[nn.Module] = [m.layers[i] for i in layers]
+        if layers.start == 0:
+            parts.append(m.embed_tokens)
+        if layers.stop == len(m.layers):
+            parts += [m.output_attn_res_norm, m.output_attn_res_proj, m.norm, self.lm_head]
+        return parts
+
     def empty_cache(self, batch: int) -> K3Cache:
         return empty_cache(self.config, batch, self.dtype, self.lm_head.weight.device)
 
@@ -117,9 +130,14 @@ class K3ForCausalLM(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Seeded random weights that keep activations near unit scale: matrices draw
         N(0, 1/fan_in), the embedding N(0, 1), norms are ones; decay parameters give per-step
-        decays around exp(-0.4), so state persists over tens of tokens."""
-        gen = torch.Generator().manual_seed(seed)
+        decays around exp(-0.4), so state persists over tens of tokens.
+
+        Each parameter draws from its own generator, seeded from `seed` and its name, so a model
+        holding only some layers (the rest on the meta device) gets the same values for them."""
         for name, param in self.named_parameters():
+            if param.device.type == "meta":
+                continue
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             shape = param.shape
             if name.endswith("A_log"):
                 value = torch.empty(shape).uniform_(0.5, 2.0, generator=gen).log()

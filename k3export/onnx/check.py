@@ -128,12 +128,12 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     inputs = [TensorSpec(**s) for s in manifest["inputs"]]
     log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}")
     runners: list[BaseRunner] = [
-        EagerRunner(ExportGraph(build_model(config, getattr(torch, dtype), manifest["weights"]), layers),
-                    "eager", inputs),
+        EagerRunner(ExportGraph(build_model(config, getattr(torch, dtype), manifest["weights"], layers),
+                                layers), "eager", inputs),
         OnnxrtRunner(onnxrt_session(onnx_dir / GRAPH_FILE), name="onnxrt"),
     ]
     if dtype != "float32":
-        model32 = build_model(config, torch.float32, manifest["weights"])
+        model32 = build_model(config, torch.float32, manifest["weights"], layers)
         runners.append(EagerRunner(ExportGraph(model32, layers), "eager-float32", inputs))
     gen = torch.Generator().manual_seed(seed)
     feed = _feed(inputs, {"batch": batch, "seq": prompt_len, "past": 0}, config.vocab_size, gen)

@@ -107,7 +107,8 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     A module whose weights are on the meta device exports without weights: each becomes a graph
     input of its shape and dtype (after the weight inputs' names, the graph's own), so the file is
     complete ONNX that checkers and shape inference accept at real shapes, with no weight bytes."""
-    with_weights = all(p.device.type != "meta" for p in module.parameters())
+    # A layer range holds only its own layers' weights (the rest, unused by the graph, stay meta).
+    with_weights = any(p.device.type != "meta" for p in module.parameters())
     # The optimizer's constant folding would read meta weights, and would fold packed MXFP4 experts
     # (uint8 buffers) back into float weights.
     optimize = with_weights and not any(b.dtype == torch.uint8 for b in module.buffers())
