@@ -108,7 +108,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     print(f"exporting to {out} (torch.export, then ONNX translation; minutes for large models)")
     with staged_dir(out) as stage:
-        manifest = export_model(model, stage, layers, weights)
+        manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins)
     nodes = manifest["custom_nodes"]
     size = sum((out / f).stat().st_size for f in manifest["sha256"])
     held = "no weights (they are graph inputs)" if args.no_weights else "with weights"
@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--packed-experts", action="store_true",
                         help="keep the checkpoint's MXFP4 routed experts packed in the eager model "
                         "(4.25 bits a weight in memory; the ONNX file still holds them dequantised)")
+    export.add_argument("--aot-plugins", action="store_true",
+                        help="mark every k3 node aot=1: full TensorRT with k3plugins.trt_aot then builds "
+                             "the plugins' AOT forms (PTX in the engine, no Python at run time); "
+                             "TensorRT-RTX and ONNX Runtime ignore it")
     export.set_defaults(run=cmd_export)
 
     check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")

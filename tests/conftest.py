@@ -18,11 +18,20 @@ def tiny_model(tiny_config: K3Config) -> K3ForCausalLM:
     return model
 
 
+def _export_tiny(folder: Path, *options: str) -> Path:
+    from k3export.cli import main
+
+    assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--out", str(folder), *options]) == 0
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`k3export export --preset k3-tiny --seed 0` (float32), shared by every test that reads it."""
-    from k3export.cli import main
+    return _export_tiny(tmp_path_factory.mktemp("export") / "tiny")
 
-    folder = tmp_path_factory.mktemp("export") / "tiny"
-    assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--out", str(folder)]) == 0
-    return folder
+
+@pytest.fixture(scope="session")
+def aot_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same export with `--aot-plugins`: every k3 node marked aot = 1."""
+    return _export_tiny(tmp_path_factory.mktemp("export") / "tiny_aot", "--aot-plugins")

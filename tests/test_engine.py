@@ -109,6 +109,16 @@ def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path, targ
     assert len(report["network"]["plugin_layers"]) == len(k3_nodes(tiny_export))
 
 
+def test_aot_attribute_is_ignored(tiny_export: Path, aot_export: Path, tmp_path: Path) -> None:
+    """`aot = 1` (export --aot-plugins) is for full TensorRT's tensorrt.plugin plugins; the IPluginV3
+    creators do not declare it, so TensorRT-RTX's parser passes the same fields and the engine builds."""
+    summary, plain = run("strict", aot_export), run("strict", tiny_export)
+    assert summary["plugin_layers"] == plain["plugin_layers"]
+    assert summary["plugin_fields"] == plain["plugin_fields"]
+    report = run("build", aot_export, str(tmp_path / "aot.sm89.engine"), "sm89")
+    assert report["bytes"] > 0 and len(report["network"]["plugin_layers"]) == len(k3_nodes(aot_export))
+
+
 def test_wrong_plugin_version_is_refused(version2_export: Path) -> None:
     error = run("strict", version2_export)["error"]
     assert "asks for plugin k3::KDA version '2', which is not registered" in error

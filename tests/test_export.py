@@ -114,6 +114,23 @@ def test_bfloat16_is_valid_onnx_that_onnxruntime_cpu_cannot_run(bf16_export):
         run_check(bf16_export, log=lambda _: None)
 
 
+def test_aot_plugins_export(tiny_export, aot_export):
+    """--aot-plugins marks every k3 node aot = 1 (a plain export none) and records it in export.json;
+    the weights are the same bytes, the file passes the census, and ONNX Runtime still matches eager."""
+    def aot_values(folder: Path) -> list[object]:
+        model = onnx.load(folder / "model.onnx", load_external_data=False)
+        return [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("aot")
+                for n in model.graph.node if n.domain == "k3"]
+
+    census(aot_export / "model.onnx")
+    assert aot_values(aot_export) == [1] * 9 and aot_values(tiny_export) == [None] * 9
+    assert json.loads((aot_export / "export.json").read_text())["aot_plugins"] is True
+    assert json.loads((tiny_export / "export.json").read_text())["aot_plugins"] is False
+    assert sha256(aot_export / "model.onnx.data") == sha256(tiny_export / "model.onnx.data")
+    report = run_check(aot_export, steps=2, log=lambda _: None)
+    assert report["passed"], report["failed_outputs"]
+
+
 def test_exports_are_deterministic(tiny_export, tmp_path):
     again = export(tmp_path / "again", "--preset", "k3-tiny", "--seed", "0")
     for name in ("model.onnx", "model.onnx.data", "config.json"):

@@ -42,20 +42,31 @@ def mla_inputs(B: int, T: int, S: int, dtype: torch.dtype, seed: int = 0) -> tup
     return q.to(dtype), kv.to(dtype)
 
 
+def export_op(op: str, dtype: torch.dtype, path: Path, aot_plugins: bool = False) -> Path:
+    """One op exported at example shapes other than those tested."""
+    if op == "kda":
+        export_onnx(KDAModule().eval(), kda_inputs(2, 5, H, K, V, dtype), path,
+                    dynamic_shapes=(*[BATCH_TIME] * 5, {0: "batch"}), aot_plugins=aot_plugins)
+    else:
+        export_onnx(MLAModule().eval(), mla_inputs(2, 3, 7, dtype), path,
+                    dynamic_shapes=(BATCH_TIME, {0: "batch", 1: "cache"}), aot_plugins=aot_plugins)
+    return path
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, torch.dtype], Path]:
-    """One export per op and dtype, at example shapes other than those tested."""
+    """One export per op and dtype."""
     folder = tmp_path_factory.mktemp("onnx")
-    paths = {}
-    for dtype in (torch.float32, torch.float16):
-        name = str(dtype).removeprefix("torch.")
-        paths["kda", dtype] = folder / f"kda_{name}.onnx"
-        export_onnx(KDAModule().eval(), kda_inputs(2, 5, H, K, V, dtype), paths["kda", dtype],
-                    dynamic_shapes=(*[BATCH_TIME] * 5, {0: "batch"}))
-        paths["mla", dtype] = folder / f"mla_{name}.onnx"
-        export_onnx(MLAModule().eval(), mla_inputs(2, 3, 7, dtype), paths["mla", dtype],
-                    dynamic_shapes=(BATCH_TIME, {0: "batch", 1: "cache"}))
-    return paths
+    return {(op, dtype): export_op(op, dtype, folder / f"{op}_{str(dtype).removeprefix('torch.')}.onnx")
+            for op in ("kda", "mla") for dtype in (torch.float32, torch.float16)}
+
+
+@pytest.fixture(scope="module")
+def aot_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The float32 exports with `aot_plugins=True`."""
+    folder = tmp_path_factory.mktemp("onnx_aot")
+    return {op: export_op(op, torch.float32, folder / f"{op}_aot.onnx", aot_plugins=True)
+            for op in ("kda", "mla")}
 
 
 def run_ort(path: Path, inputs: tuple[Tensor, ...]) -> list[Tensor]:
@@ -64,6 +75,10 @@ def run_ort(path: Path, inputs: tuple[Tensor, ...]) -> list[Tensor]:
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     feed = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs, strict=True)}
     return [torch.from_numpy(o) for o in session.run(None, feed)]
+
+
+def node_attributes(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
 def assert_close(actual: Tensor, expected: Tensor, tol: float) -> None:
@@ -82,7 +97,7 @@ def test_one_custom_node_and_its_function(models, op, op_type, attributes):
     model = onnx.load(path)
     custom = [n for n in model.graph.node if n.domain == "k3"]
     assert [n.op_type for n in custom] == [op_type]
-    assert {a.name: onnx.helper.get_attribute_value(a) for a in custom[0].attribute} == {
+    assert node_attributes(custom[0]) == {
         name: value.encode() if isinstance(value, str) else value for name, value in attributes.items()}
     (function,) = model.functions
     assert (function.domain, function.name) == ("k3", op_type)
@@ -90,6 +105,21 @@ def test_one_custom_node_and_its_function(models, op, op_type, attributes):
     opsets = {o.domain: o.version for o in model.opset_import}
     assert opsets["k3"] == 1
     assert {o.domain: o.version for o in function.opset_import} == {"": opsets[""]}
+
+
+@pytest.mark.parametrize("op", ["kda", "mla"])
+def test_aot_plugins_adds_only_the_aot_attribute(models, aot_models, op):
+    """`aot = 1` on the k3 node (the plain export has none), declared in its function: the file stays
+    valid ONNX and ONNX Runtime's output is unchanged."""
+    onnx.checker.check_model(aot_models[op], full_check=True)
+    plain, marked = (onnx.load(path) for path in (models[op, torch.float32], aot_models[op]))
+    (plain_node,), (marked_node,) = ([n for n in m.graph.node if n.domain == "k3"] for m in (plain, marked))
+    assert node_attributes(marked_node) == {**node_attributes(plain_node), "aot": 1}
+    assert "aot" in marked.functions[0].attribute
+    inputs = kda_inputs(2, 9, H, K, V, torch.float32) if op == "kda" else mla_inputs(2, 4, 11, torch.float32)
+    plain_outputs = run_ort(models[op, torch.float32], inputs)
+    for marked_out, plain_out in zip(run_ort(aot_models[op], inputs), plain_outputs, strict=True):
+        assert torch.equal(marked_out, plain_out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

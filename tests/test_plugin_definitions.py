@@ -1,13 +1,25 @@
 """The plugin definitions and the pieces of the tensorrt.plugin AOT registration that run with no
-TensorRT: shapes, dtypes, fields, type combinations, and the AOT KDA kernel's PTX parameter order."""
+TensorRT: shapes, dtypes, fields, type combinations, launches, and the AOT kernels' compilation for
+sm_90 and PTX parameter order (their numerics: tests/kernels)."""
 
+import os
 import re
 
 import pytest
 
-from k3plugins.aot import compile_variant
+from k3plugins.aot import SM90_MAX_SHARED_BYTES, compile_variant, kernel_stats
 from k3plugins.definitions import DEFINITIONS, KDA, LATENT_MLA
-from k3plugins.trt_aot import kda_aot_kernel, kda_aot_launch, type_combinations
+from k3plugins.trt_aot import (
+    kda_aot_kernel,
+    kda_aot_launch,
+    latent_mla_aot_kernel,
+    latent_mla_aot_launch,
+    type_combinations,
+)
+
+# Under the interpreter @triton.jit yields interpreted functions, which do not compile.
+needs_compiler = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                    reason="TRITON_INTERPRET is set: the AOT kernels do not compile")
 
 # q k v g beta initial_state of the tiny model: B=2, T=5, H=3, K=V=32.
 KDA_DIMS = [[2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3], [2, 3, 32, 32]]
@@ -63,11 +75,46 @@ def test_aot_kda_launch() -> None:
     assert scalars == [5, 3, 32, 32]  # T, H, K, V
 
 
+def parameter_kinds(ptx: str) -> list[str]:
+    """The PTX types of the kernel entry's parameters: u64 for pointers, u32 for int32 scalars."""
+    params = re.search(r"\.entry\s+\w+\((.*?)\)", ptx, re.S).group(1)
+    return re.findall(r"\.param\s+\.(u64|u32)", params)
+
+
+@needs_compiler
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_aot_kda_kernel_parameter_order(dtype: str) -> None:
     """TensorRT passes the input pointers, then the scalar args, then the output pointers."""
     ptx = compile_variant(kda_aot_kernel(dtype, 32)).asm["ptx"]
-    params = re.search(r"\.entry\s+\w+\((.*?)\)", ptx, re.S).group(1)
-    kinds = re.findall(r"\.param\s+\.(u64|u32)", params)
     # 6 inputs, T H K V, 2 outputs, then Triton's two scratch pointers.
-    assert kinds == ["u64"] * 6 + ["u32"] * 4 + ["u64"] * 2 + ["u64"] * 2
+    assert parameter_kinds(ptx) == ["u64"] * 6 + ["u32"] * 4 + ["u64"] * 2 + ["u64"] * 2
+
+
+def test_aot_latent_mla_launch() -> None:
+    # q [B, T, H, D], kv [B, S, D]: one program per block of 16 tokens (T = 37: 3) and head.
+    grid, scalars = latent_mla_aot_launch([2, 37, 3, 48], [2, 40, 48])
+    assert grid == (2 * 3, 3)
+    assert scalars == [37, 40, 3]  # T, S, H
+    assert latent_mla_aot_launch([4, 1, 96, 576], [4, 1000, 576]) == ((4, 96), [1, 1000, 96])
+
+
+def test_aot_latent_mla_kernel_refuses_unbuilt_widths() -> None:
+    with pytest.raises(ValueError, match="D=100, v_dim=64"):
+        latent_mla_aot_kernel("float16", "float16", 100, 64, 0.1)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("head_dim", "v_dim", "scale"), [(576, 512, 192**-0.5), (48, 32, 32**-0.5)],
+                         ids=["published", "tiny"])
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [("float32", "float32"), ("float16", "float16"),
+                                                 ("bfloat16", "bfloat16"), ("float16", "float32")])
+def test_aot_latent_mla_kernel_compiles(dtype: str, kv_dtype: str, head_dim: int, v_dim: int,
+                                        scale: float) -> None:
+    """One launch with no workspace, for sm_90 without spills; TensorRT passes q and kv, then T, S, H,
+    then o (the scale and widths are compiled in)."""
+    kernel = compile_variant(latent_mla_aot_kernel(dtype, kv_dtype, head_dim, v_dim, scale))
+    stats = kernel_stats(kernel)
+    assert stats.shared_bytes <= SM90_MAX_SHARED_BYTES, stats
+    assert stats.spill_stores == 0 and stats.spill_loads == 0, stats
+    # q, kv; T, S, H; o; then Triton's two scratch pointers.
+    assert parameter_kinds(kernel.asm["ptx"]) == ["u64"] * 2 + ["u32"] * 3 + ["u64"] + ["u64"] * 2

@@ -24,7 +24,7 @@ seconds, default 360, and no row at all after --budget + 90):
    v_dim=512, scale=192^-0.5), in float32, float16 and bfloat16.
 3. Runs the TensorRT plugins' enqueue body, k3plugins.trt.launch_from_pointers, on raw device
    pointers (into NaN-filled output buffers, on a side stream), and the ahead-of-time compiled KDA
-   kernel that k3plugins.trt_aot's aot_impl embeds (sm_90, PTX 8.7), launched directly.
+   and LatentMLA kernels that k3plugins.trt_aot's aot_impls embed (sm_90, PTX 8.7), launched directly.
 4. Times each with triton.testing.do_bench (median; the L2 is flushed before each run) and prints
    ONE table: relative error (norm of the difference over the norm of the reference, the largest
    over a row's outputs: o and the final state for KDA), ms, GB/s and TFLOP/s from the counts in
@@ -97,7 +97,7 @@ class Case:
     """One row: a kernel at one shape and dtype."""
 
     kernel: str  # recurrent_kda | chunk_kda | mla_decode | mla_prefill | plugin:KDA |
-    #              plugin:LatentMLA | aot:recurrent_kda
+    #              plugin:LatentMLA | aot:recurrent_kda | aot:latent_mla
     dtype: str  # of q, k, v (KDA) or q, kv (MLA)
     B: int
     T: int
@@ -152,6 +152,8 @@ def plan(dtypes: Sequence[str]) -> list[Case]:
     add("plugin:LatentMLA", 4, 1, 2048)
     add("plugin:LatentMLA", 1, 256, 256)
     add("aot:recurrent_kda", 8, 16, gate="float32")  # the AOT kernel takes float32 g and beta
+    add("aot:latent_mla", 4, 1, 2048)  # decode without split-KV: one launch, no combine
+    add("aot:latent_mla", 1, 256, 256)
     return cases
 
 
@@ -341,25 +343,34 @@ def plugin_trial(c: Case, gen: torch.Generator) -> Trial:
 
 
 def aot_trial(c: Case, gen: torch.Generator) -> Trial:
-    """The KDA kernel as trt_aot's aot_impl compiles it (triton.compile for sm_90, PTX 8.7), with
-    its grid and scalars from kda_aot_launch, launched through Triton's CompiledKernel."""
+    """A kernel as trt_aot's aot_impl compiles it (triton.compile for sm_90, PTX 8.7), with its
+    grid and scalars from kda_aot_launch / latent_mla_aot_launch, launched through Triton's
+    CompiledKernel into NaN-filled outputs."""
     from k3export import ops
     from k3plugins.aot import compile_variant
-    from k3plugins.trt_aot import kda_aot_kernel, kda_aot_launch
+    from k3plugins.trt_aot import kda_aot_kernel, kda_aot_launch, latent_mla_aot_kernel, latent_mla_aot_launch
 
-    inputs = kda_inputs(c, gen)
-    q, k, v, g, beta, h0 = inputs
-    reference = kda_reference(ops.recurrent_kda, inputs)
-    variant = kda_aot_kernel(c.dtype, KDA_K)
+    if c.is_kda:
+        inputs = kda_inputs(c, gen)
+        q, v, h0 = inputs[0], inputs[2], inputs[5]
+        reference = kda_reference(ops.recurrent_kda, inputs)
+        variant = kda_aot_kernel(c.dtype, KDA_K)
+        grid, scalars = kda_aot_launch(list(q.shape), list(v.shape))
+        outputs = [torch.full_like(v, float("nan")), torch.full_like(h0, float("nan"))]
+    else:
+        inputs = mla_inputs(c, gen)
+        q, kv = inputs
+        reference = mla_reference(q, kv)
+        variant = latent_mla_aot_kernel(c.dtype, c.dtype, MLA_D, MLA_VDIM, MLA_SCALE)
+        grid, scalars = latent_mla_aot_launch(list(q.shape), list(kv.shape))
+        outputs = [q.new_full((*q.shape[:3], MLA_VDIM), float("nan"))]
     kernel = compile_variant(variant)
-    grid, scalars = kda_aot_launch(list(q.shape), list(v.shape))
-    o, ht = torch.full_like(v, float("nan")), torch.full_like(h0, float("nan"))
 
     def run() -> Sequence[Tensor]:
         # Parameters in the kernel's order: inputs, scalars, outputs, then the constexprs (which
         # Triton's launcher takes and ignores).
-        kernel[(*grid, 1)](q, k, v, g, beta, h0, *scalars, o, ht, *variant.constexprs.values())
-        return o, ht
+        kernel[(*grid, 1)](*inputs, *scalars, *outputs, *variant.constexprs.values())
+        return outputs
 
     return Trial(run, run, reference, None, sum(t.nbytes for t in inputs))
 

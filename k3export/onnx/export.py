@@ -163,11 +163,12 @@ def moe_cost_note(config: K3Config) -> str:
 
 
 def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None = None,
-                 weights: dict[str, Any] | None = None) -> dict[str, Any]:
+                 weights: dict[str, Any] | None = None, aot_plugins: bool = False) -> dict[str, Any]:
     """Writes model.onnx (+ model.onnx.data), config.json and export.json into out_dir.
 
     `weights` records where the weights came from ({"seed": N} or {"checkpoint": DIR}), so that
-    `k3export check` can rebuild the same eager reference. Returns the manifest."""
+    `k3export check` can rebuild the same eager reference. `aot_plugins` marks the k3 nodes `aot = 1`
+    for full TensorRT's AOT plugins (export_onnx). Returns the manifest."""
     out_dir = Path(out_dir)
     config, dtype = model.config, model.dtype
     layers = layers or range(config.num_hidden_layers)
@@ -178,7 +179,8 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
     with torch.no_grad():
         export_onnx(ExportGraph(model, layers).eval(), example, out_dir / GRAPH_FILE,
                     dynamic_shapes=(dynamic_shapes(inputs),),  # forward(*inputs): one parameter
-                    input_names=[s.name for s in inputs], output_names=[s.name for s in outputs])
+                    input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
+                    aot_plugins=aot_plugins)
     graph = onnx.load(out_dir / GRAPH_FILE, load_external_data=False)
     config.to_json(out_dir / "config.json")
     files = [GRAPH_FILE, f"{GRAPH_FILE}.data", "config.json"]
@@ -196,6 +198,7 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
                          "past": "tokens already in the MLA cache (0 for a fresh prefill)"},
         "custom_nodes": {"KDA": sum(n.op_type == "KDA" for n in graph.graph.node),
                          "LatentMLA": sum(n.op_type == "LatentMLA" for n in graph.graph.node)},
+        "aot_plugins": aot_plugins,
         "opset": next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")),
         "moe": moe_cost_note(config),
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__,

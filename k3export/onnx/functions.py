@@ -16,6 +16,9 @@ from onnx import TensorProto, helper
 DOMAIN = "k3"
 DOMAIN_VERSION = 1
 PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+# Optional INT on a k3 node: 1 asks full TensorRT's ONNX parser for a `tensorrt.plugin` plugin's AOT form
+# (k3plugins.trt_aot), 0 for its JIT form; IPluginV3 creators (TensorRT-RTX) do not declare it.
+AOT_ATTRIBUTE = "aot"
 
 
 def _const(name: str, value: list[int]) -> onnx.NodeProto:
@@ -75,7 +78,7 @@ def kda_function(opset_version: int) -> onnx.FunctionProto:
     ]
     return helper.make_function(
         DOMAIN, "KDA", ["q", "k", "v", "g", "beta", "initial_state"], ["o", "final_state"], nodes,
-        [helper.make_opsetid("", opset_version)], attributes=list(PLUGIN_ATTRIBUTES))
+        [helper.make_opsetid("", opset_version)], attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE])
 
 
 def latent_mla_function(opset_version: int) -> onnx.FunctionProto:
@@ -121,7 +124,7 @@ def latent_mla_function(opset_version: int) -> onnx.FunctionProto:
     ]
     return helper.make_function(
         DOMAIN, "LatentMLA", ["q", "kv"], ["o"], nodes, [helper.make_opsetid("", opset_version)],
-        attributes=[*PLUGIN_ATTRIBUTES, "v_dim", "scale"])
+        attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE, "v_dim", "scale"])
 
 
 _BUILDERS = {"KDA": kda_function, "LatentMLA": latent_mla_function}

@@ -20,14 +20,16 @@ from onnxscript import opset18 as op
 from onnxscript import values
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
-from k3export.onnx.functions import DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, k3_functions
+from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, k3_functions
 
 PLUGIN_NAMESPACE = "k3"
 PLUGIN_VERSION = "1"
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
-_PLUGIN_ATTRS = [OpSchema.Attribute(name, OpSchema.AttrType.STRING, "TensorRT plugin lookup")
-                 for name in PLUGIN_ATTRIBUTES]
+_PLUGIN_ATTRS = [*(OpSchema.Attribute(name, OpSchema.AttrType.STRING, "TensorRT plugin lookup")
+                   for name in PLUGIN_ATTRIBUTES),
+                 OpSchema.Attribute(AOT_ATTRIBUTE, OpSchema.AttrType.INT, "1: TensorRT's AOT plugin form",
+                                    required=False)]
 
 
 def _inputs(*specs: tuple[str, str]) -> list[OpSchema.FormalParameter]:
@@ -96,12 +98,24 @@ def attach_functions_ir(model: ir.Model) -> ir.Model:
     return model
 
 
+def request_aot_plugins(model: ir.Model) -> ir.Model:
+    """Marks every k3 node `aot = 1`, so that full TensorRT's ONNX parser builds the AOT form of a
+    `tensorrt.plugin` plugin that has both (k3plugins.trt_aot: PTX in the engine, no Python at run
+    time). TensorRT-RTX's IPluginV3 creators do not declare the field, so its parser drops it."""
+    for node in model.graph:
+        if node.domain == DOMAIN:
+            node.attributes[AOT_ATTRIBUTE] = ir.AttrInt64(AOT_ATTRIBUTE, 1)
+    return model
+
+
 def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.PathLike, *,
                 dynamic_shapes: Any = None, opset_version: int | None = None,
-                input_names: list[str] | None = None, output_names: list[str] | None = None) -> ir.Model:
+                input_names: list[str] | None = None, output_names: list[str] | None = None,
+                aot_plugins: bool = False) -> ir.Model:
     """Exports `module` with the k3 table, attaches the functions and writes `path` with its
     weights in `<name>.data` beside it. Both files are written in a temporary folder and moved into
     place, the model last, so an interrupted run leaves no model that points at missing data.
+    `aot_plugins` marks the k3 nodes for TensorRT's AOT plugins (`request_aot_plugins`).
 
     MXFP4 experts kept packed stay uint8 in the file and are dequantised by the graph.
     A module whose weights are on the meta device exports without weights: each becomes a graph
@@ -117,6 +131,8 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
                                 input_names=input_names, output_names=output_names, verbose=False,
                                 optimize=optimize)
     model = attach_functions_ir(program.model)
+    if aot_plugins:
+        request_aot_plugins(model)
     if not with_weights:
         for name in list(model.graph.initializers):
             value = model.graph.initializers.pop(name)

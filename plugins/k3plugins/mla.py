@@ -73,10 +73,11 @@ def _mla_attn_kernel(q, kv, o, lse, T, S, H, D, v_dim, n_rows, split_len, scale,
         cols = s0 + tl.arange(0, BLOCK_S)
         mask_s = cols < hi
         kv_row = (i_b * S + cols).to(tl.int64) * D
+        # Cache rows in q's dtype: the AOT plugin gets kv in its own dtype (latent_mla casts it first).
         kv_v = tl.load(kv + kv_row[:, None] + offs_v[None, :], mask=mask_s[:, None] & mask_v[None, :],
-                       other=0.0)
+                       other=0.0).to(q.dtype.element_ty)
         kv_r = tl.load(kv + kv_row[:, None] + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
-                       other=0.0)
+                       other=0.0).to(q.dtype.element_ty)
         scores = tl.dot(q_v, tl.trans(kv_v), input_precision="ieee") \
             + tl.dot(q_r, tl.trans(kv_r), input_precision="ieee")
         visible = mask_s[None, :] & (cols[None, :] <= last[:, None])
@@ -95,7 +96,8 @@ def _mla_attn_kernel(q, kv, o, lse, T, S, H, D, v_dim, n_rows, split_len, scale,
     out_row = i_split * n_rows + row
     tl.store(o + out_row[:, None] * v_dim + offs_v[None, :], (acc / l_safe[:, None]).to(o.dtype.element_ty),
              mask=mask_m[:, None] & mask_v[None, :])
-    tl.store(lse + out_row, m_i + tl.log(l_safe), mask=mask_m)
+    if lse is not None:  # None (a constexpr) for a single split that needs no combine: the AOT plugin
+        tl.store(lse + out_row, m_i + tl.log(l_safe), mask=mask_m)
 
 
 @triton.jit
@@ -124,7 +126,8 @@ def _mla_combine_kernel(o_part, lse, o, n_rows, v_dim, n_splits,
              mask=mask)
 
 
-def _block_dims(D: int, v_dim: int) -> tuple[int, int]:
+def block_dims(D: int, v_dim: int) -> tuple[int, int]:
+    """(value block, rope block) for head dim D and value width v_dim, one of BLOCK_DIMS."""
     dims = (max(16, triton.next_power_of_2(v_dim)), max(16, triton.next_power_of_2(D - v_dim)))
     if dims not in BLOCK_DIMS:
         raise ValueError(f"latent_mla: D={D}, v_dim={v_dim} needs blocks {dims}; the kernels are "
@@ -136,7 +139,7 @@ def latent_mla(q: Tensor, kv: Tensor, v_dim: int, scale: float) -> Tensor:
     """o [B, T, H, v_dim] in q's dtype: split-KV decode for T <= DECODE_MAX_T, else prefill."""
     B, T, H, D = q.shape
     S = kv.shape[1]
-    bdv, bdr = _block_dims(D, v_dim)
+    bdv, bdr = block_dims(D, v_dim)
     q = q.contiguous()
     kv = kv.to(q.dtype).contiguous()
     n_rows = B * T * H

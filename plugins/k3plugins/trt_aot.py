@@ -1,23 +1,31 @@
-"""Full TensorRT 10.x's `tensorrt.plugin` registration of the k3 ops, with KDA compiled ahead of time.
+"""Full TensorRT 10.x's `tensorrt.plugin` registration of the k3 ops, both compiled ahead of time.
 
 UNEXECUTED: full TensorRT cannot be installed on the machines this was written on (and TensorRT-RTX
 ships no working `tensorrt.plugin`), so `register()` has never run; the plain parts it is built from
-(`kda_aot_kernel`, `kda_aot_launch`, the definitions' shapes) are tested directly.
+(`kda_aot_kernel`, `kda_aot_launch`, `latent_mla_aot_kernel`, `latent_mla_aot_launch`, the
+definitions' shapes) are tested directly, the AOT kernels also for their PTX and, in Triton's
+interpreter, their numerics.
 
     import k3plugins.trt_aot
     k3plugins.trt_aot.register()   # imports tensorrt.plugin; before parsing the ONNX file
 
-Both ops get a just-in-time `impl` (Python at run time, the definitions' launch, as the IPluginV3
-adapters do). KDA also gets an `aot_impl`: PTX baked into the engine, so that it runs without Python;
-TensorRT's ONNX parser takes it only for nodes carrying the attribute `aot = 1`, which the export
-does not write yet. LatentMLA has no AOT form: its kernel stores a log-sum-exp buffer that an AOT
-plugin has no workspace for, and AOT scalar arguments are int32 only (its `scale` is a float).
+Each op gets a just-in-time `impl` (Python at run time, the definitions' launch, as the IPluginV3
+adapters do) and an `aot_impl`: PTX baked into the engine, so that the engine runs without Python.
+TensorRT's ONNX parser picks per node: `aot = 1` (what `k3export export --aot-plugins` writes) asks
+for the AOT form, `aot = 0` for the JIT one; a node without the attribute follows the network's flag
+PREFER_AOT_PYTHON_PLUGINS or PREFER_JIT_PYTHON_PLUGINS, and with neither the plugin, having both
+forms, is refused.
 
-An AOT plugin is one kernel launch with no workspace, so the AOT KDA runs the recurrence (exact for
-any T, the decode kernel) also for prefill: the chunked form is four kernels with intermediate
-buffers. An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the KDA
-kernel takes the outputs before the scalars, so `_kda_aot_kernel` reorders them. The compiled kernel
-also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
+An AOT plugin is one kernel launch with no workspace and int32 scalar arguments only, so:
+- KDA runs the recurrence (exact for any T, the decode kernel) also for prefill: the chunked form is
+  four kernels with intermediate buffers.
+- LatentMLA runs the attention kernel as one split over the whole cache (prefill tiles; exact for any
+  T, T = 1 included): the split-KV decode needs a log-sum-exp buffer and a combine kernel. Decode is
+  thus slower than under the JIT plugin. `scale`, the head dim and `v_dim` are model constants, taken
+  from the node and compiled in as constexprs (an AOT scalar cannot be a float).
+An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
+take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
+kernel also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
 """
 
 import itertools
@@ -31,6 +39,7 @@ import triton.language as tl
 from k3plugins import kernel_variants
 from k3plugins.aot import compile_variant
 from k3plugins.definitions import KDA, LATENT_MLA, PluginDefinition
+from k3plugins.mla import PREFILL, PREFILL_FP32, _mla_attn_kernel, block_dims
 from k3plugins.variants import KernelVariant
 
 # Any recurrent variant gives the kernel function; dtype and block sizes are chosen when compiling.
@@ -69,9 +78,46 @@ def kda_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[
     return (B * H, (V + BLOCK_V - 1) // BLOCK_V), [T, H, K, V]
 
 
+@triton.jit
+def _latent_mla_aot_kernel(q, kv, T, S, H, o, D: tl.constexpr, V_DIM: tl.constexpr, SCALE: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                           BDV: tl.constexpr, BDR: tl.constexpr):
+    # One split of length S: o is written directly, no lse; n_rows only offsets later splits (0 here).
+    _mla_attn_kernel(q, kv, o, None, T, S, H, D, V_DIM, 0, S, SCALE,
+                     BLOCK_T, BLOCK_H, BLOCK_S, BDV, BDR)
+
+
+def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int,
+                          scale: float) -> KernelVariant:
+    """The AOT LatentMLA kernel for q and o in `dtype`, the cache in `kv_dtype` (cast to `dtype` as it
+    is loaded, as `latent_mla` does), head dim `head_dim`, value width `v_dim` and softmax `scale`."""
+    bdv, bdr = block_dims(head_dim, v_dim)
+    tiles = PREFILL_FP32 if dtype == "float32" else PREFILL
+    t, t_kv = _TRITON_DTYPES[dtype], _TRITON_DTYPES[kv_dtype]
+    signature = {"q": f"*{t}", "kv": f"*{t_kv}", "T": "i32", "S": "i32", "H": "i32", "o": f"*{t}"}
+    constexprs = {"D": head_dim, "V_DIM": v_dim, "SCALE": scale, "BLOCK_T": tiles.block_t,
+                  "BLOCK_H": tiles.block_h, "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return KernelVariant(f"latent_mla_aot_{t}_kv{t_kv}_d{head_dim}_v{v_dim}", _latent_mla_aot_kernel,
+                         signature, constexprs, tiles.num_warps)
+
+
+def latent_mla_aot_launch(q_dims: Sequence[Any], kv_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid, scalar args T, S, H) from q [B, T, H, D] and kv [B, S, D]; the dims may be ints or
+    `tensorrt.plugin` shape expressions. The float32 tiles differ from PREFILL only in warps."""
+    B, T, H, _ = q_dims
+    S = kv_dims[1]
+    block_t, block_h = PREFILL.block_t, PREFILL.block_h
+    return (B * ((T + block_t - 1) // block_t), (H + block_h - 1) // block_h), [T, S, H]
+
+
+def _dtype_names(trt: Any) -> dict[Any, str]:
+    return {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
+
+
 def _outputs(trtp: Any, trt: Any, definition: PluginDefinition, descs: Sequence[Any],
              fields: dict[str, Any]) -> tuple[Any, ...]:
-    names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
+    names = _dtype_names(trt)
     types = {name: t for t, name in names.items()}
     shapes = definition.output_shapes([list(d.shape_expr) for d in descs], fields, int)
     dtypes = definition.output_dtypes([names[d.dtype] for d in descs])
@@ -84,6 +130,18 @@ def _run(definition: PluginDefinition, tensors: Sequence[Any], fields: dict[str,
         args = [torch.as_tensor(t, device="cuda") for t in tensors]
         for out, result in zip(outputs, definition.launch(args, fields), strict=True):
             torch.as_tensor(out, device="cuda").copy_(result)
+
+
+def _aot_result(trtp: Any, variant: KernelVariant, grid: tuple[Any, Any],
+                scalars: list[Any]) -> tuple[Any, ...]:
+    """What an `aot_impl` returns: kernel name, PTX, launch parameters and the scalar arguments."""
+    compiled = compile_variant(variant)
+    params = trtp.KernelLaunchParams()
+    params.grid_x, params.grid_y = grid
+    params.block_x = compiled.metadata.num_warps * 32
+    params.shared_mem = compiled.metadata.shared
+    extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(s) for s in scalars])
+    return compiled.metadata.name, compiled.asm["ptx"], params, extra
 
 
 def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
@@ -107,6 +165,7 @@ def register() -> None:
     import tensorrt.plugin as trtp
 
     Desc = trtp.TensorDesc
+    names = _dtype_names(trt)
 
     @trtp.register("k3::KDA")
     def kda_desc(q: Desc, k: Desc, v: Desc, g: Desc, beta: Desc, initial_state: Desc) -> tuple[Desc, Desc]:
@@ -122,16 +181,9 @@ def register() -> None:
 
     @trtp.aot_impl("k3::KDA")
     def kda_aot(q, k, v, g, beta, initial_state, outputs, tactic: int):
-        names = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
         head_dim = q.shape_expr[3].constant_value()  # the model's head dim: static
-        compiled = compile_variant(kda_aot_kernel(names[v.dtype], head_dim))
         grid, scalars = kda_aot_launch(list(q.shape_expr), list(v.shape_expr))
-        params = trtp.KernelLaunchParams()
-        params.grid_x, params.grid_y = grid
-        params.block_x = compiled.metadata.num_warps * 32
-        params.shared_mem = compiled.metadata.shared
-        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(s) for s in scalars])
-        return compiled.metadata.name, compiled.asm["ptx"], params, extra
+        return _aot_result(trtp, kda_aot_kernel(names[v.dtype], head_dim), grid, scalars)
 
     @trtp.register("k3::LatentMLA")
     def latent_mla_desc(q: Desc, kv: Desc, v_dim: int, scale: float) -> Desc:
@@ -139,8 +191,15 @@ def register() -> None:
 
     @trtp.autotune("k3::LatentMLA")
     def latent_mla_autotune(q, kv, outputs) -> list[trtp.AutoTuneCombination]:
-        return [trtp.AutoTuneCombination(c) for c in type_combinations(LATENT_MLA, aot=False)]
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(LATENT_MLA, aot=True)]
 
     @trtp.impl("k3::LatentMLA")
     def latent_mla_impl(q, kv, v_dim: int, scale: float, outputs, stream: int) -> None:
         _run(LATENT_MLA, (q, kv), {"v_dim": v_dim, "scale": scale}, outputs, stream)
+
+    @trtp.aot_impl("k3::LatentMLA")
+    def latent_mla_aot(q, kv, v_dim: int, scale: float, outputs, tactic: int):
+        head_dim = q.shape_expr[3].constant_value()  # the latent width: static
+        variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale)
+        grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr))
+        return _aot_result(trtp, variant, grid, scalars)
