@@ -7,9 +7,12 @@ the exporter records as a plain node; `attach_functions` adds the bodies after e
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +111,22 @@ def request_aot_plugins(model: ir.Model) -> ir.Model:
     return model
 
 
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Silences the exporter's notes that say nothing about our model: torchvision ops it skips,
+    a deprecation inside torch's pytree, and dynamic axes it renames because they coincide."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="# The axis name", category=UserWarning)
+        try:
+            yield
+        finally:
+            registration.setLevel(level)
+
+
 def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.PathLike, *,
                 dynamic_shapes: Any = None, opset_version: int | None = None,
                 input_names: list[str] | None = None, output_names: list[str] | None = None,
@@ -126,10 +145,11 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     # The optimizer's constant folding would read meta weights, and would fold packed MXFP4 experts
     # (uint8 buffers) back into float weights.
     optimize = with_weights and not any(b.dtype == torch.uint8 for b in module.buffers())
-    program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
-                                dynamic_shapes=dynamic_shapes, opset_version=opset_version,
-                                input_names=input_names, output_names=output_names, verbose=False,
-                                optimize=optimize)
+    with _quiet_exporter():
+        program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
+                                    dynamic_shapes=dynamic_shapes, opset_version=opset_version,
+                                    input_names=input_names, output_names=output_names, verbose=False,
+                                    optimize=optimize)
     model = attach_functions_ir(program.model)
     if aot_plugins:
         request_aot_plugins(model)
