@@ -68,6 +68,20 @@ def slot_tensor(param: Tensor, expert: int | None) -> Tensor:
     return param if expert is None else param[expert]
 
 
+def write_shard(path: Path, tensors: dict[str, Tensor]) -> Path:
+    """One safetensors file, written to a temporary name and renamed."""
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    return path
+
+
+def write_index(directory: Path, files: dict[str, str], total_size: int) -> Path:
+    """`model.safetensors.index.json`: tensor name -> file name, and the tensors' total bytes."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": files}
+    write_atomic(directory / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    return directory / INDEX_NAME
+
+
 def save_checkpoint(model: nn.Module, directory: str | Path,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
     """Writes the model's weights (and its config.json when it has a config); returns the files.
@@ -92,16 +106,11 @@ def save_checkpoint(model: nn.Module, directory: str | Path,
     for file_name, shard in zip(names, shards, strict=True):
         # Clones: safetensors refuses views that share storage (the per-expert slices).
         tensors = {n: slot_tensor(*slots[n]).detach().clone().contiguous() for n in shard}
-        path = directory / file_name
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-        written.append(path)
+        written.append(write_shard(directory / file_name, tensors))
     if len(shards) > 1:
         total = sum(slot_tensor(p, e).nbytes for p, e in slots.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {n: f for f, shard in zip(names, shards, strict=True) for n in shard}}
-        write_atomic(directory / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
-        written.append(directory / INDEX_NAME)
+        files = {n: f for f, shard in zip(names, shards, strict=True) for n in shard}
+        written.append(write_index(directory, files, total))
     config = getattr(model, "config", None)
     if config is not None:
         config.to_json(directory / "config.json")

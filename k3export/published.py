@@ -21,19 +21,19 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from k3export import mxfp4
-from k3export.artifacts import atomic_path, write_atomic
+from k3export.artifacts import write_atomic
 from k3export.checkpoint import (
     EXPERT_WEIGHT,
-    INDEX_NAME,
     LAYER_NAME,
     MXFP4_FORMAT,
     PUBLISHED_PREFIX,
     checkpoint_slots,
     slot_tensor,
+    write_index,
+    write_shard,
 )
 from k3export.model import K3ForCausalLM
 
@@ -94,17 +94,13 @@ def write_published(model: K3ForCausalLM, directory: str | Path,
         shards[int(layer[1]) if layer else layers][name] = tensor
     for name, tensor in fake_vision_tensors().items():
         shards[layers + 1 if name.startswith("mm_projector.") else layers + 2][name] = tensor
-    weight_map: dict[str, str] = {}
+    files: dict[str, str] = {}
     written = []
     for i, tensors in enumerate(shards):
-        path = directory / f"model-{i + 1:05d}-of-{len(shards):06d}.safetensors"
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, path.name))
+        path = write_shard(directory / f"model-{i + 1:05d}-of-{len(shards):06d}.safetensors", tensors)
+        files.update(dict.fromkeys(tensors, path.name))
         written.append(path)
-    total = sum(t.nbytes for shard in shards for t in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_atomic(directory / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+    written.append(write_index(directory, files, sum(t.nbytes for s in shards for t in s.values())))
     text_config = model.config.to_dict() | {"model_type": "kimi_linear",
                                             "architectures": ["KimiLinearForCausalLM"],
                                             "torch_dtype": "bfloat16"}
@@ -114,4 +110,4 @@ def write_published(model: K3ForCausalLM, directory: str | Path,
               "dtype": "bfloat16", "tie_word_embeddings": False, "text_config": text_config,
               "vision_config": {"hidden_size": 16}}
     write_atomic(directory / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    return [*written, directory / INDEX_NAME, directory / "config.json"]
+    return [*written, directory / "config.json"]
