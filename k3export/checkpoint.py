@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from k3export import mxfp4
 from k3export.artifacts import atomic_path, write_atomic
 from k3export.config import K3Config
+from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -43,7 +44,7 @@ LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 EXPERT_WEIGHT = re.compile(r"(.*\.experts\.\d+\.w[123])\.weight(?:_(packed|scale))?")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that does not fit the model: the message names the file and tensors."""
 
 

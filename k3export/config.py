@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3export.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """An invalid configuration: the message names the source, the field and the expectation."""
 
 

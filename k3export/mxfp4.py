@@ -14,12 +14,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3export.errors import UserError
+
 GROUP = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NAN_SCALE = 255
 
 
-class MXFP4Error(ValueError):
+class MXFP4Error(UserError):
     """Packed data that does not decode to finite weights; the message names the tensor."""
 
 

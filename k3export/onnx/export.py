@@ -174,8 +174,9 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
     layers = layers or range(config.num_hidden_layers)
     inputs, outputs = graph_signature(config, layers, dtype)
     # Example sizes above 1 and pairwise different, so no axis is specialised or confused.
-    example = example_inputs(config, layers, dtype, batch=2, seq=3, past=5,
-                             device=model.lm_head.weight.device)
+    # On the weights' device: cpu, or meta for --no-weights (a range's unused parts are meta too).
+    device = "cpu" if any(p.device.type != "meta" for p in model.parameters()) else "meta"
+    example = example_inputs(config, layers, dtype, batch=2, seq=3, past=5, device=device)
     with torch.no_grad():
         export_onnx(ExportGraph(model, layers).eval(), example, out_dir / GRAPH_FILE,
                     dynamic_shapes=(dynamic_shapes(inputs),),  # forward(*inputs): one parameter
