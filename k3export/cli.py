@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from k3export.accounting import COMPONENTS, parameter_report
-from k3export.checkpoint import CheckpointError, read_layout
-from k3export.config import PRESETS, ConfigError, K3Config
+from k3export.checkpoint import read_layout
+from k3export.config import PRESETS, K3Config
+from k3export.errors import UserError
 
 
 def _add_model_source(parser: argparse.ArgumentParser, checkpoint: bool = False) -> None:
@@ -82,16 +84,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from k3export.artifacts import staged_dir
+    from k3export.artifacts import OutputDir
     from k3export.checkpoint import build_model
-    from k3export.onnx.export import export_model, parse_layers
+    from k3export.onnx.export import MANIFEST_FILE, export_model, parse_layers
 
+    out = OutputDir(args.out, MANIFEST_FILE, "export", overwrite=args.overwrite)
     config = _config(args)
     dtype_name = args.dtype or config.torch_dtype
-    try:
-        layers = parse_layers(args.layers, config)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    layers = parse_layers(args.layers, config)
     if args.no_weights:
         weights: dict = {"stripped": True}
     elif args.checkpoint:
@@ -100,20 +100,19 @@ def cmd_export(args: argparse.Namespace) -> int:
         weights = {"seed": args.seed}
     if args.packed_experts:
         if not args.checkpoint:
-            raise ConfigError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts")
+            raise UserError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts")
         weights["packed_experts"] = True
     print(f"building the eager model: layers {layers.start}..{layers.stop - 1} of "
           f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
     model = build_model(config, getattr(torch, dtype_name), weights, layers, log=print)
-    out = Path(args.out)
-    print(f"exporting to {out} (torch.export, then ONNX translation; minutes for large models)")
-    with staged_dir(out) as stage:
+    print(f"exporting to {out.path} (torch.export, then ONNX translation; minutes for large models)")
+    with out.staged() as stage:
         manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins)
     nodes = manifest["custom_nodes"]
-    size = sum((out / f).stat().st_size for f in manifest["sha256"])
+    size = sum(record["bytes"] for record in out.manifest["files"].values())
     held = "no weights (they are graph inputs)" if args.no_weights else "with weights"
-    print(f"wrote {out}/{manifest['graph']}: {nodes['KDA']} KDA and {nodes['LatentMLA']} LatentMLA nodes, "
-          f"opset {manifest['opset']}, {_human(size, 'B')} {held}; inputs/outputs in export.json")
+    print(f"wrote {out.path / manifest['graph']}: {nodes['KDA']} KDA and {nodes['LatentMLA']} LatentMLA "
+          f"nodes, opset {manifest['opset']}, {_human(size, 'B')} {held}; inputs/outputs in export.json")
     return 0
 
 
@@ -178,6 +177,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3export", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="print the traceback of input errors too")
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="parameters, active parameters, cache and weight bytes")
@@ -189,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="the model (or a layer range) as one ONNX graph")
     _add_model_source(export, checkpoint=True)
     export.add_argument("--seed", type=int, default=0, help="seeded random weights (no --checkpoint)")
-    export.add_argument("--out", required=True, metavar="DIR")
+    export.add_argument("--out", required=True, metavar="DIR",
+                        help="a new or empty folder, or one a previous export wrote (it is replaced)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="write into a folder that holds other files too (they are kept)")
     export.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                         help="default: the config's torch_dtype")
     export.add_argument("--layers", metavar="A:B", help="0-based layer range [A, B); default all")
@@ -236,13 +239,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done (a check passed), 1 a check failed, 2 bad input (one message naming the
+    culprit; --debug adds the traceback), 3 an internal error (a bug: its traceback is printed)."""
     args = build_parser().parse_args(argv)
     started = time.perf_counter()
     try:
         code = args.run(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, LookupError, ValueError) as e:
+    except UserError as e:
+        if args.debug:
+            traceback.print_exc()
         print(f"k3export: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("k3export: interrupted; nothing unfinished was left at a final name", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print(f"k3export: internal error in `{args.command}` (a bug in k3export, not in your input): "
+              "please report it with the traceback above", file=sys.stderr)
+        return 3
     if not getattr(args, "json", False):
         print(f"({args.command} took {time.perf_counter() - started:.1f} s)", file=sys.stderr)
     return code

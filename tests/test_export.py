@@ -56,7 +56,7 @@ def test_census_and_checker(tiny_export, bf16_export):
     names = [s["name"] for s in manifest["inputs"]]
     assert names[:2] == ["input_ids", "past.0.kda_state"] and "past.3.mla_latent" in names
     assert manifest["outputs"][0]["name"] == "logits"
-    assert manifest["sha256"]["model.onnx.data"] == sha256(tiny_export / "model.onnx.data")
+    assert manifest["files"]["model.onnx.data"]["sha256"] == sha256(tiny_export / "model.onnx.data")
     assert "56x" in manifest["moe"]
 
 

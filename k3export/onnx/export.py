@@ -28,8 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from k3export.accounting import parameter_report
-from k3export.artifacts import sha256, write_atomic
+from k3export.artifacts import write_atomic
 from k3export.config import K3Config
+from k3export.errors import UserError
 from k3export.model import K3ForCausalLM, KDACache, MLACache
 from k3export.model.cache import LayerCache
 from k3export.onnx.ops import export_onnx
@@ -59,9 +60,9 @@ def parse_layers(text: str | None, config: K3Config) -> range:
     try:
         start, stop = (int(p) if p else d for p, d in zip(text.split(":"), (0, L), strict=True))
     except ValueError:
-        raise ValueError(f"--layers {text!r}: expected A:B with 0 <= A < B <= {L}") from None
+        raise UserError(f"--layers {text!r}: expected A:B with 0 <= A < B <= {L}") from None
     if not 0 <= start < stop <= L:
-        raise ValueError(f"--layers {text!r}: expected A:B with 0 <= A < B <= {L}")
+        raise UserError(f"--layers {text!r}: expected A:B with 0 <= A < B <= {L}")
     return range(start, stop)
 
 
@@ -184,7 +185,6 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
                     aot_plugins=aot_plugins)
     graph = onnx.load(out_dir / GRAPH_FILE, load_external_data=False)
     config.to_json(out_dir / "config.json")
-    files = [GRAPH_FILE, f"{GRAPH_FILE}.data", "config.json"]
     manifest = {
         "graph": GRAPH_FILE,
         "dtype": _dtype_name(dtype),
@@ -204,7 +204,6 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
         "moe": moe_cost_note(config),
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                      "onnxscript": onnxscript.__version__, "python": platform.python_version()},
-        "sha256": {f: sha256(out_dir / f) for f in files if (out_dir / f).exists()},
     }
     write_atomic(out_dir / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
