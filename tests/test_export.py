@@ -14,6 +14,7 @@ from k3export.artifacts import sha256
 from k3export.checkpoint import build_model, save_checkpoint
 from k3export.cli import main
 from k3export.config import K3Config
+from k3export.errors import UserError
 from k3export.onnx.check import run_check
 from k3export.onnx.export import bank_rows, export_model
 
@@ -110,7 +111,7 @@ def test_bfloat16_is_valid_onnx_that_onnxruntime_cpu_cannot_run(bf16_export):
 
     with pytest.raises(Exception, match="MatMul"):
         ort.InferenceSession(str(bf16_export / "model.onnx"), providers=["CPUExecutionProvider"])
-    with pytest.raises(ValueError, match="checked structurally"):
+    with pytest.raises(UserError, match="checked structurally"):
         run_check(bf16_export, log=lambda _: None)
 
 

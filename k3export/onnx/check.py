@@ -23,7 +23,6 @@ repeats the prefill comparison from the command line (the report prints the exac
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -39,12 +38,15 @@ from polygraphy.comparator import Comparator, RunResults
 from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
+from k3export.artifacts import OutputDir, require, verify, write_json
 from k3export.checkpoint import build_model
 from k3export.config import K3Config
+from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, graph_signature
 from k3export.parity import TOLERANCES, Tolerance, compare, top1_agreement
 
 # Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
+CHECK_DIR, CHECK_MANIFEST = "check", "check.json"
 POLYGRAPHY_TOLERANCES = {"float32": (1e-3, 1e-3), "float16": (0.1, 0.05), "bfloat16": (0.5, 0.1)}
 
 
@@ -85,10 +87,10 @@ def onnxrt_session(path: Path, threads: int | None = None) -> ort.InferenceSessi
 
 
 def read_export(onnx_dir: Path) -> tuple[dict[str, Any], K3Config]:
-    manifest_path = onnx_dir / MANIFEST_FILE
-    if not manifest_path.exists():
-        raise FileNotFoundError(f"{manifest_path}: no such file (is {onnx_dir} a `k3export export` folder?)")
-    return json.loads(manifest_path.read_text()), K3Config.from_json(onnx_dir / "config.json")
+    """export.json and config.json of an export folder whose files all match export.json."""
+    manifest = verify(onnx_dir, MANIFEST_FILE)
+    require(manifest, onnx_dir / MANIFEST_FILE, "graph", "dtype", "weights", "layers", "inputs", "outputs")
+    return manifest, K3Config.from_json(onnx_dir / "config.json")
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -112,17 +114,28 @@ def _feed(specs: list[TensorSpec], sizes: dict[str, int], vocab: int,
 
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
               prompt_len: int = 70, log: Any = print) -> dict[str, Any]:
-    """Prefill of `prompt_len` tokens and `steps` decode steps; returns the report (see "passed")."""
+    """Prefill of `prompt_len` tokens and `steps` decode steps; returns the report (see "passed").
+    The replay files and the report go to DIR/check (a folder of check's own, replaced each run)."""
     onnx_dir = Path(onnx_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
     manifest, config = read_export(onnx_dir)
-    dtype = manifest["dtype"]
     if manifest["weights"].get("stripped"):
-        raise ValueError(f"{onnx_dir}: exported with --no-weights, so there are no numbers to check; "
-                         "it is checked structurally (onnx.checker full_check)")
-    if dtype == "bfloat16":
-        raise ValueError(f"{onnx_dir}: a bfloat16 export cannot be fed through numpy; "
-                         "it is checked structurally (see the README)")
+        raise UserError(f"{onnx_dir}: exported with --no-weights, so there are no numbers to check; "
+                        "it is checked structurally (onnx.checker full_check)")
+    if manifest["dtype"] == "bfloat16":
+        raise UserError(f"{onnx_dir}: a bfloat16 export cannot be fed through numpy; "
+                        "it is checked structurally (see the README)")
+    out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check")
+    with out.staged() as stage:
+        report = _run_check(onnx_dir, manifest, config, stage, steps, seed, batch, prompt_len, log)
+        write_json(stage / CHECK_MANIFEST, {"passed": report["passed"], "report": "report.json"})
+    return report
+
+
+def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage: Path, steps: int,
+               seed: int, batch: int, prompt_len: int, log: Any) -> dict[str, Any]:
+    """run_check's comparison, writing its files into `stage` (DIR/check once committed)."""
+    dtype = manifest["dtype"]
     tolerance = TOLERANCES[dtype]
     layers = range(*manifest["layers"])
     inputs = [TensorSpec(**s) for s in manifest["inputs"]]
@@ -138,12 +151,11 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     gen = torch.Generator().manual_seed(seed)
     feed = _feed(inputs, {"batch": batch, "seq": prompt_len, "past": 0}, config.vocab_size, gen)
 
-    check_dir = onnx_dir / "check"
-    check_dir.mkdir(exist_ok=True)
-    results = Comparator.run(runners, data_loader=[feed], save_inputs_path=str(check_dir / "inputs.json"))
+    check_dir = onnx_dir / CHECK_DIR
+    results = Comparator.run(runners, data_loader=[feed], save_inputs_path=str(stage / "inputs.json"))
     golden = RunResults()
     golden.append(("eager", results["eager"]))
-    golden.save(str(check_dir / "golden.json"))
+    golden.save(str(stage / "golden.json"))
 
     outs = [results[r.name][0] for r in runners]
     report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__,
@@ -178,7 +190,7 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     report["polygraphy_command"] = (
         f"polygraphy run {onnx_dir / GRAPH_FILE} --onnxrt --load-inputs {check_dir / 'inputs.json'} "
         f"--load-outputs {check_dir / 'golden.json'} --atol {atol:.3g} --rtol {rtol}")
-    save_json(report, str(check_dir / "report.json"), description="check report")
+    save_json(report, str(stage / "report.json"), description="check report")
     return report
 
 
