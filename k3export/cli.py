@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--max-past", type=int, default=Limits.past, help="tokens already cached")
     build.set_defaults(run=cmd_build)
 
+    from k3export.plan import add_parser as add_plan_parser
+    add_plan_parser(sub)
+
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then "
                                        "export, check and build")
     demo.add_argument("--seed", type=int, default=0)

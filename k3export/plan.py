@@ -1,0 +1,347 @@
+"""The shard planner: contiguous layer ranges (pipeline stages) balanced by weight bytes.
+
+    k3export plan engines/kimi-k3.toml
+    k3export plan --preset kimi-k3 --stages 16 --packed-experts [--json]
+
+A plan is a function of the model's configuration: the model is built on the meta device (no
+weights allocated) and each layer's parameters are counted, the embedding with layer 0 and the
+output mix, final norm and LM head with the last layer. The ranges minimise the heaviest stage's
+weight bytes over all contiguous partitions (dynamic programming, exact), and among those maximise
+the lightest. Bound: heaviest <= mean + the heaviest layer. (Greedy filling, each stage closed as
+soon as it reaches the mean, gives every stage but the last at least the mean, so the last at most
+the mean, and each at most mean + one layer; the optimum is no heavier.)
+
+Per stage the plan states weights, the decode cache, the AttnRes boundary tensors it receives and
+sends (bank rows and partial block, per token), their transfer time at a stated link bandwidth, and
+whether weights + cache + an activation estimate fit one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3export.accounting import MXFP4_BITS, component
+from k3export.config import PRESETS, K3Config
+from k3export.errors import UserError
+from k3export.model import K3ForCausalLM
+
+H200_BYTES = 141 * 10**9  # HBM3e as NVIDIA states it
+LINK_GB_PER_S = 50.0  # one 400 Gb/s InfiniBand NDR port per GPU, the usual link between hosts
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass
+class Load:
+    """What each layer (with the globals it carries) costs: parameters and bytes as stored."""
+
+    params: list[int]
+    weight_bytes: list[int]
+
+
+def layer_loads(config: K3Config, dtype: torch.dtype, packed_experts: bool = False) -> Load:
+    """Per layer: parameters and weight bytes (routed experts at MXFP4's 4.25 bits when packed,
+    float32 parameters such as KDA's conv weights at 4 bytes); the embedding counts to layer 0,
+    the output mix, final norm and LM head to the last layer."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(config, dtype)
+    L = config.num_hidden_layers
+    load = Load([0] * L, [0] * L)
+    for name, param in model.named_parameters():
+        match = _LAYER.match(name)
+        layer = int(match[1]) if match else 0 if name.startswith("model.embed_tokens.") else L - 1
+        n = param.numel()
+        load.params[layer] += n
+        if packed_experts and component(name, config) == "routed_experts":
+            load.weight_bytes[layer] += round(n * MXFP4_BITS / 8)
+        else:
+            load.weight_bytes[layer] += n * param.element_size()
+    return load
+
+
+def partition(weights: list[int], parts: int) -> list[range]:
+    """Contiguous ranges of `weights` into `parts` non-empty parts minimising the largest sum,
+    and among those maximising the smallest. Exact, O(parts x n^2)."""
+    n = len(weights)
+    if not 1 <= parts <= n:
+        raise UserError(f"stages: expected 1..{n} (one layer at least per stage), got {parts}")
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def solve(better: Any, combine: Any, allowed: Any) -> list[range]:
+        # best[j][i]: the best value for the first i items in j parts; cut[j][i]: where part j starts.
+        best = [[None] * (n + 1) for _ in range(parts + 1)]
+        cut = [[0] * (n + 1) for _ in range(parts + 1)]
+        best[0][0] = 0
+        for j in range(1, parts + 1):
+            for i in range(j, n - parts + j + 1):
+                for p in range(j - 1, i):
+                    if best[j - 1][p] is None or not allowed(prefix[i] - prefix[p]):
+                        continue
+                    value = combine(best[j - 1][p], prefix[i] - prefix[p], j)
+                    if best[j][i] is None or better(value, best[j][i]):
+                        best[j][i], cut[j][i] = value, p
+        bounds, i = [n], n
+        for j in range(parts, 0, -1):
+            i = cut[j][i]
+            bounds.append(i)
+        bounds.reverse()
+        return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+    heaviest = max(sum(weights[r.start:r.stop]) for r in
+                   solve(lambda a, b: a < b, lambda acc, s, j: max(acc, s), lambda s: True))
+    return solve(lambda a, b: a > b, lambda acc, s, j: s if j == 1 else min(acc, s),
+                 lambda s: s <= heaviest)
+
+
+@dataclass
+class Tensor:
+    name: str
+    dtype: str
+    shape: list[int | str]
+    bytes_per_token: int
+
+
+@dataclass
+class Stage:
+    index: int
+    layers: range
+    kda_layers: int
+    mla_layers: int
+    moe_layers: int
+    params: int
+    weight_bytes: int
+    cache_bytes_per_sequence: int  # at the plan's context length
+    receives: list[Tensor]
+    sends: list[Tensor]
+    seconds_per_token_sent: float  # at the plan's link bandwidth
+    activation_bytes: int  # estimate at the largest prefill
+    cache_bytes: int  # capacity x batch
+
+    @property
+    def bytes_received_per_token(self) -> int:
+        return sum(t.bytes_per_token for t in self.receives)
+
+    @property
+    def bytes_sent_per_token(self) -> int:
+        return sum(t.bytes_per_token for t in self.sends)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.cache_bytes + self.activation_bytes
+
+    @property
+    def fits_h200(self) -> bool:
+        return self.total_bytes <= H200_BYTES
+
+
+@dataclass
+class Plan:
+    model: str
+    config: K3Config
+    dtype: str
+    packed_experts: bool
+    context: int  # tokens of cache per sequence (the recipe's capacity)
+    batch: int  # sequences the cache holds
+    prefill_tokens: int  # batch x seq of the largest prefill
+    link_gb_per_s: float
+    stages: list[Stage]
+    heaviest_layer_bytes: int  # the granularity the balance bound allows
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "dtype": self.dtype, "packed_experts": self.packed_experts,
+            "context": self.context, "batch": self.batch, "prefill_tokens": self.prefill_tokens,
+            "link_gb_per_s": self.link_gb_per_s, "h200_bytes": H200_BYTES,
+            "heaviest_layer_bytes": self.heaviest_layer_bytes,
+            "stages": [{
+                "layers": [s.layers.start, s.layers.stop], "kda_layers": s.kda_layers,
+                "mla_layers": s.mla_layers, "moe_layers": s.moe_layers, "params": s.params,
+                "weight_bytes": s.weight_bytes, "cache_bytes_per_sequence": s.cache_bytes_per_sequence,
+                "receives": [dataclasses.asdict(t) for t in s.receives],
+                "sends": [dataclasses.asdict(t) for t in s.sends],
+                "bytes_received_per_token": s.bytes_received_per_token,
+                "bytes_sent_per_token": s.bytes_sent_per_token,
+                "seconds_per_token_sent": s.seconds_per_token_sent,
+                "memory": {"weights": s.weight_bytes, "cache": s.cache_bytes,
+                           "activations": s.activation_bytes, "total": s.total_bytes,
+                           "fits_h200": s.fits_h200},
+            } for s in self.stages],
+        }
+
+
+def layer_cache_bytes(config: K3Config, layer: int, context: int, elem: int) -> int:
+    """Decode cache of one layer for one sequence: MLA latent rows for `context` tokens, or the
+    KDA state (float32) and the three conv tails."""
+    lac = config.linear_attn_config
+    if config.is_mla(layer):
+        return context * config.latent_dim * elem
+    channels = lac.num_heads * lac.head_dim
+    state = lac.num_heads * lac.head_dim * lac.head_dim * 4  # float32 always
+    return state + 3 * (lac.short_conv_kernel_size - 1) * channels * elem
+
+
+def layer_working_bytes(config: K3Config, layer: int, elem: int) -> int:
+    """Per token, the intermediates one layer holds at once in the served engine: the mixers as k3
+    plugins (no attention matrix: MLA queries and latent outputs, KDA's q, k, v, g in float32), and
+    the MoE as the grouped routed-experts plugin (issue 11): router scores, the top-k experts' gate,
+    up and output rows and the shared expert's, in float32. `dense_dispatch_bytes` is what today's
+    graph adds to that."""
+    c, lac = config, config.linear_attn_config
+    mixer = (c.num_attention_heads * (c.latent_dim + c.kv_lora_rank) * 4 if c.is_mla(layer)
+             else 4 * lac.num_heads * lac.head_dim * 4)
+    if c.is_dense(layer):
+        ffn = 2 * c.intermediate_size * 4
+    else:
+        routed = c.num_experts_per_token * (2 * c.moe_intermediate_size + c.routed_expert_hidden_size)
+        ffn = (c.num_experts + routed + 2 * c.shared_expert_size) * 4
+    return max(mixer, ffn) + 4 * c.hidden_size * elem  # plus the layer's input, norm and mix outputs
+
+
+def dense_dispatch_bytes(config: K3Config) -> int:
+    """Per token, what the MoE's dense dispatch in today's graph holds beyond the grouped form: every
+    routed expert's gate and up outputs (E x I each) and its output (E x L), in float32."""
+    c = config
+    return (c.num_experts - c.num_experts_per_token) * (2 * c.moe_intermediate_size
+                                                        + c.routed_expert_hidden_size) * 4
+
+
+def _tensors(specs: list[Any]) -> list[Tensor]:
+    """Graph I/O specs -> per-token sizes (symbolic batch and seq dims count as 1)."""
+    out = []
+    for s in specs:
+        per_token = torch.empty(0, dtype=getattr(torch, s.dtype)).element_size()
+        for d in s.shape:
+            per_token *= d if isinstance(d, int) else 1
+        out.append(Tensor(s.name, s.dtype, list(s.shape), per_token))
+    return out
+
+
+def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype: str,
+              packed_experts: bool = False, context: int = 131072, batch: int = 1,
+              prefill_tokens: int = 1024, link_gb_per_s: float = LINK_GB_PER_S) -> Plan:
+    """A plan over `config`: `stages` a count (balanced ranges) or the ranges themselves."""
+    from k3export.onnx.export import graph_signature  # the graph's own names and shapes
+
+    torch_dtype = getattr(torch, dtype)
+    elem = torch.empty(0, dtype=torch_dtype).element_size()
+    load = layer_loads(config, torch_dtype, packed_experts)
+    ranges = partition(load.weight_bytes, stages) if isinstance(stages, int) else list(stages)
+    result = []
+    for index, layers in enumerate(ranges):
+        inputs, outputs = graph_signature(config, layers, torch_dtype)
+        # What crosses a stage boundary per token: the tensors with a seq axis that are not caches
+        # (each stage keeps its own); per-row inputs such as lengths are not per token.
+        receives = _tensors([s for s in inputs if "seq" in s.shape and not s.name.startswith("past.")])
+        sends = _tensors([s for s in outputs if "seq" in s.shape and not s.name.startswith("present.")])
+        sent = sum(t.bytes_per_token for t in sends)
+        in_out = sum(t.bytes_per_token for t in receives) + sent
+        working = max(layer_working_bytes(config, i, elem) for i in layers)
+        per_sequence = sum(layer_cache_bytes(config, i, context, elem) for i in layers)
+        result.append(Stage(
+            index=index, layers=layers,
+            kda_layers=sum(not config.is_mla(i) for i in layers), mla_layers=sum(map(config.is_mla, layers)),
+            moe_layers=sum(not config.is_dense(i) for i in layers),
+            params=sum(load.params[i] for i in layers),
+            weight_bytes=sum(load.weight_bytes[i] for i in layers),
+            cache_bytes_per_sequence=per_sequence, receives=receives, sends=sends,
+            seconds_per_token_sent=sent / (link_gb_per_s * 1e9),
+            activation_bytes=prefill_tokens * (in_out + working), cache_bytes=per_sequence * batch))
+    return Plan(model, config, dtype, packed_experts, context, batch, prefill_tokens, link_gb_per_s, result,
+                max(load.weight_bytes))
+
+
+def plan_recipe(recipe: Any, link_gb_per_s: float = LINK_GB_PER_S) -> Plan:
+    """The plan a recipe (k3export.recipe.Recipe) builds: its stage ranges, or balanced ones."""
+    model = recipe.preset or str(recipe.config_path)
+    return make_plan(recipe.config, list(recipe.stage_ranges) if recipe.stage_ranges else recipe.stage_count,
+                     model=model, dtype=recipe.dtype, packed_experts=recipe.packed_experts,
+                     context=recipe.capacity, batch=recipe.batch,
+                     prefill_tokens=recipe.prefill_batch * recipe.prefill_seq, link_gb_per_s=link_gb_per_s)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    c = plan.config
+    experts = "routed experts MXFP4 (4.25 bits)" if plan.packed_experts else f"all weights {plan.dtype}"
+    total = sum(s.weight_bytes for s in plan.stages)
+    lines = [
+        f"{plan.model}: {c.num_hidden_layers} layers in {len(plan.stages)} stages, {plan.dtype}, {experts}; "
+        f"weights {_gb(total)} GB in all, heaviest layer {_gb(plan.heaviest_layer_bytes)} GB",
+        f"cache {plan.context} tokens x {plan.batch} sequences; activations at a prefill of "
+        f"{plan.prefill_tokens} tokens; link {plan.link_gb_per_s:g} GB/s; one H200 {_gb(H200_BYTES)} GB",
+        "",
+        "stage  layers  KDA MLA MoE  params  weights  cache/seq  bank rows  in B/tok  out B/tok  out us/tok"
+        "    weights + cache + activations =  total  fits",
+    ]
+    for s in plan.stages:
+        rows = [f"{t.shape[0]}" for t in s.receives if t.name.endswith(".bank")] or ["-"]
+        lines.append(
+            f"{s.index:>5}  {s.layers.start:>2}-{s.layers.stop - 1:<3}  {s.kda_layers:>3} {s.mla_layers:>3} "
+            f"{s.moe_layers:>3}  {s.params / 1e9:>5.1f}B  {_gb(s.weight_bytes):>7}  "
+            f"{_gb(s.cache_bytes_per_sequence):>9}  {rows[0]:>9}  {s.bytes_received_per_token:>8}  "
+            f"{s.bytes_sent_per_token:>9}  {s.seconds_per_token_sent * 1e6:>10.3f}  "
+            f"{_gb(s.weight_bytes):>10} + {_gb(s.cache_bytes):>5} + {_gb(s.activation_bytes):>11} = "
+            f"{_gb(s.total_bytes):>6}  {'yes' if s.fits_h200 else 'NO'}")
+    heavy = max(s.weight_bytes for s in plan.stages)
+    light = min(s.weight_bytes for s in plan.stages)
+    dense = dense_dispatch_bytes(c) * plan.prefill_tokens
+    lines += [
+        "", "GB = 1e9 bytes; ranges are 0-based, inclusive here (--json: [start, stop) with stop exclusive)",
+        f"balance: heaviest / lightest stage = {heavy / light:.3f}; heaviest - mean = "
+        f"{_gb(heavy - total / len(plan.stages))} GB <= the heaviest layer, "
+        f"{_gb(plan.heaviest_layer_bytes)} GB",
+        "boundaries: a stage receives the AttnRes bank [rows, batch, seq, hidden] and partial block [batch, "
+        "seq, hidden] (the first: token ids) and sends the next stage's (the last: logits)",
+        "activations assume the served engine: k3 mixer plugins and the grouped MoE plugin (issue 11); "
+        f"today's graph runs every expert on every token, {_gb(dense)} GB more at this prefill"
+        + (", and dequantises a layer's packed experts whole" if plan.packed_experts else ""),
+    ]
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from k3export.recipe import load_recipe
+
+    if (args.recipe is None) == (args.preset is None):
+        raise UserError("plan: expected a RECIPE file or --preset NAME --stages N (one of them)")
+    if args.recipe:
+        plan = plan_recipe(load_recipe(args.recipe), args.link_gb_per_s)
+    else:
+        if args.stages is None:
+            raise UserError("plan --preset: expected --stages N")
+        config = K3Config.from_preset(args.preset)
+        plan = make_plan(config, args.stages, model=args.preset, dtype=args.dtype or config.torch_dtype,
+                         packed_experts=args.packed_experts, context=args.context, batch=args.batch,
+                         prefill_tokens=args.prefill_tokens, link_gb_per_s=args.link_gb_per_s)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Registers `k3export plan` on the CLI's subparsers."""
+    plan = sub.add_parser("plan", help="pipeline stages balanced by weight bytes, and what each holds")
+    plan.add_argument("recipe", nargs="?", metavar="RECIPE", help="a recipe (engines/*.toml)")
+    plan.add_argument("--preset", choices=list(PRESETS), help="plan a preset instead of a recipe")
+    plan.add_argument("--stages", type=int, help="stage count (with --preset)")
+    plan.add_argument("--packed-experts", action="store_true", help="routed experts in MXFP4 (with --preset)")
+    plan.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="with --preset")
+    plan.add_argument("--context", type=int, default=131072, help="cache tokens per sequence (with --preset)")
+    plan.add_argument("--batch", type=int, default=1, help="sequences in the cache (with --preset)")
+    plan.add_argument("--prefill-tokens", type=int, default=1024,
+                      help="batch x seq of the largest prefill, for the activation estimate (with --preset)")
+    plan.add_argument("--link-gb-per-s", type=float, default=LINK_GB_PER_S,
+                      help="bandwidth between stages, GB/s (default: 400 Gb/s InfiniBand)")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(run=cmd_plan)

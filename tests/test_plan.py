@@ -1,0 +1,131 @@
+"""The shard planner against independent arithmetic (ARCHITECTURE.md's parameter counts) and a
+brute-force partition, on the published model at the shipped recipe's stage count."""
+
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from k3export.cli import main
+from k3export.plan import LINK_GB_PER_S, partition, plan_recipe
+from k3export.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The published shapes, written out from ARCHITECTURE.md (not read from the code).
+D, V, C, H, K = 7168, 163840, 12288, 96, 128
+F32_KDA = 3 * C * 4 + H + C + K  # conv weights, A_log (96 heads used), dt_bias, o_norm: float32
+KDA = 4 * C * D + D * C + K * D + C * K + H * D + F32_KDA
+MLA = 1536 * D + 1536 + 18432 * 1536 + 576 * D + 512 + 24576 * 512 + C * D + D * C
+DENSE = 3 * 33792 * D
+EXPERTS = 896 * 3 * 3584 * 3072
+MOE_REST = 3 * D * 6144 + 896 * D + 896 + 2 * D * 3584 + 3584  # shared, router + bias, latent, norm
+NORMS = 4 * D + 2 * D  # four RMSNorms and two AttnRes projections per layer
+HEAD = V * D + 3 * D  # lm_head, final norm, output AttnRes norm and projection
+MLA_LAYERS = {*range(3, 92, 4), 92}  # 0-based: 1-based 4, 8, ..., 92 and 93
+
+
+def test_arithmetic_matches_architecture_md() -> None:
+    """The hand formulas above reproduce ARCHITECTURE.md's rounded counts."""
+    assert round(KDA / 1e6, 2) == 443.74 and round(MLA / 1e6, 2) == 232.20
+    assert round(DENSE / 1e6, 1) == 726.7 and round((EXPERTS + MOE_REST) / 1e9, 3) == 29.785
+    total = 69 * KDA + 24 * MLA + DENSE + 92 * (EXPERTS + MOE_REST) + 93 * NORMS + V * D + HEAD
+    assert round(total / 1e12, 4) == 2.7795
+
+
+def expected_layer(i: int) -> tuple[int, int]:
+    """(parameters, bytes) of layer i with the globals it carries; bfloat16 but for the float32
+    KDA parameters and router bias, routed experts in MXFP4 (17 bytes per 32 weights)."""
+    mixer = MLA if i in MLA_LAYERS else KDA
+    f32 = 0 if i in MLA_LAYERS else F32_KDA
+    if i == 0:
+        ffn, ffn_bytes = DENSE, 2 * DENSE
+    else:
+        ffn, ffn_bytes, f32 = EXPERTS + MOE_REST, EXPERTS * 17 // 32 + 2 * MOE_REST, f32 + 896
+    extra = V * D if i == 0 else HEAD if i == 92 else 0
+    params = mixer + ffn + NORMS + extra
+    return params, 2 * (mixer + NORMS + extra) + 2 * f32 + ffn_bytes
+
+
+@pytest.fixture(scope="module")
+def k3_plan():
+    recipe = load_recipe(ROOT / "engines/kimi-k3.toml")
+    return recipe, plan_recipe(recipe)
+
+
+def test_every_layer_once_in_order(k3_plan) -> None:
+    recipe, plan = k3_plan
+    assert len(plan.stages) == recipe.stage_count
+    assert [i for s in plan.stages for i in s.layers] == list(range(93))
+    assert all(len(s.layers) > 0 for s in plan.stages)
+
+
+def test_balance_bound(k3_plan) -> None:
+    """Proven: heaviest <= mean + heaviest layer (plan.py's docstring); at this stage count the
+    layers are fine enough that the heaviest stage is also within 1.25x of the lightest."""
+    _, plan = k3_plan
+    weights = [s.weight_bytes for s in plan.stages]
+    heaviest_layer = max(expected_layer(i)[1] for i in range(93))
+    assert max(weights) <= sum(weights) / len(weights) + heaviest_layer
+    assert max(weights) <= 1.25 * min(weights)
+
+
+def test_numbers_agree_with_independent_arithmetic(k3_plan) -> None:
+    recipe, plan = k3_plan
+    elem, context = 2, recipe.capacity
+    for s in plan.stages:
+        assert s.params == sum(expected_layer(i)[0] for i in s.layers)
+        assert s.weight_bytes == sum(expected_layer(i)[1] for i in s.layers)
+        n_mla = len(MLA_LAYERS & set(s.layers))
+        n_kda = len(s.layers) - n_mla
+        assert s.cache_bytes_per_sequence == n_mla * context * 576 * elem + n_kda * (
+            H * K * K * 4 + 3 * 3 * C * elem)
+        assert s.cache_bytes == s.cache_bytes_per_sequence * recipe.batch
+        # The AttnRes boundary: one bank row per block of 12 started before the stage, plus the
+        # partial block, each `hidden` wide.
+        first, last = s.layers.start, s.layers.stop
+        received = 8 if first == 0 else (math.ceil(first / 12) + 1) * D * elem
+        sent = V * elem if last == 93 else (math.ceil(last / 12) + 1) * D * elem
+        assert (s.bytes_received_per_token, s.bytes_sent_per_token) == (received, sent)
+        assert s.seconds_per_token_sent == pytest.approx(sent / (LINK_GB_PER_S * 1e9))
+        assert s.total_bytes == s.weight_bytes + s.cache_bytes + s.activation_bytes
+        assert s.fits_h200 == (s.total_bytes <= 141e9)
+    assert sum(s.params for s in plan.stages) == sum(expected_layer(i)[0] for i in range(93))
+    # Adjacent stages agree on what crosses between them.
+    for a, b in itertools.pairwise(plan.stages):
+        assert [t.name for t in a.sends] == [t.name for t in b.receives]
+
+
+def brute_force(weights: list[int], parts: int) -> tuple[int, int]:
+    """(smallest possible heaviest part, then largest possible lightest part), by enumeration."""
+    best = None
+    for cuts in itertools.combinations(range(1, len(weights)), parts - 1):
+        bounds = [0, *cuts, len(weights)]
+        sums = [sum(weights[a:b]) for a, b in itertools.pairwise(bounds)]
+        key = (max(sums), -min(sums))
+        best = key if best is None or key < best else best
+    return best[0], -best[1]
+
+
+def test_partition_is_optimal() -> None:
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(1, 9)
+        weights = [rng.choice([1, 2, 5, 30, 31]) for _ in range(n)]
+        parts = rng.randint(1, n)
+        ranges = partition(weights, parts)
+        assert [i for r in ranges for i in r] == list(range(n)) and len(ranges) == parts
+        sums = [sum(weights[r.start:r.stop]) for r in ranges]
+        assert (max(sums), min(sums)) == brute_force(weights, parts)
+
+
+def test_cli_json(capsys) -> None:
+    assert main(["plan", "--preset", "kimi-k3", "--stages", "16", "--packed-experts", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    bounds = [s["layers"] for s in plan["stages"]]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 93
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert main(["plan", "--preset", "kimi-k3"]) == 2  # no --stages: a message, not a traceback

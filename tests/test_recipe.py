@@ -1,0 +1,65 @@
+"""Recipes: the shipped ones load, and every bad key is refused naming the file, the key and the
+expectation."""
+
+from pathlib import Path
+
+import pytest
+
+from k3export.errors import UserError
+from k3export.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = (ROOT / "engines/k3-tiny.toml").read_text()
+
+
+def test_shipped_recipes_load() -> None:
+    tiny = load_recipe(ROOT / "engines/k3-tiny.toml")
+    assert (tiny.stage_count, tiny.dtype, tiny.weights) == (2, "float32", {"seed": 0})
+    assert load_recipe(ROOT / "engines/k3-small.toml").stage_count == 4
+    k3 = load_recipe(ROOT / "engines/kimi-k3.toml")
+    assert (k3.backend, k3.target, k3.packed_experts) == ("tensorrt", "sm90", True)
+    assert k3.config.num_hidden_layers == 93
+    assert k3.weights["checkpoint"].endswith("checkpoints/Kimi-K3") and k3.weights["packed_experts"]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    ("capacity = 256", "capacity = 0", "key 'cache.capacity' = 0: expected an integer >= 1"),
+    ("capacity = 256", "capacty = 256", "unknown key 'cache.capacty'"),
+    ("count = 2", "ranges = [[0, 4], [5, 9]]", "key 'stages.ranges'"),
+    ("count = 2", "count = 2\nranges = [[0, 9]]", "expected exactly one of 'count' or 'ranges', found both"),
+    ('backend = "tensorrt-rtx"', 'backend = "trt"', "key 'build.backend' = 'trt': expected one of"),
+    ('target = "sm89"', 'target = "sm90"', "TensorRT-RTX's targets"),
+    ('experts = "as-stored"', 'experts = "mxfp4-packed"', "only a checkpoint's MXFP4 experts"),
+    ("decode = { batch = 2 }", "decode = { batch = 3 }", "key 'profiles.decode.batch' = 3: expected at most"),
+    ('preset = "k3-tiny"', 'preset = "k3-huge"', "key 'model.preset' = 'k3-huge'"),
+    ("[cache]", "[cash]", "unknown table [cash]"),
+])
+def test_bad_keys_are_named(tmp_path: Path, old: str, new: str, message: str) -> None:
+    assert old in TINY
+    path = write(tmp_path, TINY.replace(old, new))
+    with pytest.raises(UserError, match="recipe.toml") as error:
+        load_recipe(path)
+    assert message in str(error.value)
+
+
+def test_explicit_ranges_and_relative_config(tmp_path: Path) -> None:
+    from k3export.config import K3Config
+
+    K3Config.from_preset("k3-tiny").to_json(tmp_path / "config.json")
+    text = TINY.replace('preset = "k3-tiny"', 'config = "config.json"').replace(
+        "count = 2", "ranges = [[0, 3], [3, 7], [7, 9]]")
+    recipe = load_recipe(write(tmp_path, text))
+    assert recipe.stage_ranges == (range(0, 3), range(3, 7), range(7, 9))
+    assert recipe.config == K3Config.from_preset("k3-tiny")
+
+
+def test_not_toml(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not valid TOML"):
+        load_recipe(write(tmp_path, "[model\n"))
