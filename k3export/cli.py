@@ -107,7 +107,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     model = build_model(config, getattr(torch, dtype_name), weights, layers, log=print)
     print(f"exporting to {out.path} (torch.export, then ONNX translation; minutes for large models)")
     with out.staged() as stage:
-        manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins)
+        manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins,
+                                capacity=args.capacity, last_logits=args.last_logits)
     nodes = manifest["custom_nodes"]
     size = sum(record["bytes"] for record in out.manifest["files"].values())
     held = "no weights (they are graph inputs)" if args.no_weights else "with weights"
@@ -206,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mark every k3 node aot=1: full TensorRT with k3plugins.trt_aot then builds "
                              "the plugins' AOT forms (PTX in the engine, no Python at run time); "
                              "TensorRT-RTX and ONNX Runtime ignore it")
+    export.add_argument("--capacity", type=int, default=4096,
+                        help="tokens the MLA cache holds per sequence (a static dimension of the graph)")
+    export.add_argument("--last-logits", action="store_true",
+                        help="logits [batch, vocab] at each row's last valid token instead of every position")
     export.set_defaults(run=cmd_export)
 
     check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")

@@ -16,7 +16,7 @@ from k3export.cli import main
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.onnx.check import run_check
-from k3export.onnx.export import bank_rows, export_model
+from k3export.onnx.export import bank_rows
 
 PLUGIN = {"plugin_namespace": b"k3", "plugin_version": b"1"}
 
@@ -55,8 +55,15 @@ def test_census_and_checker(tiny_export, bf16_export):
     manifest = json.loads((tiny_export / "export.json").read_text())
     assert manifest["custom_nodes"] == {"KDA": 6, "LatentMLA": 3}
     names = [s["name"] for s in manifest["inputs"]]
-    assert names[:2] == ["input_ids", "past.0.kda_state"] and "past.3.mla_latent" in names
+    assert names[:4] == ["input_ids", "cache_lengths", "input_lengths", "past.0.kda_state"]
+    assert "past.3.mla_latent" in names and manifest["opset"] == 24
     assert manifest["outputs"][0]["name"] == "logits"
+    assert manifest["in_place"] == {f"present.{i}.mla_latent": f"past.{i}.mla_latent" for i in (3, 7, 8)}
+    # The MLA caches are written by TensorScatter, never concatenated.
+    model = onnx.load(tiny_export / "model.onnx", load_external_data=False)
+    scatters = [n for n in model.graph.node if n.op_type == "TensorScatter"]
+    assert sorted(n.input[0] for n in scatters) == [f"past.{i}.mla_latent" for i in (3, 7, 8)]
+    assert sorted(n.output[0] for n in scatters) == [f"present.{i}.mla_latent" for i in (3, 7, 8)]
     assert manifest["files"]["model.onnx.data"]["sha256"] == sha256(tiny_export / "model.onnx.data")
     assert "56x" in manifest["moe"]
 
@@ -161,18 +168,22 @@ def test_check_fails_on_a_perturbed_weight(tiny_export, tmp_path, capsys):
 
 
 def test_layer_range_export(tmp_path):
-    """Layers 4..8 of k3-tiny: the graph starts and ends at AttnRes boundaries, and ONNX Runtime
-    matches the eager layers on random boundary tensors."""
+    """Layers 2..5 of k3-tiny (KDA, MLA, KDA, KDA): the graph starts and ends at AttnRes boundaries,
+    takes the cache lengths like a whole model, and ONNX Runtime matches the eager layers on random
+    boundary tensors for rows of different lengths (compared at valid positions)."""
     config = K3Config.from_preset("k3-tiny")
-    model = build_model(config, torch.float32, {"seed": 0})
-    manifest = export_model(model, tmp_path, range(4, 9), {"seed": 0})
+    folder = export(tmp_path / "range", "--preset", "k3-tiny", "--layers", "2:6", "--capacity", "128")
+    manifest = json.loads((folder / "export.json").read_text())
     inputs = {s["name"]: s["shape"] for s in manifest["inputs"]}
-    assert inputs["attn_res.4.bank"] == [bank_rows(config, 4), "batch", "seq", 64] == [2, "batch", "seq", 64]
-    assert "input_ids" not in inputs and manifest["outputs"][0]["name"] == "logits"
-    assert manifest["custom_nodes"] == {"KDA": 3, "LatentMLA": 2}
-    census(tmp_path / "model.onnx")
-    report = run_check(tmp_path, steps=2, log=lambda _: None)
+    assert inputs["attn_res.2.bank"] == [bank_rows(config, 2), "batch", "seq", 64] == [1, "batch", "seq", 64]
+    assert list(inputs)[2:5] == ["cache_lengths", "input_lengths", "past.2.kda_state"]
+    assert inputs["past.3.mla_latent"] == ["batch", 1, "capacity", 48] and manifest["capacity"] == 128
+    assert [s["name"] for s in manifest["outputs"]][:2] == ["attn_res.6.bank", "attn_res.6.partial"]
+    assert manifest["custom_nodes"] == {"KDA": 3, "LatentMLA": 1}
+    census(folder / "model.onnx")
+    report = run_check(folder, steps=2, batch=2, prompt_len=9, log=lambda _: None)
     assert report["passed"], report["failed_outputs"]
+    assert report["prompt_lengths"] == [9, 4] and report["aliased"] == {"present.3.mla_latent": True}
 
 
 def test_bank_rows():
@@ -188,7 +199,7 @@ def test_published_shapes_without_weights(tmp_path):
     model = census(folder / "model.onnx")
     shapes = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
               for i in model.graph.input}
-    assert shapes["past.3.mla_latent"] == ["batch", "past", 576]
+    assert shapes["past.3.mla_latent"] == ["batch", 1, 4096, 576]  # the default capacity, static
     assert shapes["model.model.layers.3.self_attn.kv_b_proj.weight"] == [24576, 512]
     assert shapes["model.model.layers.3.block_sparse_moe.experts.w1"] == [896, 3072, 3584]
     assert (folder / "model.onnx.data").stat().st_size == 0

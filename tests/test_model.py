@@ -20,19 +20,20 @@ def test_prefill_then_decode_equals_one_forward(tiny_model):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, tiny_model.config.vocab_size, (2, N + M), generator=gen)
     full_logits, full_cache = tiny_model(ids)
-    logits, cache = tiny_model(ids[:, :N])
+    logits, cache = tiny_model(ids[:, :N], tiny_model.empty_cache(2, capacity=N + M))
     steps = [logits]
     for t in range(N, N + M):
         logits, cache = tiny_model(ids[:, t:t + 1], cache)
         steps.append(logits)
     assert rel_error(torch.cat(steps, 1), full_logits) < 1e-5
-    for stepped, whole in zip(cache, full_cache, strict=True):
+    for stepped, whole in zip(cache.layers, full_cache.layers, strict=True):
         assert type(stepped) is type(whole)
         for name in stepped.__dataclass_fields__:
             assert rel_error(getattr(stepped, name), getattr(whole, name)) < 1e-5, name
-    kinds = [type(c) for c in cache]
+    kinds = [type(c) for c in cache.layers]
     assert kinds.count(MLACache) == 3 and kinds.count(KDACache) == 6
-    assert all(c.mla_latent.shape[1] == N + M for c in cache if isinstance(c, MLACache))
+    assert all(c.mla_latent.shape == (2, 1, N + M, 48) for c in cache.layers if isinstance(c, MLACache))
+    assert cache.lengths.tolist() == full_cache.lengths.tolist() == [N + M] * 2
 
 
 def plain_mla(layer, x):
@@ -56,12 +57,12 @@ def test_absorbed_mla_equals_plain_mla(tiny_model):
     layer = tiny_model.model.layers[layer_index].self_attn
     x = torch.randn(2, 12, tiny_model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     reference = plain_mla(layer, x)
-    cache = tiny_model.empty_cache(2)[layer_index]
-    y, _ = layer(x, cache)
+    cache = tiny_model.empty_cache(2, capacity=12).layers[layer_index]
+    y, _ = layer(x, cache, torch.tensor([0, 0]), torch.tensor([12, 12]))
     assert rel_error(y, reference) < 1e-5
     # Decode: the last token against a cache holding the first 11.
-    _, cache = layer(x[:, :11], cache)
-    y_last, _ = layer(x[:, 11:], cache)
+    _, cache = layer(x[:, :11], cache, torch.tensor([0, 0]), torch.tensor([11, 11]))
+    y_last, _ = layer(x[:, 11:], cache, torch.tensor([11, 11]), torch.tensor([1, 1]))
     assert rel_error(y_last, reference[:, 11:]) < 1e-5
 
 
@@ -82,10 +83,11 @@ def test_bank_grows_exactly_at_block_boundaries(tiny_model):
     config = tiny_model.config
     ids = torch.randint(0, config.vocab_size, (1, 4))
     bank, partial = [], tiny_model.model.embed_tokens(ids)
-    cache = tiny_model.empty_cache(1)
+    cache = tiny_model.empty_cache(1, capacity=4)
     sizes = []
     for i in range(config.num_hidden_layers):
-        bank, partial, _ = tiny_model.run_layers(bank, partial, cache[i:i + 1], range(i, i + 1))
+        bank, partial, _ = tiny_model.run_layers(bank, partial, cache.layers[i:i + 1], range(i, i + 1),
+                                                 cache.lengths, torch.tensor([4]))
         sizes.append(len(bank))
     block = config.attn_res_block_size
     assert sizes == [i // block + 1 for i in range(config.num_hidden_layers)]
@@ -178,7 +180,9 @@ def test_bfloat16_layer_tracks_float32(tiny_config, tiny_model):
     ids = torch.randint(0, tiny_config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(7))
     outputs = []
     for m in (model, tiny_model):
-        _, partial, _ = m.run_layers([], m.model.embed_tokens(ids), m.empty_cache(1)[:1], range(1))
+        cache = m.empty_cache(1, capacity=70)
+        _, partial, _ = m.run_layers([], m.model.embed_tokens(ids), cache.layers[:1], range(1), cache.lengths,
+                                     torch.tensor([70]))
         outputs.append(partial)
     assert outputs[0].dtype == torch.bfloat16
     assert rel_error(outputs[0].float(), outputs[1]) < 0.03

@@ -31,15 +31,27 @@ class KDAModule(torch.nn.Module):
 
 
 class MLAModule(torch.nn.Module):
-    def forward(self, q, kv):
-        return torch.ops.k3.latent_mla(q, kv, V_DIM, SCALE)
+    def forward(self, q, kv, cache_lengths):
+        return torch.ops.k3.latent_mla(q, kv, cache_lengths, V_DIM, SCALE)
 
 
-def mla_inputs(B: int, T: int, S: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor]:
+class CacheWriteModule(torch.nn.Module):
+    """The MLA layer's cache step: write the new rows in place, then attend."""
+
+    def forward(self, q, past, rows, cache_lengths):
+        present = torch.ops.k3.tensor_scatter(past, rows, cache_lengths)
+        return torch.ops.k3.latent_mla(q, present, cache_lengths, V_DIM, SCALE), present
+
+
+def mla_inputs(B: int, T: int, C: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, T, H, D], a cache kv [B, 1, C, D] of random rows (those past a row's length are
+    garbage the op must not read), and per-row lengths with max(cache_lengths) + T = C."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, MLA_H, MLA_D, generator=gen)
-    kv = torch.randn(B, S, MLA_D, generator=gen)
-    return q.to(dtype), kv.to(dtype)
+    kv = torch.randn(B, 1, C, MLA_D, generator=gen)
+    cache_lengths = torch.randint(0, C - T + 1, (B,), generator=gen)
+    cache_lengths[0] = C - T
+    return q.to(dtype), kv.to(dtype), cache_lengths
 
 
 def export_op(op: str, dtype: torch.dtype, path: Path, aot_plugins: bool = False) -> Path:
@@ -49,7 +61,8 @@ def export_op(op: str, dtype: torch.dtype, path: Path, aot_plugins: bool = False
                     dynamic_shapes=(*[BATCH_TIME] * 5, {0: "batch"}), aot_plugins=aot_plugins)
     else:
         export_onnx(MLAModule().eval(), mla_inputs(2, 3, 7, dtype), path,
-                    dynamic_shapes=(BATCH_TIME, {0: "batch", 1: "cache"}), aot_plugins=aot_plugins)
+                    dynamic_shapes=(BATCH_TIME, {0: "batch", 2: "capacity"}, {0: "batch"}),
+                    aot_plugins=aot_plugins)
     return path
 
 
@@ -133,12 +146,48 @@ def test_kda_matches_eager(models, dtype, B, T):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("B", "T", "S"), [(1, 1, 1), (2, 1, 300), (2, 6, 6), (1, 5, 257), (3, 70, 90)])
-def test_latent_mla_matches_eager(models, dtype, B, T, S):
-    inputs = mla_inputs(B, T, S, dtype, seed=S)
+@pytest.mark.parametrize(("B", "T", "C"), [(1, 1, 1), (2, 1, 300), (2, 6, 6), (1, 5, 257), (3, 70, 90)])
+def test_latent_mla_matches_eager(models, dtype, B, T, C):
+    inputs = mla_inputs(B, T, C, dtype, seed=C)
     (o,) = run_ort(models["mla", dtype], inputs)
     assert_close(o, torch.ops.k3.latent_mla(*inputs, V_DIM, SCALE),
                  FP32_TOL if dtype == torch.float32 else FP16_TOL)
+
+
+def test_latent_mla_reads_only_valid_rows(models):
+    """Rows past cache_lengths[b] + t are invisible to query t of row b: changing them (here to
+    huge values, which would dominate any softmax that saw them) changes nothing, in ONNX Runtime."""
+    q, kv, cache_lengths = mla_inputs(3, 4, 40, torch.float32, seed=1)
+    cache_lengths = torch.tensor([36, 0, 17])
+    garbage = kv.clone()
+    for b, length in enumerate(cache_lengths.tolist()):
+        garbage[b, :, length + 4:] = 1e4
+    (o,) = run_ort(models["mla", torch.float32], (q, kv, cache_lengths))
+    (o_garbage,) = run_ort(models["mla", torch.float32], (q, garbage, cache_lengths))
+    torch.testing.assert_close(o_garbage, o, rtol=0, atol=0)
+
+
+def test_tensor_scatter_writes_each_row_at_its_length(tmp_path):
+    """k3.tensor_scatter (ONNX TensorScatter at opset 24) then k3.LatentMLA over the written cache:
+    ONNX Runtime equals eager, and the present cache is the past one with row b's new rows at
+    cache_lengths[b] .. (checked by indexing, independently of the op)."""
+    B, T, C = 3, 5, 32
+    q, past, _ = mla_inputs(B, T, C, torch.float32, seed=3)
+    rows = torch.randn(B, 1, T, MLA_D, generator=torch.Generator().manual_seed(4))
+    cache_lengths = torch.tensor([27, 0, 9])
+    path = tmp_path / "write.onnx"
+    export_onnx(CacheWriteModule().eval(), (q, past, rows, cache_lengths), path, opset_version=24,
+                dynamic_shapes=(BATCH_TIME, {0: "batch"}, {0: "batch", 2: "time"}, {0: "batch"}))
+    onnx.checker.check_model(path, full_check=True)
+    assert "TensorScatter" in {n.op_type for n in onnx.load(path).graph.node}
+    o, present = run_ort(path, (q, past, rows, cache_lengths))
+    expected = past.clone()
+    for b, length in enumerate(cache_lengths.tolist()):
+        expected[b, 0, length:length + T] = rows[b, 0]
+    torch.testing.assert_close(present, expected, rtol=0, atol=0)
+    o_eager, present_eager = CacheWriteModule()(q, past, rows, cache_lengths)
+    torch.testing.assert_close(present_eager, expected, rtol=0, atol=0)
+    assert_close(o, o_eager, FP32_TOL)
 
 
 def test_attach_functions_follows_the_model_opset():
@@ -150,5 +199,6 @@ def test_attach_functions_follows_the_model_opset():
     onnx.checker.check_model(model, full_check=True)
     assert [o.version for o in model.functions[0].opset_import if o.domain == ""] == [23]
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    (o,) = session.run(None, {"q": inputs[0].numpy(), "kv": inputs[1].numpy()})
+    (o,) = session.run(None, {name: x.numpy() for name, x in zip(("q", "kv", "cache_lengths"), inputs,
+                                                                  strict=True)})
     assert_close(torch.from_numpy(o), torch.ops.k3.latent_mla(*inputs, V_DIM, SCALE), FP32_TOL)

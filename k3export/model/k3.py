@@ -9,6 +9,10 @@ AttnRes along depth, final norm and LM head. Parameter names are the published c
         h = Mix(bank + [p])                                  # mlp_res_*
         p = p + FFN(post_attention_layernorm(h))
     logits = lm_head(norm(Mix(bank + [p])))                  # output_attn_res_*
+
+Every call takes a right-padded batch: `input_lengths[b]` valid tokens of row b out of T, on top
+of `cache.lengths[b]` cached ones (see cache.py). Positions past a row's valid tokens compute
+finite values that no valid position reads; their logits are to be ignored.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import Tensor, nn
 
 from k3export.config import K3Config
 from k3export.model.attnres import attn_res_mix
-from k3export.model.cache import K3Cache, LayerCache, empty_cache
+from k3export.model.cache import K3Cache, LayerCache, check_request, empty_cache
 from k3export.model.kda import KimiDeltaAttention
 from k3export.model.layers import RMSNorm, SituMLP
 from k3export.model.mla import LatentMLA
@@ -56,13 +60,13 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.mlp if self.is_dense else self.block_sparse_moe
 
-    def forward(self, bank: list[Tensor], partial: Tensor,
-                cache: LayerCache) -> tuple[list[Tensor], Tensor, LayerCache]:
+    def forward(self, bank: list[Tensor], partial: Tensor, cache: LayerCache, cache_lengths: Tensor,
+                input_lengths: Tensor) -> tuple[list[Tensor], Tensor, LayerCache]:
         h = attn_res_mix([*bank, partial], self.self_attention_res_proj,
                          self.self_attention_res_norm) if bank else partial
         if self.starts_block:
             bank = [*bank, partial]
-        a, cache = self.self_attn(self.input_layernorm(h), cache)
+        a, cache = self.self_attn(self.input_layernorm(h), cache, cache_lengths, input_lengths)
         partial = a if self.starts_block else partial + a
         h = attn_res_mix([*bank, partial], self.mlp_res_proj, self.mlp_res_norm)
         partial = partial + self.ffn(self.post_attention_layernorm(h))
@@ -90,24 +94,41 @@ class K3ForCausalLM(nn.Module):
         self.model = K3Model(config, self.dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=self.dtype)
 
-    def forward(self, input_ids: Tensor, cache: K3Cache | None = None) -> tuple[Tensor, K3Cache]:
-        """input_ids [B, T] -> logits [B, T, vocab] and the cache after these T tokens."""
+    def forward(self, input_ids: Tensor, cache: K3Cache | None = None, input_lengths: Tensor | None = None,
+                last_logits: bool = False) -> tuple[Tensor, K3Cache]:
+        """input_ids [B, T] (row b valid up to input_lengths[b], default all T) -> logits [B, T, vocab]
+        (or [B, vocab] at each row's last valid token with `last_logits`) and the cache after these
+        tokens. Without a cache, the rows start fresh in a cache of capacity T."""
+        B, T = input_ids.shape
         if cache is None:
-            cache = self.empty_cache(input_ids.shape[0])
-        bank, partial, cache = self.run_layers([], self.model.embed_tokens(input_ids), cache,
-                                               range(len(self.model.layers)))
-        return self.head(bank, partial), cache
+            cache = self.empty_cache(B, capacity=T)
+        if input_lengths is None:
+            input_lengths = torch.full((B,), T, dtype=torch.int64, device=input_ids.device)
+        check_request(cache.lengths, input_lengths, T, cache.capacity if self.config.mla_layers else T)
+        bank, partial, layers = self.run_layers([], self.model.embed_tokens(input_ids), cache.layers,
+                                                range(len(self.model.layers)), cache.lengths, input_lengths)
+        logits = self.head(bank, partial, input_lengths - 1 if last_logits else None)
+        return logits, K3Cache(layers, cache.lengths + input_lengths)
 
-    def run_layers(self, bank: list[Tensor], partial: Tensor, cache: K3Cache,
-                   layers: range) -> tuple[list[Tensor], Tensor, K3Cache]:
+    def run_layers(self, bank: list[Tensor], partial: Tensor, cache: list[LayerCache], layers: range,
+                   cache_lengths: Tensor,
+                   input_lengths: Tensor) -> tuple[list[Tensor], Tensor, list[LayerCache]]:
         """Runs `layers` from the AttnRes state (bank, partial); cache[j] is layers[j]'s."""
         new_cache = []
         for layer, layer_cache in zip(layers, cache, strict=True):
-            bank, partial, layer_cache = self.model.layers[layer](bank, partial, layer_cache)
+            bank, partial, layer_cache = self.model.layers[layer](bank, partial, layer_cache, cache_lengths,
+                                                                  input_lengths)
             new_cache.append(layer_cache)
         return bank, partial, new_cache
 
-    def head(self, bank: list[Tensor], partial: Tensor) -> Tensor:
+    def head(self, bank: list[Tensor], partial: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits [B, T, vocab] from the AttnRes state, or [B, vocab] at positions[b] of each row."""
+        if positions is not None:
+            # Select before the mix, norm and LM head: they are per token.
+            def at(x: Tensor) -> Tensor:
+                return torch.gather(x, 1, positions[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+
+            bank, partial = [at(x) for x in bank], at(partial)
         m = self.model
         h = attn_res_mix([*bank, partial], m.output_attn_res_proj, m.output_attn_res_norm)
         return self.lm_head(m.norm(h))
@@ -123,8 +144,9 @@ class K3ForCausalLM(nn.Module):
             parts += [m.output_attn_res_norm, m.output_attn_res_proj, m.norm, self.lm_head]
         return parts
 
-    def empty_cache(self, batch: int) -> K3Cache:
-        return empty_cache(self.config, batch, self.dtype, self.lm_head.weight.device)
+    def empty_cache(self, batch: int, capacity: int) -> K3Cache:
+        """Fresh rows for up to `capacity` tokens each, on the weights' device."""
+        return empty_cache(self.config, batch, capacity, self.dtype, self.lm_head.weight.device)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -13,15 +13,19 @@ from k3export.model.cache import KDACache
 from k3export.model.layers import RMSNorm
 
 
-def causal_conv(x: Tensor, tail: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+def causal_conv(x: Tensor, tail: Tensor, weight: Tensor, input_lengths: Tensor) -> tuple[Tensor, Tensor]:
     """Depthwise causal conv over time, then SiLU, in float32 (the weights are float32).
 
-    x: [B, T, C]; tail: [B, W-1, C], the inputs before x; weight: [C, 1, W], whose last tap
-    multiplies the current token. Returns the output in x's dtype and the new tail."""
+    x: [B, T, C], right-padded past input_lengths[b]; tail: [B, W-1, C], the inputs before x;
+    weight: [C, 1, W], whose last tap multiplies the current token. Returns the output in x's
+    dtype and the new tail: each row's last W-1 valid inputs (its old tail if it has none)."""
     width = weight.shape[-1]
     window = torch.cat([tail, x], dim=1)
     y = F.conv1d(window.float().transpose(1, 2), weight.float(), groups=weight.shape[0])
-    return F.silu(y).transpose(1, 2).to(x.dtype), window[:, -(width - 1):]
+    # Row b's valid window ends at W-1 + input_lengths[b]: its tail is the W-1 entries before that.
+    rows = input_lengths[:, None] + torch.arange(width - 1, device=x.device)  # [B, W-1]
+    new_tail = torch.gather(window, 1, rows[..., None].expand(-1, -1, window.shape[-1]))
+    return F.silu(y).transpose(1, 2).to(x.dtype), new_tail
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -64,16 +68,23 @@ class KimiDeltaAttention(nn.Module):
             return -a * F.softplus(f)
         return self.lower_bound * torch.sigmoid(a * f)
 
-    def forward(self, x: Tensor, cache: KDACache) -> tuple[Tensor, KDACache]:
+    def forward(self, x: Tensor, cache: KDACache, cache_lengths: Tensor,
+                input_lengths: Tensor) -> tuple[Tensor, KDACache]:
+        """x [B, T, D] right-padded past input_lengths[b]: padded positions leave the state and
+        the conv tails as they were (their outputs are ignored by the caller)."""
         heads = (self.num_heads, self.head_dim)
-        q, q_conv = causal_conv(self.q_proj(x), cache.q_conv, self.q_conv1d.weight)
-        k, k_conv = causal_conv(self.k_proj(x), cache.k_conv, self.k_conv1d.weight)
-        v, v_conv = causal_conv(self.v_proj(x), cache.v_conv, self.v_conv1d.weight)
+        q, q_conv = causal_conv(self.q_proj(x), cache.q_conv, self.q_conv1d.weight, input_lengths)
+        k, k_conv = causal_conv(self.k_proj(x), cache.k_conv, self.k_conv1d.weight, input_lengths)
+        v, v_conv = causal_conv(self.v_proj(x), cache.v_conv, self.v_conv1d.weight, input_lengths)
         q = l2_normalize(q.unflatten(-1, heads)) * self.head_dim**-0.5
         k = l2_normalize(k.unflatten(-1, heads))
         v = v.unflatten(-1, heads)
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, state = torch.ops.k3.kda(q, k, v, self.decay(x), beta, cache.kda_state)
+        g = self.decay(x)
+        # With k = 0, beta = 0 and g = 0 a step is the identity on the state: S <- S.
+        valid = torch.arange(x.shape[1], device=x.device) < input_lengths[:, None]  # [B, T]
+        k, beta, g = k * valid[..., None, None], beta * valid[..., None], g * valid[..., None, None]
+        o, state = torch.ops.k3.kda(q, k, v, g, beta, cache.kda_state)
         # RMSNorm over each head's dims (one weight shared by all heads), then the gate.
         y = self.o_norm(o.float()).flatten(-2) * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(y.to(x.dtype)), KDACache(state, q_conv, k_conv, v_conv)

@@ -4,6 +4,8 @@ The layer always runs in the absorbed form: the query is carried into the latent
 (q~_h = W_UK,h^T q_nope_h), attends against the cached latent rows [c | k_r] through
 `torch.ops.k3.latent_mla`, and W_UV carries the result back to each head's value space.
 The sigmoid output gate sits between W_UV and o_proj, so W_UV cannot fold into o_proj.
+The cache is a buffer of fixed capacity written in place at each row's length
+(`torch.ops.k3.tensor_scatter`, ONNX TensorScatter), never concatenated.
 """
 
 from __future__ import annotations
@@ -53,13 +55,16 @@ class LatentMLA(nn.Module):
         w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
-    def forward(self, x: Tensor, cache: MLACache) -> tuple[Tensor, MLACache]:
+    def forward(self, x: Tensor, cache: MLACache, cache_lengths: Tensor,
+                input_lengths: Tensor) -> tuple[Tensor, MLACache]:
+        """x [B, T, D] right-padded; the T new latent rows go to rows cache_lengths[b] .. of the
+        cache (padding included: those rows lie past the row's new length and are never keys)."""
         q_nope, q_rope = self.query(x)
-        latent = torch.cat([cache.mla_latent, self.latent_rows(x)], dim=1)
+        latent = torch.ops.k3.tensor_scatter(cache.mla_latent, self.latent_rows(x)[:, None], cache_lengths)
         w_uk, w_uv = self.head_weights()
         # Per-head matmuls with heads leading (ONNX's Einsum has no bfloat16).
         q_latent = (q_nope.transpose(1, 2) @ w_uk).transpose(1, 2)  # [B, T, H, rank]
-        o_latent = torch.ops.k3.latent_mla(torch.cat([q_latent, q_rope], dim=-1), latent,
+        o_latent = torch.ops.k3.latent_mla(torch.cat([q_latent, q_rope], dim=-1), latent, cache_lengths,
                                            self.latent_rank, self.scale)
         o = (o_latent.transpose(1, 2) @ w_uv.transpose(1, 2)).transpose(1, 2).flatten(-2)
         y = o.float() * torch.sigmoid(self.g_proj(x).float())

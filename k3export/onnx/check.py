@@ -1,8 +1,13 @@
 """`k3export check --onnx DIR`: the exported graph in ONNX Runtime against the eager model.
 
-Both sides run through Polygraphy runners (ONNX Runtime's, and `EagerRunner` for the PyTorch
-model): a prefill from an empty cache, then greedy decode steps in which each side feeds back its
-own caches and both take the reference's token, so that a near-tie cannot derail the comparison.
+Both sides are Polygraphy runners that hold their own caches between calls, as a serving runtime
+does: `EagerRunner` (the PyTorch model) and `BoundOnnxrtRunner` (ONNX Runtime through IO binding,
+the MLA caches written in place). One driver feeds them the same requests: a prefill of a
+right-padded batch of prompts of different lengths from empty caches, then greedy decode steps in
+which both take the reference's token, so that a near-tie cannot derail the comparison. Only the
+valid entries are compared: each row's first input_lengths[b] positions, the cache rows written so
+far, and the KDA states and conv tails. A request that does not fit the cache capacity is refused
+before any session runs.
 
 A half-precision export is held to what its dtype allows: the eager model also runs in float32
 on the same weights and inputs, and at each step the outputs may differ from the eager
@@ -12,7 +17,8 @@ when its margin is within twice the step's largest logit spread. The spread is t
 because rounding flips the router's choice on near-tied experts, a discrete change that lands in
 one backend's layer 4 and the other's layer 6 and then spreads through the caches. With random
 weights such near-ties are common and the bound is loose; with trained weights it tightens.
-The prefill's inputs and the eager outputs are saved in Polygraphy's format, so that
+The prefill's inputs (caches included) and the eager outputs are saved in Polygraphy's format, so
+that
 
     polygraphy run DIR/model.onnx --onnxrt --load-inputs DIR/check/inputs.json \\
         --load-outputs DIR/check/golden.json --atol A --rtol R
@@ -32,9 +38,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 from polygraphy.backend.base import BaseRunner
-from polygraphy.backend.onnxrt import OnnxrtRunner
 from polygraphy.common import TensorMetadata
-from polygraphy.comparator import Comparator, RunResults
+from polygraphy.comparator import IterationResult, RunResults
 from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
@@ -42,39 +47,111 @@ from k3export.artifacts import OutputDir, require, verify, write_json
 from k3export.checkpoint import build_model
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, graph_signature
+from k3export.model.cache import check_request
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
 from k3export.parity import TOLERANCES, Tolerance, compare, top1_agreement
 
 # Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
 CHECK_DIR, CHECK_MANIFEST = "check", "check.json"
 POLYGRAPHY_TOLERANCES = {"float32": (1e-3, 1e-3), "float16": (0.1, 0.05), "bfloat16": (0.5, 0.1)}
+PAST, PRESENT = "past.", "present."
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    return torch.empty(0, dtype=getattr(torch, name)).numpy().dtype
+
+
+def present_to_past(name: str) -> str:
+    return PAST + name.removeprefix(PRESENT)
+
+
+class Signature:
+    """A graph's inputs and outputs as export.json lists them, split into what a caller feeds
+    (tokens or AttnRes tensors, lengths) and the caches a runner carries from call to call."""
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        self.inputs = [TensorSpec(**s) for s in manifest["inputs"]]
+        self.outputs = [TensorSpec(**s) for s in manifest["outputs"]]
+        self.capacity: int = manifest["capacity"]
+        self.feeds = [s for s in self.inputs if not s.name.startswith(PAST)]
+        self.caches = [s for s in self.inputs if s.name.startswith(PAST)]
+
+    def sizes(self, feed: dict[str, np.ndarray]) -> dict[str, int]:
+        """batch, seq and capacity of a feed, read from the fed tensors' named dims."""
+        sizes = {"capacity": self.capacity}
+        for spec in self.feeds:
+            for axis, dim in enumerate(spec.shape):
+                if isinstance(dim, str):
+                    sizes.setdefault(dim, np.shape(feed[spec.name])[axis])
+        return sizes
+
+    def check(self, feed: dict[str, np.ndarray]) -> None:
+        """Refuses a request that does not fit the cache (UserError), before anything runs."""
+        sizes = self.sizes(feed)
+        check_request(torch.as_tensor(feed["cache_lengths"]), torch.as_tensor(feed["input_lengths"]),
+                      sizes["seq"], self.capacity)
+
+    def empty_caches(self, batch: int) -> dict[str, np.ndarray]:
+        sizes = {"batch": batch, "capacity": self.capacity}
+        return {s.name: np.zeros(resolve_shape(s, sizes), _numpy_dtype(s.dtype)) for s in self.caches}
+
+    def metadata(self) -> TensorMetadata:
+        meta = TensorMetadata()
+        for spec in self.feeds:
+            shape = [None if isinstance(d, str) else d for d in spec.shape]
+            meta.add(spec.name, _numpy_dtype(spec.dtype), shape)
+        return meta
+
+
+def _zero_rows(caches: dict[str, Any], rows: list[int]) -> None:
+    """Zeroes `rows` of every KDA state and conv tail in place: the rows start fresh sequences
+    (their latent rows need nothing: a cache length of 0 hides them)."""
+    for name, array in caches.items():
+        if not name.endswith("mla_latent"):
+            array[rows] = 0
 
 
 class EagerRunner(BaseRunner):
-    """Polygraphy's runner for the eager model, fed like the exported graph (`feeds` are its input
-    specs) and casting to the model's own dtypes, so a float32 model can take a float16 graph's
-    feeds."""
+    """The eager model as a runner that holds its caches: `reset` starts rows fresh, `infer` takes
+    the call's feeds (not the caches) and returns every output, logits and present caches. It casts
+    feeds to the model's own dtypes, so a float32 model can take a float16 graph's feeds."""
 
-    def __init__(self, graph: ExportGraph, name: str, feeds: list[TensorSpec]) -> None:
+    def __init__(self, graph: ExportGraph, name: str, signature: Signature) -> None:
         super().__init__(name=name)
-        self.graph, self.feeds = graph, feeds
-        self.inputs, self.outputs = graph_signature(graph.model.config, graph.layers, graph.model.dtype)
+        self.graph, self.signature = graph, signature
+        self.caches: dict[str, torch.Tensor] = {}
+
+    def reset(self, batch: int, rows: list[int] | None = None) -> None:
+        """Empty caches for `batch` rows, or only `rows` made fresh (the rest kept)."""
+        if rows is None:
+            dtype = self.graph.model.dtype
+            # KDA states are float32 in every model; the other caches take the model's dtype.
+            self.caches = {name: torch.from_numpy(a).to(torch.float32 if "kda_state" in name else dtype)
+                           for name, a in self.signature.empty_caches(batch).items()}
+        else:
+            _zero_rows(self.caches, rows)
 
     def get_input_metadata_impl(self) -> TensorMetadata:
-        meta = TensorMetadata()
-        for spec in self.feeds:
-            meta.add(spec.name, getattr(torch, spec.dtype),
-                     [None if isinstance(d, str) else d for d in spec.shape])
-        return meta
+        return self.signature.metadata()
 
     def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        self.signature.check(feed_dict)
         start = time.perf_counter()
-        tensors = (torch.from_numpy(np.asarray(feed_dict[s.name])).to(getattr(torch, s.dtype))
-                   for s in self.inputs)
+        model_dtype = self.graph.model.dtype
+        tensors = []
+        for spec in self.signature.inputs:
+            if spec.name in self.caches:
+                tensors.append(self.caches[spec.name])
+            else:
+                x = torch.from_numpy(np.asarray(feed_dict[spec.name]))
+                tensors.append(x.to(model_dtype) if x.is_floating_point() else x)
         with torch.no_grad():
             outputs = self.graph(*tensors)
         self.inference_time = time.perf_counter() - start
-        return OrderedDict((s.name, o.numpy()) for s, o in zip(self.outputs, outputs, strict=True))
+        for spec, value in zip(self.signature.outputs, outputs, strict=True):
+            if spec.name.startswith(PRESENT):
+                self.caches[present_to_past(spec.name)] = value
+        return OrderedDict((s.name, o.numpy()) for s, o in zip(self.signature.outputs, outputs, strict=True))
 
 
 def onnxrt_session(path: Path, threads: int | None = None) -> ort.InferenceSession:
@@ -86,36 +163,130 @@ def onnxrt_session(path: Path, threads: int | None = None) -> ort.InferenceSessi
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+class BoundOnnxrtRunner(BaseRunner):
+    """ONNX Runtime through IO binding, holding its caches between calls in numpy buffers that
+    OrtValues wrap without copying. A present output that `aliases` a past input (the MLA cache,
+    written by TensorScatter) is bound to that input's OrtValue, so ONNX Runtime writes the call's
+    rows in place and copies no cache. The other present outputs (KDA state and conv tails, which
+    a Scan and a Concat rewrite whole) are double-buffered: written into a spare buffer that becomes
+    the next call's past. Returned caches are those buffers, valid until the next call."""
+
+    def __init__(self, path: Path, signature: Signature, name: str = "onnxrt", threads: int | None = None):
+        super().__init__(name=name)
+        self.path, self.signature, self.threads = path, signature, threads
+        self.caches: dict[str, np.ndarray] = {}
+        self.spares: dict[str, np.ndarray] = {}
+        self.aliased: dict[str, bool] = {}  # after a call: did each aliased output keep past's buffer?
+
+    def activate_impl(self) -> None:
+        self.session = onnxrt_session(self.path, self.threads)
+
+    def deactivate_impl(self) -> None:
+        del self.session
+
+    def reset(self, batch: int, rows: list[int] | None = None) -> None:
+        """Empty caches for `batch` rows, or only `rows` made fresh (the rest kept)."""
+        if rows is None:
+            self.caches = self.signature.empty_caches(batch)
+            self.spares = {s.name: np.empty_like(self.caches[present_to_past(s.name)])
+                           for s in self.signature.outputs if s.name.startswith(PRESENT) and not s.aliases}
+        else:
+            _zero_rows(self.caches, rows)
+
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        return self.signature.metadata()
+
+    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        self.signature.check(feed_dict)
+        binding = self.session.io_binding()
+        values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.caches.items()}
+        for spec in self.signature.inputs:
+            if spec.name in values:
+                binding.bind_ortvalue_input(spec.name, values[spec.name])
+            else:
+                binding.bind_cpu_input(spec.name, np.ascontiguousarray(feed_dict[spec.name]))
+        for spec in self.signature.outputs:
+            if spec.aliases:
+                binding.bind_ortvalue_output(spec.name, values[spec.aliases])
+            elif spec.name in self.spares:
+                spare = ort.OrtValue.ortvalue_from_numpy(self.spares[spec.name])
+                binding.bind_ortvalue_output(spec.name, spare)
+            else:
+                binding.bind_output(spec.name, "cpu")
+        start = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        self.inference_time = time.perf_counter() - start
+        results = OrderedDict()
+        for spec, value in zip(self.signature.outputs, binding.get_outputs(), strict=True):
+            if spec.aliases:
+                self.aliased[spec.name] = value.data_ptr() == values[spec.aliases].data_ptr()
+                results[spec.name] = self.caches[spec.aliases]
+            elif spec.name in self.spares:
+                past = present_to_past(spec.name)
+                self.caches[past], self.spares[spec.name] = self.spares[spec.name], self.caches[past]
+                results[spec.name] = self.caches[past]
+            else:
+                results[spec.name] = value.numpy()
+        return results
+
+
+def valid_entries(spec: TensorSpec, array: np.ndarray, lengths_after: np.ndarray,
+                  input_lengths: np.ndarray) -> np.ndarray:
+    """The entries of an output that mean something, flattened row by row: along "seq" each row's
+    first input_lengths[b], along "capacity" the rows written so far (lengths_after[b])."""
+    limits = input_lengths if "seq" in spec.shape else lengths_after if "capacity" in spec.shape else None
+    if limits is None:
+        return array.ravel()
+    batch_axis = spec.shape.index("batch")
+    axis = spec.shape.index("seq" if "seq" in spec.shape else "capacity")
+    axis -= axis > batch_axis  # once the batch axis is taken
+    rows = [np.take(np.take(array, b, axis=batch_axis), np.arange(n), axis=axis).ravel()
+            for b, n in enumerate(limits)]
+    return np.concatenate(rows)
+
+
 def read_export(onnx_dir: Path) -> tuple[dict[str, Any], K3Config]:
     """export.json and config.json of an export folder whose files all match export.json."""
     manifest = verify(onnx_dir, MANIFEST_FILE)
-    require(manifest, onnx_dir / MANIFEST_FILE, "graph", "dtype", "weights", "layers", "inputs", "outputs")
+    require(manifest, onnx_dir / MANIFEST_FILE, "graph", "dtype", "weights", "layers", "inputs", "outputs",
+            "capacity")
     return manifest, K3Config.from_json(onnx_dir / "config.json")
 
 
-def _numpy_dtype(name: str) -> np.dtype:
-    return torch.empty(0, dtype=getattr(torch, name)).numpy().dtype
+def prompt_lengths(batch: int, prompt_len: int) -> list[int]:
+    """Rows of different lengths, the first `prompt_len` long, so every check covers padding."""
+    return [max(1, prompt_len * (batch - b) // batch) for b in range(batch)]
 
 
-def _feed(specs: list[TensorSpec], sizes: dict[str, int], vocab: int,
-          gen: torch.Generator) -> dict[str, np.ndarray]:
-    """Random token ids (or AttnRes boundary tensors, for a layer range) and empty caches."""
-    feed = {}
-    for spec in specs:
-        shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+def request(signature: Signature, tokens: np.ndarray | None, cache_lengths: list[int],
+            input_lengths: list[int], vocab: int, gen: torch.Generator) -> dict[str, np.ndarray]:
+    """One call's feeds: `tokens` (random ones if None) or random AttnRes boundary tensors for a range."""
+    batch, seq = len(cache_lengths), max(input_lengths)
+    sizes = {"batch": batch, "seq": seq}
+    feed = {"cache_lengths": np.array(cache_lengths, np.int64),
+            "input_lengths": np.array(input_lengths, np.int64)}
+    for spec in signature.feeds:
+        shape = resolve_shape(spec, sizes) if spec.name not in feed else None
         if spec.name == "input_ids":
-            feed[spec.name] = torch.randint(0, vocab, shape, generator=gen).numpy()
+            feed[spec.name] = (torch.randint(0, vocab, shape, generator=gen).numpy() if tokens is None
+                               else tokens.astype(np.int64))
         elif spec.name.startswith("attn_res."):
             feed[spec.name] = torch.randn(shape, generator=gen).numpy().astype(_numpy_dtype(spec.dtype))
-        else:
-            feed[spec.name] = np.zeros(shape, dtype=_numpy_dtype(spec.dtype))
     return feed
+
+
+def last_tokens(logits: np.ndarray, input_lengths: list[int]) -> np.ndarray:
+    """Each row's greedy token at its last valid position, [batch, 1]."""
+    if logits.ndim == 2:  # --last-logits
+        return logits.argmax(-1)[:, None]
+    return np.array([[logits[b, n - 1].argmax()] for b, n in enumerate(input_lengths)])
 
 
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
               prompt_len: int = 70, log: Any = print) -> dict[str, Any]:
-    """Prefill of `prompt_len` tokens and `steps` decode steps; returns the report (see "passed").
-    The replay files and the report go to DIR/check (a folder of check's own, replaced each run)."""
+    """A prefill of `batch` prompts of different lengths (the longest `prompt_len`), right-padded,
+    then `steps` decode steps; returns the report (see "passed"). The replay files and the report
+    go to DIR/check (a folder of check's own, replaced each run)."""
     onnx_dir = Path(onnx_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
     manifest, config = read_export(onnx_dir)
@@ -125,59 +296,70 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     if manifest["dtype"] == "bfloat16":
         raise UserError(f"{onnx_dir}: a bfloat16 export cannot be fed through numpy; "
                         "it is checked structurally (see the README)")
+    # The whole plan must fit: the prefill, then the last decode step of the longest row.
+    lengths = prompt_lengths(batch, prompt_len)
+    capacity = manifest["capacity"]
+    rows = torch.tensor(lengths)
+    check_request(torch.zeros_like(rows), rows, prompt_len, capacity)
+    check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, capacity)
     out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check")
     with out.staged() as stage:
-        report = _run_check(onnx_dir, manifest, config, stage, steps, seed, batch, prompt_len, log)
+        report = _run_check(onnx_dir, manifest, config, stage, steps, seed, lengths, log)
         write_json(stage / CHECK_MANIFEST, {"passed": report["passed"], "report": "report.json"})
     return report
 
 
 def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage: Path, steps: int,
-               seed: int, batch: int, prompt_len: int, log: Any) -> dict[str, Any]:
+               seed: int, lengths: list[int], log: Any) -> dict[str, Any]:
     """run_check's comparison, writing its files into `stage` (DIR/check once committed)."""
     dtype = manifest["dtype"]
     tolerance = TOLERANCES[dtype]
     layers = range(*manifest["layers"])
-    inputs = [TensorSpec(**s) for s in manifest["inputs"]]
-    log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}")
+    last_logits = manifest.get("last_logits", False)
+    signature = Signature(manifest)
+    log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}; "
+        f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
+    model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
     runners: list[BaseRunner] = [
-        EagerRunner(ExportGraph(build_model(config, getattr(torch, dtype), manifest["weights"], layers),
-                                layers), "eager", inputs),
-        OnnxrtRunner(onnxrt_session(onnx_dir / GRAPH_FILE), name="onnxrt"),
+        EagerRunner(ExportGraph(model, layers, last_logits), "eager", signature),
+        BoundOnnxrtRunner(onnx_dir / GRAPH_FILE, signature),
     ]
     if dtype != "float32":
         model32 = build_model(config, torch.float32, manifest["weights"], layers)
-        runners.append(EagerRunner(ExportGraph(model32, layers), "eager-float32", inputs))
+        runners.append(EagerRunner(ExportGraph(model32, layers, last_logits), "eager-float32", signature))
     gen = torch.Generator().manual_seed(seed)
-    feed = _feed(inputs, {"batch": batch, "seq": prompt_len, "past": 0}, config.vocab_size, gen)
+    batch, prompt_len = len(lengths), max(lengths)
+    feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
+    # Pad with token 0, as a server would: any value works, none is read.
+    if "input_ids" in feed:
+        feed["input_ids"][np.arange(prompt_len) >= np.array(lengths)[:, None]] = 0
 
-    check_dir = onnx_dir / CHECK_DIR
-    results = Comparator.run(runners, data_loader=[feed], save_inputs_path=str(stage / "inputs.json"))
-    golden = RunResults()
-    golden.append(("eager", results["eager"]))
-    golden.save(str(stage / "golden.json"))
-
-    outs = [results[r.name][0] for r in runners]
-    report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__,
-                              "steps": [_compare_step("prefill", outs, tolerance, log)]}
+    report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
+                              "capacity": signature.capacity, "steps": []}
     streams: list[list[list[int]]] = [[], []]
+    cache_lengths = np.zeros(batch, np.int64)
     with contextlib.ExitStack() as active:
         for runner in runners:
             active.enter_context(runner)
-        for step in range(steps):
-            shared = _feed(inputs, {"batch": batch, "seq": 1, "past": 0}, config.vocab_size, gen)
+            runner.reset(batch)
+        for step in range(steps + 1):
+            label = "prefill" if step == 0 else f"decode {step}"
+            # The float32 model takes the graph's half-precision feeds, unlike its metadata says.
+            outs = [runner.infer(feed, check_inputs=runner.name != "eager-float32") for runner in runners]
+            if step == 0:
+                _save_replay(stage, signature, feed, outs[0], batch)
+            input_lengths = feed["input_lengths"]
+            cache_lengths = cache_lengths + input_lengths
+            report["steps"].append(_compare_step(label, signature, outs, cache_lengths, input_lengths,
+                                                 tolerance, log))
+            tokens = None
             if "logits" in outs[0]:
-                if "input_ids" in shared:
-                    # Every side takes the reference's greedy token: a near-tie cannot derail the rest.
-                    shared["input_ids"] = outs[0]["logits"][:, -1:].argmax(-1)
                 for stream, out in zip(streams, outs, strict=False):
-                    stream.append(out["logits"][:, -1].argmax(-1).tolist())
-            feeds = [{**shared, **{s.name: out[s.name.replace("past.", "present.", 1)]
-                                   for s in inputs if s.name.startswith("past.")}} for out in outs]
-            # The float32 model feeds back its own float32 caches, unlike the graph's metadata says.
-            outs = [runner.infer(f, check_inputs=runner.name != "eager-float32")
-                    for runner, f in zip(runners, feeds, strict=True)]
-            report["steps"].append(_compare_step(f"decode {step + 1}", outs, tolerance, log))
+                    stream.append(last_tokens(out["logits"], input_lengths.tolist())[:, 0].tolist())
+                # Every side takes the reference's greedy token: a near-tie cannot derail the rest.
+                tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
+            feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
+        report["aliased"] = dict(runners[1].aliased)
     failed = sorted({c["name"] for s in report["steps"] for c in s["outputs"] if not c["passed"]})
     mismatched = sum(s.get("tokens", {}).get("mismatches", 0) for s in report["steps"])
     report["failed_outputs"] = failed
@@ -187,6 +369,7 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
     atol, rtol = POLYGRAPHY_TOLERANCES[dtype]
     # Elementwise replay tolerance: at least what the prefill comparison itself accepted.
     atol = max(atol, 2 * max(c["max_abs"] for c in report["steps"][0]["outputs"]))
+    check_dir = onnx_dir / CHECK_DIR
     report["polygraphy_command"] = (
         f"polygraphy run {onnx_dir / GRAPH_FILE} --onnxrt --load-inputs {check_dir / 'inputs.json'} "
         f"--load-outputs {check_dir / 'golden.json'} --atol {atol:.3g} --rtol {rtol}")
@@ -194,24 +377,43 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
     return report
 
 
-def _compare_step(label: str, outs: list[dict[str, np.ndarray]], tolerance: Tolerance,
+def _save_replay(stage: Path, signature: Signature, feed: dict[str, np.ndarray],
+                 golden: dict[str, np.ndarray], batch: int) -> None:
+    """The prefill's full inputs (empty caches included) and the eager outputs, in Polygraphy's
+    format, for `polygraphy run --onnxrt` (which feeds every input itself, copying the caches)."""
+    full = {**feed, **signature.empty_caches(batch)}
+    save_json([OrderedDict((s.name, full[s.name]) for s in signature.inputs)], str(stage / "inputs.json"),
+              description="check inputs")
+    results = RunResults()
+    outputs = {name: np.copy(value) for name, value in golden.items()}
+    results.append(("eager", [IterationResult(outputs, runner_name="eager")]))
+    results.save(str(stage / "golden.json"))
+
+
+def _compare_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]],
+                  lengths_after: np.ndarray, input_lengths: np.ndarray, tolerance: Tolerance,
                   log: Any) -> dict[str, Any]:
-    """outs: the eager reference, ONNX Runtime, and for half precision the eager float32 model."""
-    reference, actual = outs[0], outs[1]
+    """outs: the eager reference, ONNX Runtime, and for half precision the eager float32 model;
+    compared on their valid entries only."""
+    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.outputs}
+             for out in outs]
+    reference, actual = valid[0], valid[1]
     bound, margin = tolerance, tolerance.margin
     if len(outs) > 2:
-        spread = max(compare(name, ref, outs[2][name], tolerance).rel for name, ref in reference.items())
+        spread = max(compare(name, ref, valid[2][name], tolerance).rel for name, ref in reference.items())
         bound = Tolerance(max(tolerance.rel, 2 * spread), tolerance.margin)
         if "logits" in reference:
-            diff = np.abs(reference["logits"].astype(np.float64) - outs[2]["logits"]).max()
+            diff = np.abs(reference["logits"].astype(np.float64) - valid[2]["logits"]).max()
             margin = max(tolerance.margin, 2 * float(diff))
     comparisons = [compare(name, actual[name], ref, bound) for name, ref in reference.items()]
     step: dict[str, Any] = {"step": label, "outputs": [c.as_dict() for c in comparisons]}
     worst = max(comparisons, key=lambda c: c.rel / c.bound)
     line = f"{label:>10}: worst {worst.name} rel {worst.rel:.2e} (bound {worst.bound:.1e})"
     if "logits" in reference:
+        vocab = outs[0]["logits"].shape[-1]
         logits = next(c for c in comparisons if c.name == "logits")
-        tokens = top1_agreement(actual["logits"], reference["logits"], margin)
+        tokens = top1_agreement(actual["logits"].reshape(-1, vocab), reference["logits"].reshape(-1, vocab),
+                                margin)
         step["tokens"] = tokens.as_dict()
         line += (f"; logits rel {logits.rel:.2e} cos {logits.cosine:.6f}; top-1 {tokens.agree}/"
                  f"{tokens.positions} (ties {tokens.ties}, mismatches {tokens.mismatches})")

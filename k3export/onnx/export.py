@@ -1,13 +1,19 @@
 """`k3export export`: the eager K3 model (or a layer range of it) as one ONNX graph.
 
-One graph serves prefill (seq > 1) and decode (seq = 1): batch, seq and past are dynamic axes.
-TensorRT builds both from it as two optimization profiles of one engine, and the weights are
-written once instead of once per graph. Inputs and outputs are flat, named tensors:
+One graph serves prefill (seq > 1) and decode (seq = 1): batch and seq are dynamic axes, the
+MLA cache capacity is static (TensorRT's in-place KV_CACHE_UPDATE needs it). TensorRT builds both
+from it as two optimization profiles of one engine, and the weights are written once instead of
+once per graph. Inputs and outputs are flat, named tensors (export.json lists each with its dtype,
+shape in named dims and meaning):
 
     input_ids [batch, seq] int64                    (or the AttnRes state at the range start)
+    cache_lengths [batch] int64                     tokens already in each row's cache
+    input_lengths [batch] int64                     valid tokens of each row (right-padded to seq)
     past.{i}.kda_state [batch, H, K, V] float32     past.{i}.{q,k,v}_conv [batch, W-1, H*K]
-    past.{i}.mla_latent [batch, past, latent]       present.{i}.* the same after this call
-    logits [batch, seq, vocab]                      (or the AttnRes state at the range end)
+    past.{i}.mla_latent [batch, 1, capacity, latent]
+    present.{i}.* the same after this call          present.{i}.mla_latent may share past's buffer
+    logits [batch, seq, vocab]                      ([batch, vocab] with last_logits; or the
+                                                     AttnRes state at the range end)
 
 A layer range A:B starts and ends at an AttnRes boundary: `attn_res.{A}.bank` [n, batch, seq,
 hidden] (the banked block outputs) and `attn_res.{A}.partial` [batch, seq, hidden] (the block in
@@ -39,12 +45,24 @@ GRAPH_FILE = "model.onnx"
 MANIFEST_FILE = "export.json"
 
 
+# Named dims of the specs' shapes: "batch" and "seq" are dynamic; "capacity" is static, fixed at
+# export (export.json's "capacity"). Along "seq" row b holds input_lengths[b] valid entries; along
+# "capacity" a past cache holds cache_lengths[b] valid rows and a present one cache_lengths[b] +
+# input_lengths[b].
+DYNAMIC_AXES = {"batch": "sequences in the batch", "seq": "new tokens per row (1 for decode), right-padded"}
+STATIC_AXES = ("capacity",)
+DEFAULT_CAPACITY = 4096
+# Opset 24 for TensorScatter, the in-place cache write.
+OPSET = 24
+
+
 @dataclass
 class TensorSpec:
     name: str
     dtype: str
     shape: list[int | str]
     meaning: str
+    aliases: str | None = None  # an input whose buffer this output may share (written in place)
 
 
 def bank_rows(config: K3Config, boundary: int) -> int:
@@ -74,20 +92,36 @@ def cache_specs(config: K3Config, layer: int, prefix: str, dtype: torch.dtype) -
     """The cache tensors of one layer, in the order of its cache dataclass's fields."""
     lac = config.linear_attn_config
     if config.is_mla(layer):
-        return [TensorSpec(f"{prefix}.{layer}.mla_latent", _dtype_name(dtype),
-                           ["batch", "past" if prefix == "past" else "past+seq", config.latent_dim],
-                           "MLA latent rows [RMSNorm(c_kv) | k_r], one per token")]
+        name = f"{prefix}.{layer}.mla_latent"
+        aliases = f"past.{layer}.mla_latent" if prefix == "present" else None
+        meaning = ("MLA latent rows [RMSNorm(c_kv) | k_r], valid up to each row's length; present is "
+                   "past with this call's seq rows written at cache_lengths[b] (TensorScatter), and may "
+                   "be past's buffer")
+        return [TensorSpec(name, _dtype_name(dtype), ["batch", 1, "capacity", config.latent_dim], meaning,
+                           aliases)]
     channels = lac.num_heads * lac.head_dim
     conv = [TensorSpec(f"{prefix}.{layer}.{x}_conv", _dtype_name(dtype),
                        ["batch", lac.short_conv_kernel_size - 1, channels],
-                       f"last inputs of the {x} short convolution") for x in "qkv"]
+                       f"last valid inputs of the {x} short convolution (zero for a fresh row)")
+            for x in "qkv"]
     state = TensorSpec(f"{prefix}.{layer}.kda_state", "float32",
-                       ["batch", lac.num_heads, lac.head_dim, lac.head_dim], "KDA recurrent state S [K, V]")
+                       ["batch", lac.num_heads, lac.head_dim, lac.head_dim],
+                       "KDA recurrent state S [K, V] (zero for a fresh row)")
     return [state, *conv]
 
 
-def graph_signature(config: K3Config, layers: range, dtype: torch.dtype) -> tuple[list[TensorSpec],
-                                                                                  list[TensorSpec]]:
+LENGTH_SPECS = [
+    TensorSpec("cache_lengths", "int64", ["batch"],
+               "tokens already in each row's cache; 0 starts a fresh sequence, whose KDA state and conv "
+               "tails the caller zeroes; the caller adds input_lengths after each call"),
+    TensorSpec("input_lengths", "int64", ["batch"],
+               "valid new tokens of each row (rows are right-padded to seq); padded positions change no "
+               "state and their outputs are to be ignored"),
+]
+
+
+def graph_signature(config: K3Config, layers: range, dtype: torch.dtype,
+                    last_logits: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
     D, name = config.hidden_size, _dtype_name(dtype)
 
     def boundary(at: int) -> list[TensorSpec]:
@@ -97,13 +131,17 @@ def graph_signature(config: K3Config, layers: range, dtype: torch.dtype) -> tupl
                            f"AttnRes block in progress after layer {at - 1}")]
 
     if layers.start == 0:
-        inputs = [TensorSpec("input_ids", "int64", ["batch", "seq"], "token ids")]
+        inputs = [TensorSpec("input_ids", "int64", ["batch", "seq"], "token ids, right-padded")]
     else:
         inputs = boundary(layers.start)
-    if layers.stop == config.num_hidden_layers:
-        outputs = [TensorSpec("logits", name, ["batch", "seq", config.vocab_size], "next-token logits")]
-    else:
+    inputs += LENGTH_SPECS
+    if layers.stop != config.num_hidden_layers:
         outputs = boundary(layers.stop)
+    elif last_logits:
+        outputs = [TensorSpec("logits", name, ["batch", config.vocab_size],
+                              "next-token logits at each row's last valid token (input_lengths - 1)")]
+    else:
+        outputs = [TensorSpec("logits", name, ["batch", "seq", config.vocab_size], "next-token logits")]
     for layer in layers:
         inputs += cache_specs(config, layer, "past", dtype)
         outputs += cache_specs(config, layer, "present", dtype)
@@ -113,9 +151,9 @@ def graph_signature(config: K3Config, layers: range, dtype: torch.dtype) -> tupl
 class ExportGraph(nn.Module):
     """The model over `layers` with flat tensors in and out, in graph_signature's order."""
 
-    def __init__(self, model: K3ForCausalLM, layers: range) -> None:
+    def __init__(self, model: K3ForCausalLM, layers: range, last_logits: bool = False) -> None:
         super().__init__()
-        self.model, self.layers = model, layers
+        self.model, self.layers, self.last_logits = model, layers, last_logits
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         model, layers = self.model, self.layers
@@ -124,33 +162,36 @@ class ExportGraph(nn.Module):
         else:
             bank = [inputs[0][j] for j in range(inputs[0].shape[0])]  # the row count is static
             partial, rest = inputs[1], list(inputs[2:])
+        cache_lengths, input_lengths, rest = rest[0], rest[1], rest[2:]
         caches: list[LayerCache] = []
         for layer in layers:
             kind = MLACache if model.config.is_mla(layer) else KDACache
             n = len(fields(kind))
             caches.append(kind(*rest[:n]))
             rest = rest[n:]
-        bank, partial, caches = model.run_layers(bank, partial, caches, layers)
+        bank, partial, caches = model.run_layers(bank, partial, caches, layers, cache_lengths, input_lengths)
         if layers.stop == model.config.num_hidden_layers:
-            outputs = [model.head(bank, partial)]
+            outputs = [model.head(bank, partial, input_lengths - 1 if self.last_logits else None)]
         else:
             outputs = [torch.stack(bank), partial]
         return (*outputs, *(getattr(c, f.name) for c in caches for f in fields(c)))
 
 
+def resolve_shape(spec: TensorSpec, sizes: dict[str, int]) -> list[int]:
+    """The spec's shape with its named dims replaced by `sizes` (batch, seq, capacity)."""
+    return [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+
+
 def example_inputs(config: K3Config, layers: range, dtype: torch.dtype, batch: int, seq: int,
-                   past: int, device: torch.device | str = "cpu") -> tuple[Tensor, ...]:
-    """Zero inputs of the given sizes (token ids 0), for tracing and for shape checks."""
-    sizes = {"batch": batch, "seq": seq, "past": past}
-    tensors = []
-    for spec in graph_signature(config, layers, dtype)[0]:
-        shape = [sizes[d] if isinstance(d, str) else d for d in spec.shape]
-        tensors.append(torch.zeros(shape, dtype=getattr(torch, spec.dtype), device=device))
-    return tuple(tensors)
+                   capacity: int, device: torch.device | str = "cpu") -> tuple[Tensor, ...]:
+    """Zero inputs of the given sizes (token ids 0, lengths 0), for tracing and for shape checks."""
+    sizes = {"batch": batch, "seq": seq, "capacity": capacity}
+    return tuple(torch.zeros(resolve_shape(spec, sizes), dtype=getattr(torch, spec.dtype), device=device)
+                 for spec in graph_signature(config, layers, dtype)[0])
 
 
 def dynamic_shapes(inputs: list[TensorSpec]) -> tuple[dict[int, str], ...]:
-    return tuple({axis: d for axis, d in enumerate(spec.shape) if isinstance(d, str)} for spec in inputs)
+    return tuple({axis: d for axis, d in enumerate(spec.shape) if d in DYNAMIC_AXES} for spec in inputs)
 
 
 def moe_cost_note(config: K3Config) -> str:
@@ -164,25 +205,31 @@ def moe_cost_note(config: K3Config) -> str:
 
 
 def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None = None,
-                 weights: dict[str, Any] | None = None, aot_plugins: bool = False) -> dict[str, Any]:
+                 weights: dict[str, Any] | None = None, aot_plugins: bool = False,
+                 capacity: int = DEFAULT_CAPACITY, last_logits: bool = False) -> dict[str, Any]:
     """Writes model.onnx (+ model.onnx.data), config.json and export.json into out_dir.
 
     `weights` records where the weights came from ({"seed": N} or {"checkpoint": DIR}), so that
     `k3export check` can rebuild the same eager reference. `aot_plugins` marks the k3 nodes `aot = 1`
-    for full TensorRT's AOT plugins (export_onnx). Returns the manifest."""
+    for full TensorRT's AOT plugins (export_onnx). `capacity` is the MLA cache's static row count;
+    `last_logits` gives logits only at each row's last valid token (a range that does not end at
+    the last layer has no logits and ignores it). Returns the manifest."""
+    if capacity < 8:
+        raise UserError(f"--capacity {capacity}: expected at least 8 cached tokens per sequence")
     out_dir = Path(out_dir)
     config, dtype = model.config, model.dtype
     layers = layers or range(config.num_hidden_layers)
-    inputs, outputs = graph_signature(config, layers, dtype)
-    # Example sizes above 1 and pairwise different, so no axis is specialised or confused.
-    # On the weights' device: cpu, or meta for --no-weights (a range's unused parts are meta too).
+    inputs, outputs = graph_signature(config, layers, dtype, last_logits)
+    # Example sizes above 1, pairwise different and below the capacity, so no axis is specialised
+    # or confused. On the weights' device: cpu, or meta for --no-weights (a range's unused parts
+    # are meta too).
     device = "cpu" if any(p.device.type != "meta" for p in model.parameters()) else "meta"
-    example = example_inputs(config, layers, dtype, batch=2, seq=3, past=5, device=device)
+    example = example_inputs(config, layers, dtype, batch=2, seq=3, capacity=capacity, device=device)
     with torch.no_grad():
-        export_onnx(ExportGraph(model, layers).eval(), example, out_dir / GRAPH_FILE,
+        export_onnx(ExportGraph(model, layers, last_logits).eval(), example, out_dir / GRAPH_FILE,
                     dynamic_shapes=(dynamic_shapes(inputs),),  # forward(*inputs): one parameter
-                    input_names=[s.name for s in inputs], output_names=[s.name for s in outputs],
-                    aot_plugins=aot_plugins)
+                    opset_version=OPSET, input_names=[s.name for s in inputs],
+                    output_names=[s.name for s in outputs], aot_plugins=aot_plugins)
     graph = onnx.load(out_dir / GRAPH_FILE, load_external_data=False)
     config.to_json(out_dir / "config.json")
     manifest = {
@@ -195,8 +242,10 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
                       "starts_attn_res_block": i % config.attn_res_block_size == 0} for i in layers],
         "inputs": [asdict(s) for s in inputs],
         "outputs": [asdict(s) for s in outputs],
-        "dynamic_axes": {"batch": "sequences in the batch", "seq": "new tokens (1 for decode)",
-                         "past": "tokens already in the MLA cache (0 for a fresh prefill)"},
+        "dynamic_axes": DYNAMIC_AXES,
+        "capacity": capacity,
+        "last_logits": last_logits and layers.stop == config.num_hidden_layers,
+        "in_place": {s.name: s.aliases for s in outputs if s.aliases},
         "custom_nodes": {"KDA": sum(n.op_type == "KDA" for n in graph.graph.node),
                          "LatentMLA": sum(n.op_type == "LatentMLA" for n in graph.graph.node)},
         "aot_plugins": aot_plugins,

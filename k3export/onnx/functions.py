@@ -82,48 +82,55 @@ def kda_function(opset_version: int) -> onnx.FunctionProto:
 
 
 def latent_mla_function(opset_version: int) -> onnx.FunctionProto:
-    """`k3.LatentMLA(q, kv) -> o` with attributes v_dim and scale: causal softmax attention of
-    q [B, T, H, D] over the shared latent rows kv [B, S, D], values kv[..., :v_dim]."""
+    """`k3.LatentMLA(q, kv, cache_lengths) -> o` with attributes v_dim and scale: softmax attention
+    of q [B, T, H, D] over the shared latent rows of the cache kv [B, 1, C, D] (this call's T rows
+    already written at cache_lengths[b] ..), query t of row b seeing rows j <= cache_lengths[b] + t;
+    values kv[..., :v_dim]. Only the rows up to max(cache_lengths) + T are read (a Slice), never
+    the whole capacity."""
     nodes = [
         helper.make_node("Cast", ["q"], ["q_f"], to=TensorProto.FLOAT),
-        helper.make_node("Cast", ["kv"], ["kv_f"], to=TensorProto.FLOAT),
         _const("zero_1d", [0]),
         _const("axis_1", [1]),
         _const("axis_2", [2]),
-        # scores [B, H, T, S] = scale * q [B, H, T, D] @ kv^T [B, 1, D, S]: one key head for all.
+        _const("axis_3", [3]),
+        _const("axes_1_3", [1, 3]),
+        # rows = max(cache_lengths) + T: the longest row's cache after this call.
+        helper.make_node("Shape", ["q"], ["t_1d"], start=1, end=2),
+        helper.make_node("ReduceMax", ["cache_lengths", "zero_1d"], ["longest_1d"], keepdims=1),
+        helper.make_node("Add", ["longest_1d", "t_1d"], ["rows_1d"]),
+        helper.make_node("Slice", ["kv", "zero_1d", "rows_1d", "axis_2"], ["kv_used"]),
+        helper.make_node("Cast", ["kv_used"], ["kv_f"], to=TensorProto.FLOAT),
+        # scores [B, H, T, rows] = scale * q [B, H, T, D] @ kv^T [B, 1, D, rows]: one key head for all.
         helper.make_node("Transpose", ["q_f"], ["q_heads"], perm=[0, 2, 1, 3]),
-        helper.make_node("Transpose", ["kv_f"], ["kv_t"], perm=[0, 2, 1]),
-        helper.make_node("Unsqueeze", ["kv_t", "axis_1"], ["keys"]),
+        helper.make_node("Transpose", ["kv_f"], ["keys"], perm=[0, 1, 3, 2]),
         helper.make_node("MatMul", ["q_heads", "keys"], ["dots"]),
         _attribute_constant("scale_f", "value_float", onnx.AttributeProto.FLOAT, "scale"),
         helper.make_node("Mul", ["dots", "scale_f"], ["scores"]),
-        # Query t sees rows 0 .. S - T + t: row index <= its last visible row.
-        helper.make_node("Shape", ["q"], ["t_1d"], start=1, end=2),
-        helper.make_node("Shape", ["kv"], ["s_1d"], start=1, end=2),
+        # visible [B, 1, T, rows]: row j <= cache_lengths[b] + t.
         helper.make_node("Squeeze", ["t_1d"], ["t"]),
-        helper.make_node("Squeeze", ["s_1d"], ["s"]),
+        helper.make_node("Squeeze", ["rows_1d"], ["rows"]),
         helper.make_node("Constant", [], ["zero"], value_int=0),
         helper.make_node("Constant", [], ["one"], value_int=1),
-        helper.make_node("Range", ["zero", "s", "one"], ["rows"]),
-        helper.make_node("Sub", ["s", "t"], ["first_last_row"]),
-        helper.make_node("Range", ["first_last_row", "s", "one"], ["last_rows"]),
-        helper.make_node("Unsqueeze", ["rows", "zero_1d"], ["rows_2d"]),
-        helper.make_node("Unsqueeze", ["last_rows", "axis_1"], ["last_rows_2d"]),
-        helper.make_node("LessOrEqual", ["rows_2d", "last_rows_2d"], ["visible"]),
+        helper.make_node("Range", ["zero", "rows", "one"], ["row_index"]),
+        helper.make_node("Range", ["zero", "t", "one"], ["query_index"]),
+        helper.make_node("Unsqueeze", ["cache_lengths", "axis_1"], ["lengths_2d"]),
+        helper.make_node("Add", ["lengths_2d", "query_index"], ["last_visible"]),
+        helper.make_node("Unsqueeze", ["last_visible", "axes_1_3"], ["last_visible_4d"]),
+        helper.make_node("LessOrEqual", ["row_index", "last_visible_4d"], ["visible"]),
         helper.make_node("Constant", [], ["neg_inf"], value_float=float("-inf")),
         helper.make_node("Where", ["visible", "scores", "neg_inf"], ["masked"]),
-        # Every query sees row 0 (S >= T), so no row of the softmax is all -inf.
+        # Every query sees row 0 (cache_lengths >= 0), so no row of the softmax is all -inf.
         helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
         _attribute_constant("v_dim_0d", "value_int", onnx.AttributeProto.INT, "v_dim"),
         helper.make_node("Unsqueeze", ["v_dim_0d", "zero_1d"], ["v_dim_1d"]),
-        helper.make_node("Slice", ["kv_f", "zero_1d", "v_dim_1d", "axis_2"], ["values_3d"]),
-        helper.make_node("Unsqueeze", ["values_3d", "axis_1"], ["values"]),
+        helper.make_node("Slice", ["kv_f", "zero_1d", "v_dim_1d", "axis_3"], ["values"]),
         helper.make_node("MatMul", ["probs", "values"], ["o_heads"]),
         helper.make_node("Transpose", ["o_heads"], ["o_f"], perm=[0, 2, 1, 3]),
         helper.make_node("CastLike", ["o_f", "q"], ["o"]),
     ]
     return helper.make_function(
-        DOMAIN, "LatentMLA", ["q", "kv"], ["o"], nodes, [helper.make_opsetid("", opset_version)],
+        DOMAIN, "LatentMLA", ["q", "kv", "cache_lengths"], ["o"], nodes,
+        [helper.make_opsetid("", opset_version)],
         attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE, "v_dim", "scale"])
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 import torch
 from onnx.defs import OpSchema
@@ -53,7 +54,7 @@ KDA_SCHEMA = OpSchema(
 LATENT_MLA_SCHEMA = OpSchema(
     "LatentMLA", DOMAIN, DOMAIN_VERSION,
     doc="Absorbed latent attention; see k3export/ops/mla.py",
-    inputs=_inputs(("q", "T"), ("kv", "TKV")),
+    inputs=_inputs(("q", "T"), ("kv", "TKV"), ("cache_lengths", "tensor(int64)")),
     outputs=_inputs(("o", "T")),
     type_constraints=[("T", _FLOATS, ""), ("TKV", _FLOATS, "")],
     attributes=[*_PLUGIN_ATTRS,
@@ -64,6 +65,8 @@ LATENT_MLA_SCHEMA = OpSchema(
 _K3 = values.Opset(DOMAIN, DOMAIN_VERSION)
 _KDA = values.Op(_K3, "KDA", KDA_SCHEMA)
 _LATENT_MLA = values.Op(_K3, "LatentMLA", LATENT_MLA_SCHEMA)
+# onnxscript 0.7.2 has no opset-24 module; the exporter takes an Op on the standard schema.
+_TENSOR_SCATTER = values.Op(values.Opset("", 24), "TensorScatter", onnx.defs.get_schema("TensorScatter", 24))
 
 
 def _kda(q, k, v, g, beta, initial_state):
@@ -72,9 +75,14 @@ def _kda(q, k, v, g, beta, initial_state):
 
 
 # Annotated so that the exporter passes v_dim and scale as attributes, not as tensors.
-def _latent_mla(q, kv, v_dim: int, scale: float):
-    return _LATENT_MLA(q, kv, v_dim=v_dim, scale=scale,
+def _latent_mla(q, kv, cache_lengths, v_dim: int, scale: float):
+    return _LATENT_MLA(q, kv, cache_lengths, v_dim=v_dim, scale=scale,
                        plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+
+
+def _tensor_scatter(past, update, write_indices):
+    """The in-place cache write (opset 24): ONNX Runtime and TensorRT alias present with past."""
+    return _TENSOR_SCATTER(past, update, write_indices, axis=-2, mode="linear")
 
 
 def _stable_sort(self, stable: bool | None = None, dim: int = -1, descending: bool = False):
@@ -87,6 +95,7 @@ def _stable_sort(self, stable: bool | None = None, dim: int = -1, descending: bo
 TRANSLATION_TABLE: dict[Callable, Callable] = {
     torch.ops.k3.kda.default: _kda,
     torch.ops.k3.latent_mla.default: _latent_mla,
+    torch.ops.k3.tensor_scatter.default: _tensor_scatter,
     torch.ops.aten.sort.stable: _stable_sort,
 }
 

@@ -1,9 +1,15 @@
-"""Absorbed latent attention: the reference math behind `torch.ops.k3.latent_mla`.
+"""Absorbed latent attention over a fixed-capacity cache: the reference math behind
+`torch.ops.k3.latent_mla`, and the cache write `torch.ops.k3.tensor_scatter` that precedes it.
 
-q [B, T, H, D] is the absorbed query (latent part, then the rope-slot dims); kv [B, S, D] is
-the latent cache whose last T rows are the T new tokens (S >= T). Query t attends causally to
-rows 0 .. S - T + t with softmax(scale * q . kv); the values are kv[..., :v_dim]. One key head
-is shared by all query heads (MQA), so the cache is read once per step for every head.
+latent_mla(q [B, T, H, D], kv [B, 1, C, D], cache_lengths [B] int64, v_dim, scale) -> o [B, T, H, v_dim]
+
+q is the absorbed query (latent part, then the rope-slot dims); kv is the latent cache of
+capacity C after this call's T new rows were written at rows cache_lengths[b] .. cache_lengths[b]
++ T - 1. Query t of row b attends to rows j <= cache_lengths[b] + t with softmax(scale * q . kv);
+the values are kv[..., :v_dim]. Padded queries (past a row's valid inputs) still see a valid
+prefix, so they stay finite; callers ignore them. One key head is shared by all query heads (MQA),
+so the cache is read once per step for every head. Only the rows up to max(cache_lengths) + T are
+read, never the whole capacity.
 """
 
 from __future__ import annotations
@@ -12,18 +18,36 @@ import torch
 from torch import Tensor
 
 
+@torch.library.custom_op("k3::tensor_scatter", mutates_args=())
+def tensor_scatter(past: Tensor, update: Tensor, write_indices: Tensor) -> Tensor:
+    """ONNX TensorScatter (opset 24, axis -2, linear mode): past [B, ..., C, D] with update
+    [B, ..., T, D] written at rows write_indices[b] .. write_indices[b] + T - 1 of row b."""
+    present = past.clone()
+    T = update.shape[-2]
+    for b, start in enumerate(write_indices.tolist()):
+        present[b, ..., start:start + T, :] = update[b]
+    return present
+
+
+@tensor_scatter.register_fake
+def _(past, update, write_indices):
+    return past.new_empty(past.shape)
+
+
 @torch.library.custom_op("k3::latent_mla", mutates_args=())
-def latent_mla(q: Tensor, kv: Tensor, v_dim: int, scale: float) -> Tensor:
-    T, S = q.shape[1], kv.shape[1]
+def latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float) -> Tensor:
+    T = q.shape[1]
+    rows = min(int(cache_lengths.max()) + T, kv.shape[2])
     dtype = torch.float64 if torch.float64 in (q.dtype, kv.dtype) else torch.float32
-    scores = torch.einsum("bthd,bsd->bhts", q.to(dtype), kv.to(dtype)) * scale
-    rows = torch.arange(S, device=q.device)
-    visible = rows[None, :] <= (S - T + torch.arange(T, device=q.device))[:, None]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    o = torch.einsum("bhts,bsv->bthv", probs, kv[..., :v_dim].to(dtype))
+    keys = kv[:, 0, :rows].to(dtype)
+    scores = torch.einsum("bthd,bsd->bhts", q.to(dtype), keys) * scale
+    last_visible = cache_lengths[:, None] + torch.arange(T, device=q.device)  # [B, T]
+    visible = torch.arange(rows, device=q.device) <= last_visible[..., None]  # [B, T, rows]
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
+    o = torch.einsum("bhts,bsv->bthv", probs, keys[..., :v_dim])
     return o.to(q.dtype)
 
 
 @latent_mla.register_fake
-def _(q, kv, v_dim, scale):
+def _(q, kv, cache_lengths, v_dim, scale):
     return q.new_empty(*q.shape[:3], v_dim)
