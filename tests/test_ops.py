@@ -58,16 +58,18 @@ def test_kda_half_precision_inputs():
     assert rel_error(o, o_ref) < 1e-3 and rel_error(s, s_ref) < 1e-5
 
 
-@pytest.mark.parametrize(("T", "S"), [(1, 1), (1, 300), (7, 7), (5, 40)])
-def test_latent_mla_matches_per_head_attention(T, S):
+@pytest.mark.parametrize(("T", "C", "lengths"), [(1, 1, (0, 0)), (1, 300, (299, 17)), (7, 7, (0, 0)),
+                                                 (5, 40, (35, 3))])
+def test_latent_mla_matches_per_head_attention(T, C, lengths):
+    """Row b's T new rows sit at cache_lengths[b] ..; rows past them are garbage never read."""
     B, H, D, v_dim, scale = 2, 3, 48, 32, 0.2
-    gen = torch.Generator().manual_seed(T * 1000 + S)
+    gen = torch.Generator().manual_seed(T * 1000 + C)
     q = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
-    kv = torch.randn(B, S, D, generator=gen, dtype=torch.float64)
-    o = torch.ops.k3.latent_mla(q, kv, v_dim, scale)
+    kv = torch.randn(B, 1, C, D, generator=gen, dtype=torch.float64)
+    o = torch.ops.k3.latent_mla(q, kv, torch.tensor(lengths), v_dim, scale)
     for b in range(B):
         for t in range(T):
-            visible = S - T + t + 1  # the T new tokens are the cache's last T rows
+            visible = lengths[b] + t + 1
             for h in range(H):
-                p = torch.softmax(scale * kv[b, :visible] @ q[b, t, h], dim=0)
-                torch.testing.assert_close(o[b, t, h], p @ kv[b, :visible, :v_dim])
+                p = torch.softmax(scale * kv[b, 0, :visible] @ q[b, t, h], dim=0)
+                torch.testing.assert_close(o[b, t, h], p @ kv[b, 0, :visible, :v_dim])
