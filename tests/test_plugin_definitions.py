@@ -33,14 +33,22 @@ def test_lookup_keys_match_the_export() -> None:
 def test_output_shapes() -> None:
     assert KDA.output_shapes(KDA_DIMS, {}, int) == [[2, 5, 3, 32], [2, 3, 32, 32]]
     fields = {"v_dim": 32, "scale": 0.125}
-    # The constant goes through the builder's constructor (here a tag, to see that it is used).
-    assert LATENT_MLA.output_shapes([[2, 5, 4, 48], [2, 9, 48]], fields, lambda c: ("const", c)) == \
-        [[2, 5, 4, ("const", 32)]]
+    # q [B, T, H, D], kv [B, 1, capacity, D], cache_lengths [B]. The constant goes through the
+    # builder's constructor (here a tag, to see that it is used).
+    dims = [[2, 5, 4, 48], [2, 1, 9, 48], [2]]
+    assert LATENT_MLA.output_shapes(dims, fields, lambda c: ("const", c)) == [[2, 5, 4, ("const", 32)]]
 
 
 def test_output_dtypes() -> None:
     assert KDA.output_dtypes(["bfloat16"] * 3 + ["float32"] * 3) == ["bfloat16", "float32"]
-    assert LATENT_MLA.output_dtypes(["float16", "float32"]) == ["float16"]
+    assert LATENT_MLA.output_dtypes(["float16", "float32", "int64"]) == ["float16"]
+
+
+def test_inputs_and_aliases() -> None:
+    assert [a.name for a in LATENT_MLA.inputs] == ["q", "kv", "cache_lengths"]
+    # KDA's final state shares the initial state's buffer (updated in place); nothing else aliases.
+    assert [KDA.aliased_input(i) for i in range(2)] == [-1, 5]
+    assert LATENT_MLA.aliased_input(0) == -1
 
 
 def test_supported_dtypes() -> None:
@@ -50,8 +58,10 @@ def test_supported_dtypes() -> None:
     assert not KDA.supports(["float16", "float32"])  # q and k differ
     assert not KDA.supports(["float32"] * 5 + ["float16"])  # the state is float32 only
     assert not KDA.supports([*half, "float32"])  # o must be v's dtype
-    assert LATENT_MLA.supports(["bfloat16", "float32", "bfloat16"])
-    assert not LATENT_MLA.supports(["float32", "float32", "int32"])
+    assert LATENT_MLA.supports(["bfloat16", "float32", "int64", "bfloat16"])
+    assert not LATENT_MLA.supports(["float32", "float32", "int32"])  # lengths are int64
+    assert not LATENT_MLA.supports(["float32", "float32", "int64", "float16"])  # o is q's dtype
+
 
 
 def test_fields() -> None:
@@ -66,7 +76,7 @@ def test_aot_type_combinations() -> None:
     assert type_combinations(KDA, aot=True)[1] == "FP16, FP16, FP16, FP32, FP32, FP32, FP16, FP32"
     assert len(type_combinations(KDA, aot=True)) == 3
     assert len(type_combinations(KDA, aot=False)) == 9
-    assert "BF16, FP32, BF16" in type_combinations(LATENT_MLA, aot=False)
+    assert "BF16, FP32, INT64, BF16" in type_combinations(LATENT_MLA, aot=False)
 
 
 def test_aot_kda_launch() -> None:
@@ -91,11 +101,11 @@ def test_aot_kda_kernel_parameter_order(dtype: str) -> None:
 
 
 def test_aot_latent_mla_launch() -> None:
-    # q [B, T, H, D], kv [B, S, D]: one program per block of 16 tokens (T = 37: 3) and head.
-    grid, scalars = latent_mla_aot_launch([2, 37, 3, 48], [2, 40, 48])
+    # q [B, T, H, D], kv [B, 1, C, D]: one program per block of 16 tokens (T = 37: 3) and head.
+    grid, scalars = latent_mla_aot_launch([2, 37, 3, 48], [2, 1, 40, 48])
     assert grid == (2 * 3, 3)
-    assert scalars == [37, 40, 3]  # T, S, H
-    assert latent_mla_aot_launch([4, 1, 96, 576], [4, 1000, 576]) == ((4, 96), [1, 1000, 96])
+    assert scalars == [37, 40, 3]  # T, C, H
+    assert latent_mla_aot_launch([4, 1, 96, 576], [4, 1, 1000, 576]) == ((4, 96), [1, 1000, 96])
 
 
 def test_aot_latent_mla_kernel_refuses_unbuilt_widths() -> None:
@@ -110,11 +120,11 @@ def test_aot_latent_mla_kernel_refuses_unbuilt_widths() -> None:
                                                  ("bfloat16", "bfloat16"), ("float16", "float32")])
 def test_aot_latent_mla_kernel_compiles(dtype: str, kv_dtype: str, head_dim: int, v_dim: int,
                                         scale: float) -> None:
-    """One launch with no workspace, for sm_90 without spills; TensorRT passes q and kv, then T, S, H,
-    then o (the scale and widths are compiled in)."""
+    """One launch with no workspace, for sm_90 without spills; TensorRT passes q, kv and
+    cache_lengths, then T, C, H, then o (the scale and widths are compiled in)."""
     kernel = compile_variant(latent_mla_aot_kernel(dtype, kv_dtype, head_dim, v_dim, scale))
     stats = kernel_stats(kernel)
     assert stats.shared_bytes <= SM90_MAX_SHARED_BYTES, stats
     assert stats.spill_stores == 0 and stats.spill_loads == 0, stats
-    # q, kv; T, S, H; o; then Triton's two scratch pointers.
-    assert parameter_kinds(kernel.asm["ptx"]) == ["u64"] * 2 + ["u32"] * 3 + ["u64"] + ["u64"] * 2
+    # q, kv, cache_lengths; T, C, H; o; then Triton's two scratch pointers.
+    assert parameter_kinds(kernel.asm["ptx"]) == ["u64"] * 3 + ["u32"] * 3 + ["u64"] + ["u64"] * 2

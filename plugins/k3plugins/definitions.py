@@ -5,15 +5,16 @@ version), its fields (the ONNX node's attributes that reach the plugin), output 
 of the input dims, dtypes, formats, and the launch. The adapters in `k3plugins.trt` and
 `k3plugins.trt_aot` present it to a builder; nothing here needs a GPU except `launch` itself.
 
-Dtypes are torch's names ("float32", "float16", "bfloat16"). Tensors whose `group` is the same must
-share one dtype (the ONNX schema's type constraints in k3export/onnx/ops.py); every tensor is linear
-(dense, row-major).
+Dtypes are torch's names ("float32", "float16", "bfloat16", "int64"). Tensors whose `group` is the
+same must share one dtype (the ONNX schema's type constraints in k3export/onnx/ops.py); every tensor
+is linear (dense, row-major). An output may alias an input (`aliases`): TensorRT then hands the
+plugin one buffer for both, and the launch must be safe in place (KDA's state is).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -51,10 +52,15 @@ class PluginDefinition:
     # one expression serves ints and a builder's symbolic dims alike.
     output_shapes: Callable[[Sequence[Sequence[Any]], Mapping[str, Any], Callable[[int], Any]],
                             list[list[Any]]]
-    # (input tensors, fields) -> output tensors, on torch's current CUDA stream.
-    launch: Callable[[Sequence[Tensor], Mapping[str, Any]], tuple[Tensor, ...]]
+    # (input tensors, output tensors, fields): writes the outputs, on torch's current CUDA stream.
+    launch: Callable[[Sequence[Tensor], Sequence[Tensor], Mapping[str, Any]], None]
+    aliases: Mapping[int, int] = field(default_factory=dict)  # output index -> the input it may share
     namespace: str = NAMESPACE
     version: str = VERSION
+
+    def aliased_input(self, output: int) -> int:
+        """The input index output `output` shares its buffer with, or -1 (TensorRT's convention)."""
+        return self.aliases.get(output, -1)
 
     def output_dtypes(self, input_dtypes: Sequence[str]) -> list[str]:
         """An output takes its group's one dtype, or else that of the group's first input."""
@@ -93,15 +99,17 @@ def _scalar(value: Any) -> Any:
     return value.reshape(-1)[0].item() if hasattr(value, "reshape") else value
 
 
-def _launch_kda(inputs: Sequence[Tensor], fields: Mapping[str, Any]) -> tuple[Tensor, ...]:
-    # As torch.ops.k3.kda: the recurrence for decode (T = 1), the chunked form for prefill.
+def _launch_kda(inputs: Sequence[Tensor], outputs: Sequence[Tensor], fields: Mapping[str, Any]) -> None:
+    # As torch.ops.k3.kda: the recurrence for decode (T = 1), the chunked form for prefill. The final
+    # state may be the initial state's buffer (aliased): both launchers are safe in place.
     step = recurrent_kda if inputs[0].shape[1] == 1 else chunk_kda
-    return step(*inputs)
+    step(*inputs, o=outputs[0], final_state=outputs[1])
 
 
-def _launch_latent_mla(inputs: Sequence[Tensor], fields: Mapping[str, Any]) -> tuple[Tensor, ...]:
+def _launch_latent_mla(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
+                       fields: Mapping[str, Any]) -> None:
     # latent_mla itself picks split-KV decode (T <= 16) or prefill tiles from T.
-    return (latent_mla(*inputs, fields["v_dim"], fields["scale"]),)
+    latent_mla(*inputs, fields["v_dim"], fields["scale"], out=outputs[0])
 
 
 KDA = PluginDefinition(
@@ -114,14 +122,17 @@ KDA = PluginDefinition(
     groups={"T": FLOATS, "TG": FLOATS, "TS": ("float32",)},
     output_shapes=lambda dims, fields, constant: [list(dims[2]), list(dims[5])],
     launch=_launch_kda,
+    aliases={1: 5},  # final_state updates initial_state in place
 )
 
 LATENT_MLA = PluginDefinition(
     name="LatentMLA",
     fields=(Field("v_dim", int), Field("scale", float)),
-    inputs=(TensorArg("q", "T"), TensorArg("kv", "TKV")),
+    # q [B, T, H, D]; kv [B, 1, capacity, D], the whole cache with this call's rows written;
+    # cache_lengths [B] int64, the rows each sequence had before this call.
+    inputs=(TensorArg("q", "T"), TensorArg("kv", "TKV"), TensorArg("cache_lengths", "TL")),
     outputs=(TensorArg("o", "T"),),
-    groups={"T": FLOATS, "TKV": FLOATS},
+    groups={"T": FLOATS, "TKV": FLOATS, "TL": ("int64",)},
     output_shapes=lambda dims, fields, constant: [[*dims[0][:3], constant(fields["v_dim"])]],
     launch=_launch_latent_mla,
 )

@@ -3,7 +3,10 @@
 Per batch b and head h, with S the [K, V] float32 state:
     S <- diag(exp(g_t)) S;  u = v_t - S^T k_t;  S <- S + beta_t k_t u^T;  o_t = S^T q_t
 q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] float32.
-Both launchers return o [B, T, H, V] in v's dtype and the final state in float32.
+Both launchers return o [B, T, H, V] in v's dtype and the final state in float32. The rows of a
+ragged batch are right-padded, and the graph zeroes k, beta and g at the padded positions: such a
+step leaves the state as it was (exp(0) = 1, no update), so the kernels need no lengths; the outputs
+at padded positions are finite and meaningless.
 
 `recurrent_kda` walks the tokens with one program per (batch, head, V-block), the state in
 registers. `chunk_kda` takes chunks of 64 tokens in the UT-transform form of
@@ -247,21 +250,37 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     return q, k, v, g, beta, h0
 
 
-def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                  initial_state: Tensor) -> tuple[Tensor, Tensor]:
-    """Token by token: the decode path (T = 1), fine for any small T."""
+def _outputs(v: Tensor, h0: Tensor, o: Tensor | None, final_state: Tensor | None) -> tuple[Tensor, Tensor]:
+    # Caller-given outputs (TensorRT's buffers) are written directly; final_state may be the
+    # initial state itself: every program loads its block of the state before it stores that block,
+    # and no other program touches it, so the update is safe in place.
+    for name, given, like in (("o", o, v), ("final_state", final_state, h0)):
+        if given is not None and (given.shape != like.shape or given.dtype != like.dtype
+                                  or not given.is_contiguous()):
+            raise ValueError(f"KDA: {name} must be a contiguous {like.dtype} tensor of shape "
+                             f"{list(like.shape)}, not {given.dtype} {list(given.shape)}")
+    return (torch.empty_like(v) if o is None else o,
+            torch.empty_like(h0) if final_state is None else final_state)
+
+
+def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, *,
+                  o: Tensor | None = None, final_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Token by token: the decode path (T = 1), fine for any small T. `o` and `final_state` are
+    optional output buffers; final_state may be initial_state (updated in place)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state)
-    o, ht = torch.empty_like(v), torch.empty_like(h0)
+    o, ht = _outputs(v, h0, o, final_state)
     RECURRENT.launch((B * H, triton.cdiv(V, BLOCK_V)), q, k, v, g, beta, h0, o, ht, T, H, K, V,
                      BK=_block_k(K))
     return o, ht
 
 
-def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-              initial_state: Tensor) -> tuple[Tensor, Tensor]:
-    """Chunked UT-transform form for prefill: chunks of 64 tokens, four launches (see above)."""
+def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, *,
+              o: Tensor | None = None, final_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Chunked UT-transform form for prefill: chunks of 64 tokens, four launches (see above).
+    Outputs as for `recurrent_kda`: only the state pass reads the initial state, and each of its
+    programs reads its block before storing it, so final_state may be initial_state."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     bk = _block_k(K)
@@ -271,7 +290,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     gcum, w = torch.empty_like(g), torch.empty_like(g)
     u, v_new = (v.new_empty(v.shape, dtype=torch.float32) for _ in range(2))
     h = h0.new_empty(B, H, n_chunks, K, V)  # each chunk's start state
-    o, ht = torch.empty_like(v), torch.empty_like(h0)
+    o, ht = _outputs(v, h0, o, final_state)
     INTRA.launch((n_chunks, B * H), q, k, g, beta, a_qk, ut, T, H, K)
     WY.launch((n_chunks, B * H, triton.cdiv(K, WY_BLOCK) + triton.cdiv(V, WY_BLOCK)),
               k, v, g, ut, gcum, w, u, T, H, K, V)

@@ -1,13 +1,16 @@
 """Triton kernels for absorbed latent attention (the contract of `torch.ops.k3.latent_mla`).
 
-q [B, T, H, D] attends causally (offset S - T) to the shared latent cache kv [B, S, D]; the values
-are kv[..., :v_dim]. Every query head shares the one key head, so a program takes a tile of
-(token, head) rows and loads each cache block once for all of them. D is split into the value part
-[0, v_dim) and the rest [v_dim, D) (the rope slot), each padded to a power of two with masks, so
-D = 576 = 512 + 64 and the tiny model's 48 = 32 + 16 need no padding in memory.
+q [B, T, H, D] attends to the shared latent cache kv [B, 1, C, D] of fixed capacity C, whose rows
+cache_lengths[b] .. cache_lengths[b] + T - 1 hold this call's T new tokens: query t of row b sees
+rows 0 .. cache_lengths[b] + t and no further, so each row reads only its own length (a padded query
+still sees a valid prefix). The values are kv[..., :v_dim]. Every query head shares the one key
+head, so a program takes a tile of (token, head) rows and loads each cache block once for all of
+them. D is split into the value part [0, v_dim) and the rest [v_dim, D) (the rope slot), each padded
+to a power of two with masks, so D = 576 = 512 + 64 and the tiny model's 48 = 32 + 16 need no padding
+in memory.
 
-Decode (small T) splits the cache among programs (flash-decoding) and a second kernel combines
-the partial results by their log-sum-exp; prefill walks the whole visible cache in one program.
+Decode (small T) splits each row's visible cache among programs (flash-decoding) and a second kernel
+combines the partial results by their log-sum-exp; prefill walks a row's visible cache in one program.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ PREFILL = _Tiles(block_t=16, block_h=1, block_s=16, num_warps=8)
 # at 4 warps at v_dim 128; 16 warps leave ptxas room.
 PREFILL_FP32 = PREFILL._replace(num_warps=16)
 DECODE_MAX_T = 16
-# Decode gives each program at least SPLIT_ROWS cache rows, in at most MAX_SPLITS splits.
+# Decode gives each split at least SPLIT_ROWS of a row's visible cache rows; the capacity sets the number
+# of splits, at most MAX_SPLITS.
 SPLIT_ROWS = 256
 MAX_SPLITS = 32
 COMBINE_BLOCK_R = 16
@@ -45,13 +49,13 @@ BLOCK_DIMS = ((32, 16), (128, 32), (512, 64))
 
 
 @triton.jit
-def _mla_attn_kernel(q, kv, o, lse, T, S, H, D, v_dim, n_rows, split_len, scale,
+def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, D, v_dim, n_rows, split_rows, scale,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                      BDV: tl.constexpr, BDR: tl.constexpr):
     n_tblocks = tl.cdiv(T, BLOCK_T)
     i_b = tl.program_id(0) // n_tblocks
     t0 = tl.program_id(0) % n_tblocks * BLOCK_T
-    i_split = tl.program_id(2)
+    i_split, n_splits = tl.program_id(2), tl.num_programs(2)
     offs_m = tl.arange(0, BLOCK_T * BLOCK_H)
     t = t0 + offs_m // BLOCK_H
     h = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
@@ -63,16 +67,24 @@ def _mla_attn_kernel(q, kv, o, lse, T, S, H, D, v_dim, n_rows, split_len, scale,
     q_v = tl.load(q + row[:, None] * D + offs_v[None, :], mask=mask_m[:, None] & mask_v[None, :], other=0.0)
     q_r = tl.load(q + row[:, None] * D + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
 
-    last = S - T + t  # the last cache row each query row sees
+    # Query t of this row sees cache rows 0 .. cache_len + t; the program's queries together see
+    # [0, end), never past the capacity C (a row whose cache_len + T overflows reads no further).
+    cache_len = tl.load(lengths + i_b).to(tl.int32)
+    last = cache_len + t
+    end = tl.minimum(cache_len + tl.minimum(t0 + BLOCK_T, T), C)
+    # The row's own visible rows are split evenly among the splits, at least split_rows each: a short
+    # row leaves the later splits empty (they store only lse = -inf). (Rounding split_len to whole
+    # blocks lets Triton infer aligned rows, and ptxas then spills the half-precision tiles.)
+    split_len = tl.maximum(tl.cdiv(end, n_splits), split_rows)
     lo = i_split * split_len
-    hi = tl.minimum(lo + split_len, S - T + tl.minimum(t0 + BLOCK_T, T))
+    hi = tl.minimum(lo + split_len, end)
     m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_H, BDV], dtype=tl.float32)
     for s0 in range(lo, hi, BLOCK_S):
         cols = s0 + tl.arange(0, BLOCK_S)
         mask_s = cols < hi
-        kv_row = (i_b * S + cols).to(tl.int64) * D
+        kv_row = (i_b * C + cols).to(tl.int64) * D
         # Cache rows in q's dtype: the AOT plugin gets kv in its own dtype (latent_mla casts it first).
         kv_v = tl.load(kv + kv_row[:, None] + offs_v[None, :], mask=mask_s[:, None] & mask_v[None, :],
                        other=0.0).to(q.dtype.element_ty)
@@ -91,11 +103,12 @@ def _mla_attn_kernel(q, kv, o, lse, T, S, H, D, v_dim, n_rows, split_len, scale,
         acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v, input_precision="ieee")
         m_i = m_new
 
-    # A row with no visible key in this split (T > 1) writes zeros and lse = -inf: weight 0.
+    # A query with no visible key in this split writes lse = -inf (weight 0 in the combine) and, in a
+    # split that has rows at all, zeros; an empty split skips the store, which the combine never reads.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out_row = i_split * n_rows + row
     tl.store(o + out_row[:, None] * v_dim + offs_v[None, :], (acc / l_safe[:, None]).to(o.dtype.element_ty),
-             mask=mask_m[:, None] & mask_v[None, :])
+             mask=mask_m[:, None] & mask_v[None, :] & (lo < hi))
     if lse is not None:  # None (a constexpr) for a single split that needs no combine: the AOT plugin
         tl.store(lse + out_row, m_i + tl.log(l_safe), mask=mask_m)
 
@@ -113,8 +126,9 @@ def _mla_combine_kernel(o_part, lse, o, n_rows, v_dim, n_splits,
     for sp in range(n_splits):
         # Rows past n_rows read lse = 0 (not -inf) so that they stay finite.
         lse_s = tl.load(lse + sp * n_rows + rows, mask=mask_r, other=0.0)
-        part = tl.load(o_part + (sp * n_rows + rows)[:, None] * v_dim + offs_v[None, :], mask=mask,
-                       other=0.0)
+        # A part with lse = -inf has weight 0 and may never have been written: it is not read.
+        part = tl.load(o_part + (sp * n_rows + rows)[:, None] * v_dim + offs_v[None, :],
+                       mask=mask & (lse_s > float("-inf"))[:, None], other=0.0)
         m_new = tl.maximum(m, lse_s)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_shift)
@@ -135,29 +149,37 @@ def block_dims(D: int, v_dim: int) -> tuple[int, int]:
     return dims
 
 
-def latent_mla(q: Tensor, kv: Tensor, v_dim: int, scale: float) -> Tensor:
-    """o [B, T, H, v_dim] in q's dtype: split-KV decode for T <= DECODE_MAX_T, else prefill."""
+def latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float,
+               out: Tensor | None = None) -> Tensor:
+    """o [B, T, H, v_dim] in q's dtype (written into `out` when given): split-KV decode for
+    T <= DECODE_MAX_T, else prefill. kv [B, 1, C, D] is the whole cache, the T new rows already at
+    cache_lengths[b] ..; a row reads only its own cache_lengths[b] + T rows."""
     B, T, H, D = q.shape
-    S = kv.shape[1]
+    if kv.dim() != 4 or kv.shape[1] != 1 or kv.shape[0] != B or kv.shape[3] != D:
+        raise ValueError(f"latent_mla: kv {list(kv.shape)} is not [{B}, 1, capacity, {D}] "
+                         f"for q {list(q.shape)}")
+    if cache_lengths.shape != (B,):
+        raise ValueError(f"latent_mla: cache_lengths {list(cache_lengths.shape)} is not [{B}]")
+    C = kv.shape[2]
     bdv, bdr = block_dims(D, v_dim)
     q = q.contiguous()
     kv = kv.to(q.dtype).contiguous()
+    lengths = cache_lengths.to(torch.int64).contiguous()
     n_rows = B * T * H
-    o = q.new_empty(B, T, H, v_dim)
+    o = q.new_empty(B, T, H, v_dim) if out is None else out
     tiles = DECODE if T <= DECODE_MAX_T else PREFILL_FP32 if q.dtype == torch.float32 else PREFILL
-    n_splits = min(MAX_SPLITS, triton.cdiv(S, SPLIT_ROWS)) if tiles is DECODE else 1
-    # Whole blocks per split; recount so that no split starts past the cache.
-    split_len = triton.cdiv(triton.cdiv(S, n_splits), tiles.block_s) * tiles.block_s
-    n_splits = triton.cdiv(S, split_len)
+    # The split count is fixed by the capacity (the lengths stay on the device); each row divides
+    # its own visible rows among them (see the kernel).
+    n_splits = min(MAX_SPLITS, triton.cdiv(C, SPLIT_ROWS)) if tiles is DECODE else 1
     lse = q.new_empty(n_splits, n_rows, dtype=torch.float32)
-    out = o if n_splits == 1 else q.new_empty(n_splits, n_rows, v_dim, dtype=torch.float32)
+    part = o if n_splits == 1 else q.new_empty(n_splits, n_rows, v_dim, dtype=torch.float32)
     grid = (B * triton.cdiv(T, tiles.block_t), triton.cdiv(H, tiles.block_h), n_splits)
-    _mla_attn_kernel[grid](q, kv, out, lse, T, S, H, D, v_dim, n_rows, split_len, scale,
+    _mla_attn_kernel[grid](q, kv, lengths, part, lse, T, C, H, D, v_dim, n_rows, SPLIT_ROWS, scale,
                            BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_S=tiles.block_s,
                            BDV=bdv, BDR=bdr, num_warps=tiles.num_warps)
     if n_splits > 1:
         _mla_combine_kernel[(triton.cdiv(n_rows, COMBINE_BLOCK_R),)](
-            out, lse, o, n_rows, v_dim, n_splits, BLOCK_R=COMBINE_BLOCK_R, BDV=bdv,
+            part, lse, o, n_rows, v_dim, n_splits, BLOCK_R=COMBINE_BLOCK_R, BDV=bdv,
             num_warps=COMBINE_WARPS)
     return o
 
@@ -172,9 +194,10 @@ def kernel_variants() -> list[KernelVariant]:
             for mode, tiles in (("decode", DECODE), ("prefill", prefill)):
                 out_types = (dtype, "fp32") if mode == "decode" and dtype != "fp32" else (dtype,)
                 for out in out_types:
-                    signature = {"q": pointer(dtype), "kv": pointer(dtype), "o": pointer(out),
-                                 "lse": "*fp32", "T": "i32", "S": "i32", "H": "i32", "D": "i32",
-                                 "v_dim": "i32", "n_rows": "i32", "split_len": "i32", "scale": "fp32"}
+                    signature = {"q": pointer(dtype), "kv": pointer(dtype), "lengths": "*i64",
+                                 "o": pointer(out), "lse": "*fp32", "T": "i32", "C": "i32", "H": "i32",
+                                 "D": "i32", "v_dim": "i32", "n_rows": "i32", "split_rows": "i32",
+                                 "scale": "fp32"}
                     constexprs = {"BLOCK_T": tiles.block_t, "BLOCK_H": tiles.block_h,
                                   "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr}
                     signature.update(dict.fromkeys(constexprs, "constexpr"))

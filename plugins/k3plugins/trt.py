@@ -7,11 +7,14 @@ and `tensorrt_rtx` (both accept Python IPluginV3 plugins with an IPluginCreatorV
     import k3plugins.trt
     k3plugins.trt.register(trt)   # before parsing an ONNX file with k3 nodes
 
-Shapes, dtypes, formats and fields come from the definition. `enqueue` hands TensorRT's device
-pointers to `launch_from_pointers`, which wraps them as torch tensors, calls the definition's launch
-on TensorRT's stream and copies the launchers' outputs into TensorRT's buffers (the launchers
-allocate their own). That function takes no TensorRT types, so tools/gpu_check runs it on a GPU
-directly; enqueue itself has not run under TensorRT (no GPU where this was written).
+Shapes, dtypes, formats, fields and aliasing come from the definition. The build capability is
+IPluginV3OneBuildV2 where the flavour has it (both do today), so that an output the definition
+aliases to an input (KDA's final state to its initial state) shares that input's buffer: the state
+is updated in place. `enqueue` hands TensorRT's device pointers to `launch_from_pointers`, which
+wraps them as torch tensors and calls the definition's launch on TensorRT's stream, writing straight
+into TensorRT's output buffers. That function takes no TensorRT types, so tools/gpu_check runs it on
+a GPU directly; enqueue itself has not run under TensorRT (no GPU where this was written), nor has
+an engine with an aliased plugin output.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import torch
 
 from k3plugins.definitions import DEFINITIONS, PluginDefinition
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "int64": torch.int64}
 
 
 def _dtype_names(trt: ModuleType) -> dict[Any, str]:
-    return {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16", trt.DataType.BF16: "bfloat16"}
+    return {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16", trt.DataType.BF16: "bfloat16",
+            trt.DataType.INT64: "int64"}
 
 
 def _field_types(trt: ModuleType) -> dict[type, tuple[Any, Any]]:
@@ -58,17 +63,14 @@ def launch_from_pointers(definition: PluginDefinition, fields: dict[str, Any],
                          output_descs: Sequence[tuple[Sequence[int], str]],
                          inputs: Sequence[int], outputs: Sequence[int], stream: int) -> None:
     """The body of the plugin's enqueue, free of TensorRT types: each desc is (dims, dtype name),
-    `inputs` and `outputs` are device pointers and `stream` a CUDA stream handle. Triton launches on
-    torch's current stream, so that is made `stream` for the launch and the copies."""
-    def wrap(desc: tuple[Sequence[int], str], pointer: int) -> torch.Tensor:
-        dims, dtype = desc
-        return _as_tensor(pointer, dims, _TORCH_DTYPES[dtype])
+    `inputs` and `outputs` are device pointers (an aliased output's is its input's) and `stream` a
+    CUDA stream handle. Triton launches on torch's current stream, so that is made `stream`."""
+    def wrap(descs: Sequence[tuple[Sequence[int], str]], pointers: Sequence[int]) -> list[torch.Tensor]:
+        return [_as_tensor(p, dims, _TORCH_DTYPES[dtype])
+                for (dims, dtype), p in zip(descs, pointers, strict=True)]
 
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        args = [wrap(d, p) for d, p in zip(input_descs, inputs, strict=True)]
-        results = definition.launch(args, fields)
-        for desc, pointer, result in zip(output_descs, outputs, results, strict=True):
-            wrap(desc, pointer).copy_(result)
+        definition.launch(wrap(input_descs, inputs), wrap(output_descs, outputs), fields)
 
 
 @functools.cache
@@ -76,12 +78,14 @@ def plugin_classes(trt: ModuleType) -> tuple[type, type]:
     """(plugin class, creator class) for one TensorRT flavour."""
     dtype_names = _dtype_names(trt)
     field_types = _field_types(trt)
+    # V2 adds get_aliased_input (TensorRT 10.5+, TensorRT-RTX 1.7).
+    build_base = getattr(trt, "IPluginV3OneBuildV2", trt.IPluginV3OneBuild)
 
-    class K3Plugin(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+    class K3Plugin(trt.IPluginV3, trt.IPluginV3OneCore, build_base, trt.IPluginV3OneRuntime):
         def __init__(self, definition: PluginDefinition, fields: dict[str, Any]) -> None:
             trt.IPluginV3.__init__(self)
             trt.IPluginV3OneCore.__init__(self)
-            trt.IPluginV3OneBuild.__init__(self)
+            build_base.__init__(self)
             trt.IPluginV3OneRuntime.__init__(self)
             self.definition, self.fields = definition, fields
             self.plugin_name = definition.name
@@ -119,6 +123,9 @@ def plugin_classes(trt: ModuleType) -> tuple[type, type]:
             # Positions before pos are already decided; later ones are not yet.
             dtypes = [dtype_names.get(d.desc.type) for d in in_out[:pos + 1]]
             return self.definition.supports(dtypes)
+
+        def get_aliased_input(self, output_index):
+            return self.definition.aliased_input(output_index)
 
         def configure_plugin(self, inp, out):
             pass

@@ -19,10 +19,13 @@ forms, is refused.
 An AOT plugin is one kernel launch with no workspace and int32 scalar arguments only, so:
 - KDA runs the recurrence (exact for any T, the decode kernel) also for prefill: the chunked form is
   four kernels with intermediate buffers.
-- LatentMLA runs the attention kernel as one split over the whole cache (prefill tiles; exact for any
-  T, T = 1 included): the split-KV decode needs a log-sum-exp buffer and a combine kernel. Decode is
-  thus slower than under the JIT plugin. `scale`, the head dim and `v_dim` are model constants, taken
-  from the node and compiled in as constexprs (an AOT scalar cannot be a float).
+- LatentMLA runs the attention kernel as one split over each row's visible cache (prefill tiles;
+  exact for any T, T = 1 included): the split-KV decode needs a log-sum-exp buffer and a combine
+  kernel. Decode is thus slower than under the JIT plugin. `scale`, the head dim and `v_dim` are
+  model constants, taken from the node and compiled in as constexprs (an AOT scalar cannot be a
+  float).
+- KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
+  IPluginV3 adapters declare it: the recurrent kernel is safe in place.
 An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
 take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
 kernel also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
@@ -39,7 +42,7 @@ import triton.language as tl
 from k3plugins import kernel_variants
 from k3plugins.aot import compile_variant
 from k3plugins.definitions import KDA, LATENT_MLA, PluginDefinition
-from k3plugins.mla import PREFILL, PREFILL_FP32, _mla_attn_kernel, block_dims
+from k3plugins.mla import PREFILL, _mla_attn_kernel, block_dims
 from k3plugins.variants import KernelVariant
 
 # Any recurrent variant gives the kernel function; dtype and block sizes are chosen when compiling.
@@ -79,11 +82,12 @@ def kda_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[
 
 
 @triton.jit
-def _latent_mla_aot_kernel(q, kv, T, S, H, o, D: tl.constexpr, V_DIM: tl.constexpr, SCALE: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                           BDV: tl.constexpr, BDR: tl.constexpr):
-    # One split of length S: o is written directly, no lse; n_rows only offsets later splits (0 here).
-    _mla_attn_kernel(q, kv, o, None, T, S, H, D, V_DIM, 0, S, SCALE,
+def _latent_mla_aot_kernel(q, kv, cache_lengths, T, C, H, o, D: tl.constexpr, V_DIM: tl.constexpr,
+                           SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_S: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr):
+    # One split (the grid has no third axis) of at least C rows, so covering each row's visible rows:
+    # o is written directly, no lse; n_rows only offsets later splits (0 here).
+    _mla_attn_kernel(q, kv, cache_lengths, o, None, T, C, H, D, V_DIM, 0, C, SCALE,
                      BLOCK_T, BLOCK_H, BLOCK_S, BDV, BDR)
 
 
@@ -92,9 +96,12 @@ def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int,
     """The AOT LatentMLA kernel for q and o in `dtype`, the cache in `kv_dtype` (cast to `dtype` as it
     is loaded, as `latent_mla` does), head dim `head_dim`, value width `v_dim` and softmax `scale`."""
     bdv, bdr = block_dims(head_dim, v_dim)
-    tiles = PREFILL_FP32 if dtype == "float32" else PREFILL
+    # 8 warps for every dtype: with the widths and scale compiled in, ptxas keeps float32 at 16 warps
+    # to 64 registers and spills at the published width (150 registers at 8, no spill).
+    tiles = PREFILL
     t, t_kv = _TRITON_DTYPES[dtype], _TRITON_DTYPES[kv_dtype]
-    signature = {"q": f"*{t}", "kv": f"*{t_kv}", "T": "i32", "S": "i32", "H": "i32", "o": f"*{t}"}
+    signature = {"q": f"*{t}", "kv": f"*{t_kv}", "cache_lengths": "*i64", "T": "i32", "C": "i32", "H": "i32",
+                 "o": f"*{t}"}
     constexprs = {"D": head_dim, "V_DIM": v_dim, "SCALE": scale, "BLOCK_T": tiles.block_t,
                   "BLOCK_H": tiles.block_h, "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
@@ -103,33 +110,35 @@ def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int,
 
 
 def latent_mla_aot_launch(q_dims: Sequence[Any], kv_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
-    """(grid, scalar args T, S, H) from q [B, T, H, D] and kv [B, S, D]; the dims may be ints or
-    `tensorrt.plugin` shape expressions. The float32 tiles differ from PREFILL only in warps."""
+    """(grid, scalar args T, C, H) from q [B, T, H, D] and kv [B, 1, C, D]; the dims may be ints or
+    `tensorrt.plugin` shape expressions."""
     B, T, H, _ = q_dims
-    S = kv_dims[1]
+    C = kv_dims[2]
     block_t, block_h = PREFILL.block_t, PREFILL.block_h
-    return (B * ((T + block_t - 1) // block_t), (H + block_h - 1) // block_h), [T, S, H]
+    return (B * ((T + block_t - 1) // block_t), (H + block_h - 1) // block_h), [T, C, H]
 
 
 def _dtype_names(trt: Any) -> dict[Any, str]:
-    return {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
+    return {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16", trt.int64: "int64"}
 
 
 def _outputs(trtp: Any, trt: Any, definition: PluginDefinition, descs: Sequence[Any],
              fields: dict[str, Any]) -> tuple[Any, ...]:
+    """Output descriptors from the definition; an aliased output is its input's `aliased()`."""
     names = _dtype_names(trt)
     types = {name: t for t, name in names.items()}
     shapes = definition.output_shapes([list(d.shape_expr) for d in descs], fields, int)
     dtypes = definition.output_dtypes([names[d.dtype] for d in descs])
-    return tuple(trtp.from_shape_expr(tuple(s), dtype=types[t]) for s, t in zip(shapes, dtypes, strict=True))
+    return tuple(descs[definition.aliased_input(i)].aliased() if definition.aliased_input(i) >= 0
+                 else trtp.from_shape_expr(tuple(s), dtype=types[t])
+                 for i, (s, t) in enumerate(zip(shapes, dtypes, strict=True)))
 
 
 def _run(definition: PluginDefinition, tensors: Sequence[Any], fields: dict[str, Any],
          outputs: Sequence[Any], stream: int) -> None:
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        args = [torch.as_tensor(t, device="cuda") for t in tensors]
-        for out, result in zip(outputs, definition.launch(args, fields), strict=True):
-            torch.as_tensor(out, device="cuda").copy_(result)
+        definition.launch([torch.as_tensor(t, device="cuda") for t in tensors],
+                          [torch.as_tensor(t, device="cuda") for t in outputs], fields)
 
 
 def _aot_result(trtp: Any, variant: KernelVariant, grid: tuple[Any, Any],
@@ -148,7 +157,7 @@ def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
     """The autotune type combinations, one per choice of dtype for each group, each naming one type
     per position (a string cannot mix tied and independent positions). The AOT KDA kernel takes g
     and beta in float32 only."""
-    codes = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+    codes = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int64": "INT64"}
     groups = dict(definition.groups)
     if aot and definition is KDA:
         groups["TG"] = ("float32",)
@@ -186,19 +195,19 @@ def register() -> None:
         return _aot_result(trtp, kda_aot_kernel(names[v.dtype], head_dim), grid, scalars)
 
     @trtp.register("k3::LatentMLA")
-    def latent_mla_desc(q: Desc, kv: Desc, v_dim: int, scale: float) -> Desc:
-        return _outputs(trtp, trt, LATENT_MLA, (q, kv), {"v_dim": v_dim, "scale": scale})[0]
+    def latent_mla_desc(q: Desc, kv: Desc, cache_lengths: Desc, v_dim: int, scale: float) -> Desc:
+        return _outputs(trtp, trt, LATENT_MLA, (q, kv, cache_lengths), {"v_dim": v_dim, "scale": scale})[0]
 
     @trtp.autotune("k3::LatentMLA")
-    def latent_mla_autotune(q, kv, outputs) -> list[trtp.AutoTuneCombination]:
+    def latent_mla_autotune(q, kv, cache_lengths, outputs) -> list[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(c) for c in type_combinations(LATENT_MLA, aot=True)]
 
     @trtp.impl("k3::LatentMLA")
-    def latent_mla_impl(q, kv, v_dim: int, scale: float, outputs, stream: int) -> None:
-        _run(LATENT_MLA, (q, kv), {"v_dim": v_dim, "scale": scale}, outputs, stream)
+    def latent_mla_impl(q, kv, cache_lengths, v_dim: int, scale: float, outputs, stream: int) -> None:
+        _run(LATENT_MLA, (q, kv, cache_lengths), {"v_dim": v_dim, "scale": scale}, outputs, stream)
 
     @trtp.aot_impl("k3::LatentMLA")
-    def latent_mla_aot(q, kv, v_dim: int, scale: float, outputs, tactic: int):
+    def latent_mla_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs, tactic: int):
         head_dim = q.shape_expr[3].constant_value()  # the latent width: static
         variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale)
         grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr))

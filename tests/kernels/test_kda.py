@@ -43,3 +43,38 @@ def test_recurrent_kda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_chunk_kda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     check(k3plugins.chunk_kda, ref.chunk_kda, shape, dtype)
+
+
+@pytest.mark.parametrize(("kernel", "T"), [(k3plugins.recurrent_kda, 1), (k3plugins.recurrent_kda, 5),
+                                           (k3plugins.chunk_kda, 70)],
+                         ids=["recurrent-1", "recurrent-5", "chunk-70"])
+def test_state_updated_in_place(kernel, T: int) -> None:
+    """final_state may be initial_state's buffer (TensorRT aliases them): the result is unchanged."""
+    inputs = kda_inputs(2, T, 2, 32, 48, torch.float32, seed=T)
+    o_ref, state_ref = ref.recurrent_kda(*(t.double() for t in inputs))
+    state = inputs[5].clone()
+    o = torch.full_like(inputs[2], float("nan"))
+    o_out, final = kernel(*inputs[:5], state, o=o, final_state=state)
+    assert o_out is o and final is state
+    assert rel_error(o, o_ref) < 1e-5 and rel_error(state, state_ref) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", [k3plugins.recurrent_kda, k3plugins.chunk_kda], ids=["recurrent", "chunk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_padded_positions_leave_the_state(kernel, dtype: torch.dtype) -> None:
+    """A ragged batch right-padded to T = 70, k, beta and g zeroed at the padding as the graph does:
+    each row's state and its valid outputs are those of the row run alone on its valid prefix."""
+    lengths = (5, 70, 0, 64)
+    q, k, v, g, beta, state = kda_inputs(len(lengths), 70, 2, 32, 32, dtype, seed=7)
+    for b, n in enumerate(lengths):
+        k[b, n:], g[b, n:], beta[b, n:] = 0, 0, 0
+    o, final = kernel(q, k, v, g, beta, state)
+    o_tol, state_tol = TOLERANCES[dtype]
+    for b, n in enumerate(lengths):
+        if n == 0:  # no valid token: the state as given
+            assert torch.equal(final[b], state[b])
+            continue
+        row = [t[b:b + 1, :n].double() for t in (q, k, v, g, beta)]
+        o_ref, state_ref = ref.recurrent_kda(*row, state[b:b + 1].double())
+        assert rel_error(final[b:b + 1], state_ref) < state_tol
+        assert rel_error(o[b:b + 1, :n], o_ref) < o_tol

@@ -1,13 +1,15 @@
-"""The latent-MLA Triton kernels, and the AOT plugin's wrapper of them, against
-`torch.ops.k3.latent_mla` (run in float64 on the same inputs). bfloat16 is not tested: the
-interpreter's bf16 arithmetic is silently wrong."""
+"""The latent-MLA Triton kernels, and the AOT plugin's wrapper of them, against a float64 reference
+of the op contract written here (and `torch.ops.k3.latent_mla` where it takes cache lengths). Rows of
+the cache past each sequence's cache_lengths + T are NaN: a kernel that read them would return NaN.
+bfloat16 is not tested: the interpreter's bf16 arithmetic is silently wrong."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+from reference import rel_error
 from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
@@ -21,58 +23,118 @@ from k3plugins.trt_aot import latent_mla_aot_kernel, latent_mla_aot_launch
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
-def check(B: int, T: int, H: int, S: int, D: int, v_dim: int, dtype: torch.dtype,
-          kv_dtype: torch.dtype | None = None,
-          run: Callable[[Tensor, Tensor, int, float], Tensor] = k3plugins.latent_mla) -> None:
-    gen = torch.Generator().manual_seed(B * 1000 + T * 100 + H + S + D)
+def reference(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float) -> Tensor:
+    """The contract in float64, one sequence at a time: query t of row b attends to cache rows
+    0 .. cache_lengths[b] + t of kv [B, 1, C, D]; values are the first v_dim columns."""
+    T = q.shape[1]
+    out = []
+    for b, length in enumerate(cache_lengths.tolist()):
+        keys = kv[b, 0, :length + T].double()
+        scores = torch.einsum("thd,sd->hts", q[b].double(), keys) * scale
+        visible = torch.arange(length + T)[None, :] <= (length + torch.arange(T))[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out.append(torch.einsum("hts,sv->thv", probs, keys[:, :v_dim]))
+    return torch.stack(out)
+
+
+def eager_takes_lengths() -> bool:
+    return len(torch.ops.k3.latent_mla.default._schema.arguments) == 5
+
+
+def inputs(B: int, T: int, H: int, C: int, D: int, lengths: Sequence[int], dtype: torch.dtype,
+           kv_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(B * 1000 + T * 100 + H + C + D + sum(lengths))
     q = torch.randn(B, T, H, D, generator=gen).to(dtype)
-    kv = torch.randn(B, S, D, generator=gen).to(kv_dtype or dtype)
+    kv = torch.randn(B, 1, C, D, generator=gen).to(kv_dtype or dtype)
+    cache_lengths = torch.tensor(lengths, dtype=torch.int64)
+    for b, length in enumerate(lengths):
+        kv[b, 0, length + T:] = float("nan")  # beyond the row's cache and this call's rows
+    return q, kv, cache_lengths
+
+
+Run = Callable[[Tensor, Tensor, Tensor, int, float], Tensor]
+
+
+def check(B: int, T: int, H: int, C: int, D: int, v_dim: int, lengths: Sequence[int], dtype: torch.dtype,
+          kv_dtype: torch.dtype | None = None, run: Run = k3plugins.latent_mla) -> None:
+    q, kv, cache_lengths = inputs(B, T, H, C, D, lengths, dtype, kv_dtype)
     scale = D**-0.5
-    o = run(q, kv, v_dim, scale)
+    o = run(q, kv, cache_lengths, v_dim, scale)
     # Both kernels compute with the cache in q's dtype.
-    o_ref = torch.ops.k3.latent_mla(q.double(), kv.to(dtype).double(), v_dim, scale)
+    o_ref = reference(q, kv.to(dtype), cache_lengths, v_dim, scale)
     assert o.dtype == dtype and o.shape == o_ref.shape
-    assert ((o.double() - o_ref).norm() / o_ref.norm()).item() < TOLERANCES[dtype]
+    assert rel_error(o, o_ref) < TOLERANCES[dtype]
+    if eager_takes_lengths():
+        # The eager op reads every row up to the longest one's length: no NaN rows for it.
+        kv64 = kv.to(dtype).double().nan_to_num(0.0)
+        eager = torch.ops.k3.latent_mla(q.double(), kv64, cache_lengths, v_dim, scale)
+        assert rel_error(eager, o_ref) < 1e-12
 
 
-# (B, T, H, S, D, v_dim): the tiny, small and published latent widths; S >> T; H not a multiple
-# of the head block; T = 4 decode is causal within the step.
-@pytest.mark.parametrize("shape", [(2, 1, 3, 1000, 48, 32), (1, 1, 8, 700, 160, 128),
-                                   (1, 1, 20, 300, 576, 512), (2, 4, 2, 600, 48, 32),
-                                   (1, 1, 2, 100, 48, 32)])
+# (B, T, H, C, D, v_dim, cache_lengths): T = 1 decode with different lengths per row, among them an
+# empty cache and one that fills the capacity (length + T == C); several splits (C > 256); the
+# tiny, small and published latent widths; H not a multiple of the head block; T = 4 decode is
+# causal within the step.
+DECODE_CASES = [(3, 1, 3, 300, 48, 32, (0, 37, 299)), (3, 1, 3, 1000, 48, 32, (999, 0, 500)),
+                (2, 1, 8, 700, 160, 128, (650, 3)), (1, 1, 20, 300, 576, 512, (299,)),
+                (2, 4, 2, 600, 48, 32, (0, 596))]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    check(*shape, dtype)
+def test_decode(case: tuple, dtype: torch.dtype) -> None:
+    check(*case, dtype=dtype)
 
 
-@pytest.mark.parametrize("shape", [(1, 40, 3, 40, 48, 32), (2, 37, 2, 100, 48, 32),
-                                   (1, 20, 4, 20, 160, 128)])
+# Ragged prefill: a fresh sequence next to ones with cached rows, one filling the capacity, a partial
+# token block (T = 37, 20).
+PREFILL_CASES = [(3, 40, 3, 64, 48, 32, (0, 10, 24)), (2, 37, 2, 100, 48, 32, (63, 5)),
+                 (2, 20, 4, 50, 160, 128, (0, 30))]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prefill(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    check(*shape, dtype)
+def test_prefill(case: tuple, dtype: torch.dtype) -> None:
+    check(*case, dtype=dtype)
 
 
-def test_decode_split_without_visible_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """32-row splits with T = 16: the last split lies wholly beyond the early queries' horizon."""
+def test_decode_splits_without_visible_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """32-row splits with T = 16: the early queries see none of the later splits' rows, a short
+    row leaves most splits empty, and a row at length 0 is all in the first split."""
     monkeypatch.setattr(mla, "SPLIT_ROWS", 32)
-    check(1, 16, 2, 100, 48, 32, torch.float32)
+    check(3, 16, 2, 200, 48, 32, (84, 0, 184), torch.float32)
 
 
-def aot_latent_mla(q: Tensor, kv: Tensor, v_dim: int, scale: float) -> Tensor:
+def test_writes_into_given_output() -> None:
+    q, kv, cache_lengths = inputs(2, 1, 3, 300, 48, (5, 290), torch.float32)
+    out = torch.full((2, 1, 3, 32), float("nan"))
+    assert k3plugins.latent_mla(q, kv, cache_lengths, 32, 0.1, out=out) is out
+    assert rel_error(out, reference(q, kv, cache_lengths, 32, 0.1)) < 1e-5
+
+
+def test_refuses_a_cache_without_capacity_axis() -> None:
+    q = torch.zeros(1, 1, 2, 48)
+    with pytest.raises(ValueError, match=r"kv \[1, 10, 48\] is not \[1, 1, capacity, 48\]"):
+        k3plugins.latent_mla(q, torch.zeros(1, 10, 48), torch.zeros(1, dtype=torch.int64), 32, 0.1)
+
+
+def aot_latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float) -> Tensor:
     """The AOT plugin's kernel, launched as TensorRT would: inputs, int32 scalars, outputs."""
     B, T, H, D = q.shape
     dtype, kv_dtype = (str(x.dtype).removeprefix("torch.") for x in (q, kv))
     variant = latent_mla_aot_kernel(dtype, kv_dtype, D, v_dim, scale)
     grid, scalars = latent_mla_aot_launch(q.shape, kv.shape)
     o = q.new_empty(B, T, H, v_dim)
-    variant.fn[grid](q, kv, *scalars, o, **variant.constexprs, num_warps=variant.num_warps)
+    variant.fn[grid](q, kv, cache_lengths, *scalars, o, **variant.constexprs, num_warps=variant.num_warps)
     return o
 
 
-# Decode (T = 1, S >> T) and prefill with a partial token block; the cache also in float32 under fp16.
-@pytest.mark.parametrize("shape", [(2, 1, 3, 100, 48, 32), (1, 20, 2, 40, 48, 32)])
+# Decode (T = 1, rows of different lengths) and ragged prefill with a partial token block; the cache
+# also in float32 under fp16.
+@pytest.mark.parametrize("case", [(3, 1, 3, 100, 48, 32, (0, 50, 99)), (2, 20, 2, 40, 48, 32, (0, 20))],
+                         ids=str)
 @pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.float32, torch.float32),
                                                  (torch.float16, torch.float16),
                                                  (torch.float16, torch.float32)])
-def test_aot_kernel(shape: tuple[int, ...], dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-    check(*shape, dtype, kv_dtype, run=aot_latent_mla)
+def test_aot_kernel(case: tuple, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    check(*case, dtype=dtype, kv_dtype=kv_dtype, run=aot_latent_mla)
