@@ -56,7 +56,8 @@ class RoutedExperts(nn.Module):
         """Replaces w1/w2/w3 [E, O, I] by MXFP4 buffers `{w}_packed` [E, O, I/2] and `{w}_scale`
         [E, O, I/32] (uint8, 4.25 bits a weight instead of 16), as the published checkpoint
         stores them; forward then dequantises to the model dtype. torch.export's graph keeps that
-        dequantisation; the ONNX exporter currently folds it into float initializers."""
+        dequantisation, and the ONNX export keeps the buffers uint8 in the file and dequantises
+        them in the graph in standard ops (export_onnx turns constant folding off for them)."""
         for name in self.PROJECTIONS:
             weight = getattr(self, name)
             E, O, I = weight.shape
