@@ -1,5 +1,6 @@
 """ONNX Runtime against the eager model on k3-small: prefill tokens/s and decode ms/token, measured
-side by side in one run (alternating, same thread count), reported as ratios.
+in one run (for each shape a warm-up and the median of --repeats runs, eager then ONNX Runtime,
+same thread count), reported as ratios.
 
     python tools/bench_onnx.py [--onnx DIR] [--threads 2]
 
