@@ -266,7 +266,7 @@ def _schedule(num_layers: int, period: int, extra: tuple[int, ...] = ()) -> list
 PRESETS: dict[str, dict[str, Any]] = {
     # The published model: 93 layers, MLA at 4, 8, ..., 92 and the trailing 93.
     "kimi-k3": {"linear_attn_config": {"full_attn_layers": _schedule(93, 4, (93,))}},
-    # The design text: 92 layers = 23 x [KDA, KDA, KDA, MLA].
+    # The design text's variant (docs/architecture.md, last section): 92 layers = 23 x [KDA, KDA, KDA, MLA].
     "k3-seed": {
         "num_hidden_layers": 92,
         "linear_attn_config": {"full_attn_layers": _schedule(92, 4)},

@@ -1,7 +1,7 @@
 """A synthetic checkpoint in the published Kimi-K3 layout, written from one of our models.
 
-Names, dtypes, packing and sharding follow the published checkpoint (see ARCHITECTURE.md,
-"Published checkpoint names"), so tests can prove the loader on it:
+Names, dtypes, packing and sharding follow the published checkpoint (see docs/architecture.md,
+"The published checkpoint"), so tests can prove the loader on it:
 - every language-model tensor under `language_model.`; two fake vision-tower tensors and one
   projector tensor beside them, which loaders must skip;
 - bfloat16, except float32 for the short convs ([C, 1, W]), A_log, dt_bias, o_norm and the

@@ -1,4 +1,4 @@
-"""Parameter accounting against the arithmetic of ARCHITECTURE.md, written out here."""
+"""Parameter accounting against the arithmetic of docs/architecture.md, written out here."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The shard planner against independent arithmetic (ARCHITECTURE.md's parameter counts) and a
+"""The shard planner against independent arithmetic (docs/architecture.md's parameter counts) and a
 brute-force partition, on the published model at the shipped recipe's stage count."""
 
 import itertools
@@ -15,7 +15,7 @@ from k3export.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The published shapes, written out from ARCHITECTURE.md (not read from the code).
+# The published shapes, written out from docs/architecture.md (not read from the code).
 D, V, C, H, K = 7168, 163840, 12288, 96, 128
 F32_KDA = 3 * C * 4 + H + C + K  # conv weights, A_log (96 heads used), dt_bias, o_norm: float32
 KDA = 4 * C * D + D * C + K * D + C * K + H * D + F32_KDA
@@ -29,7 +29,7 @@ MLA_LAYERS = {*range(3, 92, 4), 92}  # 0-based: 1-based 4, 8, ..., 92 and 93
 
 
 def test_arithmetic_matches_architecture_md() -> None:
-    """The hand formulas above reproduce ARCHITECTURE.md's rounded counts."""
+    """The hand formulas above reproduce docs/architecture.md's rounded counts."""
     assert round(KDA / 1e6, 2) == 443.74 and round(MLA / 1e6, 2) == 232.20
     assert round(DENSE / 1e6, 1) == 726.7 and round((EXPERTS + MOE_REST) / 1e9, 3) == 29.785
     total = 69 * KDA + 24 * MLA + DENSE + 92 * (EXPERTS + MOE_REST) + 93 * NORMS + V * D + HEAD

@@ -81,8 +81,8 @@ CHUNK = 64  # chunk_kda's chunk length
 MLA_H, MLA_D, MLA_VDIM = 96, 576, 512
 MLA_SCALE = 192 ** -0.5
 
-# Leads for the dry run's planned bound (KINDS.md's H200 copy and bf16 readings; fp32 a guess): the
-# GPU run measures them.
+# Leads for the dry run's planned bound (an H200's nominal copy bandwidth and dense bf16 rate; fp32 a
+# guess): the GPU run measures them.
 NOMINAL_CEILINGS = {"copy": 4300.0, "bf16": 790.0, "fp32": 50.0}  # GB/s, TFLOP/s, TFLOP/s
 GRACE_S = 90  # past --budget + GRACE_S no further row starts
 FLA_MIN_T = 1000  # the anchor runs where a chunked prefill is long enough to matter
