@@ -1,0 +1,710 @@
+"""`k3export check --network DIR`: the TensorRT network the builder receives, evaluated on CPU.
+
+TensorRT-RTX parses the export (k3 plugins registered) into an `INetworkDefinition`, exactly as
+`k3export build` does; this module then runs that network layer by layer in topological order with
+torch, each layer type with TensorRT's documented semantics, shape tensors included, in the
+network's own dtypes (torch computes bfloat16 and float16 on CPU). It proves everything up to
+TensorRT's optimizer: the parser's reading of every node, the dtypes and casts it chose, the shape
+arithmetic, the plugin fields and bindings. It does not cover the optimizer, its tactics or kernels.
+
+- Parameters are read from the parsed layers (down-cast to their classes: `IShuffleLayer` and so
+  on), never from the ONNX file, with one exception: TensorRT's Python API gives no buffer for a
+  bfloat16 `IConstantLayer`'s weights, so those values are read from the ONNX file's initializer of
+  the layer's name (the parser names constant layers after their initializers).
+- A plugin layer runs its plugin definition's reference computation, the eager op of the same name
+  in `torch.ops.k3` (k3::KDA -> torch.ops.k3.kda), called with the layer's inputs in the
+  definition's order, then its fields as the parsed plugin holds them.
+- Where TensorRT leaves an order unspecified, the ONNX rule we export with is followed: TopK breaks
+  ties to the lower index.
+- A layer type or mode that is not implemented raises an error naming it; nothing is skipped.
+  Every result is held to the dtype and the static dims TensorRT declared for that tensor.
+
+    evaluate_network(export_dir, feeds)   # numpy in, numpy out, by the network's tensor names
+    run_network_check(export_dir)         # eager vs the network: prefill, then greedy decode steps
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import numpy_helper
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+from polygraphy.logger import G_LOGGER
+from torch import Tensor
+
+import k3export.ops  # noqa: F401  (registers torch.ops.k3.*, the plugins' reference computations)
+from k3export.checkpoint import build_model
+from k3export.engine.build import load_tensorrt_rtx, parse
+from k3export.errors import UserError
+from k3export.model.cache import check_request
+from k3export.onnx.check import (
+    PRESENT,
+    EagerRunner,
+    Signature,
+    last_tokens,
+    present_to_past,
+    prompt_lengths,
+    read_export,
+    request,
+    valid_entries,
+)
+from k3export.onnx.export import GRAPH_FILE, ExportGraph, TensorSpec, resolve_shape
+from k3export.parity import TOLERANCES, Tolerance, compare, top1_agreement
+
+_TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
+                 "INT32": torch.int32, "INT64": torch.int64, "INT8": torch.int8, "UINT8": torch.uint8,
+                 "BOOL": torch.bool}
+# Numpy has no bfloat16: such tensors cross the numpy boundary as float32 (exact both ways for
+# values that are bfloat16).
+_NUMPY_CARRIER = {torch.bfloat16: torch.float32}
+
+
+class NotImplementedLayer(UserError):
+    """A layer type or mode the evaluator does not implement."""
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a TensorRT DataType."""
+    if dtype.name not in _TORCH_DTYPES:
+        raise NotImplementedLayer(f"TensorRT data type {dtype.name} is not implemented by the network "
+                                  "evaluator")
+    return _TORCH_DTYPES[dtype.name]
+
+
+@dataclass
+class ParsedNetwork:
+    """A parsed network and what its evaluation needs. The parser owns the weights the network's
+    constant layers point at, so it is kept alive here."""
+
+    trt: ModuleType
+    network: Any
+    model_path: Path
+    keep_alive: tuple[Any, ...]
+    constants: dict[int, Tensor] = field(default_factory=dict)  # layer index -> value, read once
+    _initializers: dict[str, onnx.TensorProto] | None = None
+
+    def initializer(self, name: str) -> Tensor:
+        """An initializer of the ONNX file by name (external data read from beside the file)."""
+        if self._initializers is None:
+            model = onnx.load(self.model_path, load_external_data=False)
+            self._initializers = {t.name: t for t in model.graph.initializer}
+        if name not in self._initializers:
+            raise UserError(f"{self.model_path}: constant layer {name!r} holds bfloat16 weights, which "
+                            f"TensorRT's Python API does not expose, and the file has no initializer of "
+                            f"that name to read them from")
+        array = numpy_helper.to_array(self._initializers[name], str(self.model_path.parent))
+        if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: same bits as torch's
+            return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(array.copy())
+
+
+def parse_network(model_path: str | Path, trt: ModuleType | None = None) -> ParsedNetwork:
+    """Parses an ONNX file with TensorRT-RTX, the k3 plugins registered (as `k3export build` does)."""
+    import k3plugins.trt
+
+    model_path = Path(model_path)
+    if not model_path.is_file():
+        raise UserError(f"{model_path}: no such file")
+    trt = trt or load_tensorrt_rtx()
+    k3plugins.trt.register(trt)
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder, network, parser = parse(model_path, trt, logger)
+    return ParsedNetwork(trt, network, model_path, (logger, builder, parser))
+
+
+# ---- one function per layer type: (parsed network, down-cast layer, input values) -> output values
+
+def _elementwise(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    a, b = x
+    op = layer.op.name
+    if op == "DIV" and not a.is_floating_point():
+        return [torch.div(a, b, rounding_mode="trunc")]  # integer division truncates, as in C
+    if op not in _ELEMENTWISE:
+        raise NotImplementedLayer(f"layer {layer.name!r}: ELEMENTWISE {op} is not implemented")
+    return [_ELEMENTWISE[op](a, b)]  # TensorRT broadcasts dims of size 1 as torch does
+
+
+_ELEMENTWISE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "SUM": torch.add, "PROD": torch.mul, "MAX": torch.maximum, "MIN": torch.minimum, "SUB": torch.sub,
+    "DIV": torch.div, "POW": torch.pow, "FLOOR_DIV": lambda a, b: torch.div(a, b, rounding_mode="floor"),
+    "AND": torch.logical_and, "OR": torch.logical_or, "XOR": torch.logical_xor,
+    "EQUAL": torch.eq, "GREATER": torch.gt, "LESS": torch.lt,
+}
+
+
+def _unary(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    op = layer.op.name
+    if op not in _UNARY:
+        raise NotImplementedLayer(f"layer {layer.name!r}: UNARY {op} is not implemented")
+    return [_UNARY[op](x[0])]
+
+
+_UNARY: dict[str, Callable[[Tensor], Tensor]] = {
+    "EXP": torch.exp, "LOG": torch.log, "SQRT": torch.sqrt, "RECIP": torch.reciprocal, "ABS": torch.abs,
+    "NEG": torch.neg, "SIN": torch.sin, "COS": torch.cos, "ERF": torch.erf, "FLOOR": torch.floor,
+    "CEIL": torch.ceil, "NOT": torch.logical_not, "SIGN": torch.sign,
+    "ROUND": torch.round,  # half to even, as TensorRT documents
+}
+
+
+def _activation(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    kind = layer.type.name  # IActivationLayer.type is the ActivationType once down-cast
+    if kind not in _ACTIVATIONS:
+        raise NotImplementedLayer(f"layer {layer.name!r}: ACTIVATION {kind} is not implemented")
+    return [_ACTIVATIONS[kind](x[0], layer.alpha, layer.beta)]
+
+
+_ACTIVATIONS: dict[str, Callable[[Tensor, float, float], Tensor]] = {
+    "RELU": lambda x, a, b: torch.relu(x),
+    "SIGMOID": lambda x, a, b: torch.sigmoid(x),
+    "TANH": lambda x, a, b: torch.tanh(x),
+    "LEAKY_RELU": lambda x, a, b: F.leaky_relu(x, a),
+}
+
+
+def _axes(mask: int, rank: int) -> list[int]:
+    """Axes from TensorRT's bit mask (bit i: axis i)."""
+    return [i for i in range(rank) if mask >> i & 1]
+
+
+def _reduce(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    op, dims, keep = layer.op.name, _axes(layer.axes, x[0].dim()), layer.keep_dims
+    reducers = {"SUM": torch.sum, "AVG": torch.mean, "MAX": torch.amax, "MIN": torch.amin}
+    if op not in reducers:
+        raise NotImplementedLayer(f"layer {layer.name!r}: REDUCE {op} is not implemented")
+    return [reducers[op](x[0], dim=dims, keepdim=keep)]
+
+
+def _matrix_multiply(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    a, b = x
+    for op in (layer.op0.name, layer.op1.name):
+        if op not in ("NONE", "TRANSPOSE"):
+            raise NotImplementedLayer(f"layer {layer.name!r}: MATRIX_MULTIPLY operand {op} is not "
+                                      "implemented")
+    if layer.op0.name == "TRANSPOSE":
+        a = a.transpose(-1, -2)
+    if layer.op1.name == "TRANSPOSE":
+        b = b.transpose(-1, -2)
+    return [torch.matmul(a, b)]  # batch dims of size 1 broadcast
+
+
+def _cast(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    return [x[0].to(torch_dtype(layer.to_type))]  # float to integer truncates toward zero
+
+
+def _array(weights: Any) -> np.ndarray | None:
+    """Layer weights as numpy (the API hands them over as arrays, or as a Weights object), or None
+    for bfloat16, whose Weights give no buffer."""
+    array = weights if isinstance(weights, np.ndarray) else weights.numpy()
+    return array if isinstance(array, np.ndarray) else None
+
+
+def _constant(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    weights = _array(layer.weights)
+    # bfloat16 Weights give no buffer: read from the ONNX file (see the module's docstring).
+    value = torch.from_numpy(weights.copy()) if weights is not None else net.initializer(layer.name)
+    return [value.reshape(tuple(layer.shape))]
+
+
+def _shuffle(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    """first transpose, reshape (static dims or input 1; 0 copies the input dim when
+    zero_is_placeholder, -1 is inferred), second transpose."""
+    y = x[0].permute(tuple(layer.first_transpose)[:x[0].dim()])
+    dims = x[1].tolist() if len(x) > 1 and x[1] is not None else layer.reshape_dims
+    if dims is not None:
+        dims = [y.shape[i] if d == 0 and layer.zero_is_placeholder else d for i, d in enumerate(dims)]
+        y = y.reshape(dims)
+    return [y.permute(tuple(layer.second_transpose)[:y.dim()])]
+
+
+def _concatenation(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    return [torch.cat(x, dim=layer.axis)]
+
+
+def _shape(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    return [torch.tensor(x[0].shape, dtype=torch.int64)]
+
+
+def _unsqueeze(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    rank = x[0].dim() + x[1].numel()  # axes count in the output's rank
+    y = x[0]
+    for axis in sorted(a % rank for a in x[1].tolist()):
+        y = y.unsqueeze(axis)
+    return [y]
+
+
+def _squeeze(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    # The parser squeezes shape tensors without an axes input: then every unit dim goes, as in ONNX
+    # (the declared output dims, checked for every result, confirm it).
+    if len(x) < 2 or x[1] is None:
+        return [x[0].squeeze()]
+    axes = [a % x[0].dim() for a in x[1].tolist()]
+    if any(x[0].shape[a] != 1 for a in axes):
+        raise UserError(f"layer {layer.name!r}: SQUEEZE of axes {axes} of a {list(x[0].shape)} tensor")
+    return [x[0].squeeze(tuple(axes))]
+
+
+def _slice(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    """out[i] = in[start + i * stride] along each sliced axis; inputs 1-3 (when present) replace
+    start, shape and stride, and `axes` names the axes they apply to (all when unset)."""
+    if layer.mode.name != "STRICT_BOUNDS":
+        raise NotImplementedLayer(f"layer {layer.name!r}: SLICE mode {layer.mode.name} is not implemented")
+    if len(x) > 4:
+        raise NotImplementedLayer(f"layer {layer.name!r}: SLICE with a fill value or axes input is not "
+                                  "implemented")
+
+    def param(index: int, static: Any) -> list[int]:
+        return x[index].tolist() if len(x) > index and x[index] is not None else list(static)
+
+    data = x[0]
+    start, size, stride = param(1, layer.start or ()), param(2, layer.shape or ()), param(3, layer.stride)
+    axes = list(layer.axes) if layer.axes is not None else list(range(data.dim()))
+    for axis, s, n, step in zip(axes, start, size, stride, strict=True):
+        axis %= data.dim()
+        index = s + step * torch.arange(n)
+        if n and not (int(index.min()) >= 0 and int(index.max()) < data.shape[axis]):
+            raise UserError(f"layer {layer.name!r}: SLICE reads index {index.tolist()} of axis {axis} "
+                            f"(size {data.shape[axis]}) out of bounds")
+        data = data.index_select(axis, index)
+    return [data]
+
+
+def _check_indices(layer: Any, index: Tensor, size: int) -> Tensor:
+    # TensorRT requires 0 <= index < size (the parser adds the ONNX wrap of negative indices).
+    if index.numel() and not (int(index.min()) >= 0 and int(index.max()) < size):
+        raise UserError(f"layer {layer.name!r}: index out of [0, {size}): {index.unique().tolist()[:8]}")
+    return index.long()
+
+
+def _gather(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    data, index = x
+    axis, mode = layer.axis % data.dim(), layer.mode.name
+    if mode == "DEFAULT" and layer.num_elementwise_dims == 0:
+        index = _check_indices(layer, index, data.shape[axis])
+        out = data.index_select(axis, index.reshape(-1))
+        return [out.reshape(*data.shape[:axis], *index.shape, *data.shape[axis + 1:])]
+    if mode == "ELEMENT":
+        return [torch.gather(data, axis, _check_indices(layer, index, data.shape[axis]))]
+    raise NotImplementedLayer(f"layer {layer.name!r}: GATHER mode {mode} with num_elementwise_dims "
+                              f"{layer.num_elementwise_dims} is not implemented")
+
+
+def _scatter(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    data, index, updates = x
+    if layer.mode.name != "ELEMENT":
+        raise NotImplementedLayer(f"layer {layer.name!r}: SCATTER mode {layer.mode.name} is not implemented")
+    axis = layer.axis % data.dim()
+    return [data.scatter(axis, _check_indices(layer, index, data.shape[axis]), updates)]
+
+
+def _topk(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    """A stable sort, so that ties go to the lower index (ONNX's rule; TensorRT leaves it open)."""
+    (axis,) = _axes(layer.axes, x[0].dim())
+    k = int(x[1]) if len(x) > 1 and x[1] is not None else layer.k
+    if layer.op.name not in ("MAX", "MIN"):
+        raise NotImplementedLayer(f"layer {layer.name!r}: TOPK {layer.op.name} is not implemented")
+    values, indices = torch.sort(x[0], dim=axis, descending=layer.op.name == "MAX", stable=True)
+    return [values.narrow(axis, 0, k), indices.narrow(axis, 0, k).to(torch_dtype(layer.indices_type))]
+
+
+def _softmax(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    (axis,) = _axes(layer.axes, x[0].dim())
+    return [torch.softmax(x[0], dim=axis)]
+
+
+def _convolution(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    """Correlation of an N-C-spatial input with the kernel (GKCRS = torch's [K, C / groups, R, S]),
+    zero pre/post padding, stride, dilation and groups as the layer holds them."""
+    if len(x) > 1 or layer.padding_mode.name != "EXPLICIT_ROUND_DOWN":
+        raise NotImplementedLayer(f"layer {layer.name!r}: CONVOLUTION with a kernel input or padding mode "
+                                  f"{layer.padding_mode.name} is not implemented")
+    kernel = _array(layer.kernel)
+    if kernel is None:
+        raise NotImplementedLayer(f"layer {layer.name!r}: CONVOLUTION with {layer.kernel.dtype} kernel "
+                                  "weights (no buffer in the Python API) is not implemented")
+    size = tuple(layer.kernel_size_nd)
+    groups, maps = layer.num_groups, layer.num_output_maps
+    data = x[0]
+    weight = torch.from_numpy(kernel.copy()).reshape(maps, data.shape[1] // groups, *size).to(data.dtype)
+    bias = _array(layer.bias)
+    bias = torch.from_numpy(bias.copy()).to(data.dtype) if bias is not None and bias.size else None
+    pads = [p for pre, post in zip(reversed(tuple(layer.pre_padding)), reversed(tuple(layer.post_padding)),
+                                   strict=True) for p in (pre, post)]
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(size)]
+    return [conv(F.pad(data, pads), weight, bias, stride=tuple(layer.stride_nd),
+                 dilation=tuple(layer.dilation_nd), groups=groups)]
+
+
+def _plugin(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    """The plugin definition's reference: torch.ops.k3.<op in snake case>(*inputs, *fields)."""
+    plugin = layer.plugin.get_capability_interface(net.trt.PluginCapabilityType.CORE)
+    definition = getattr(plugin, "definition", None)
+    if definition is None:
+        raise NotImplementedLayer(f"layer {layer.name!r}: plugin {plugin.plugin_namespace}::"
+                                  f"{plugin.plugin_name} is not a k3 plugin; it is not implemented")
+    op_name = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", definition.name).lower()  # LatentMLA -> latent_mla
+    op = getattr(getattr(torch.ops, definition.namespace), op_name)
+    result = op(*x, *(plugin.fields[f.name] for f in definition.fields))
+    return list(result) if isinstance(result, tuple | list) else [result]
+
+
+def _kv_cache_update(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    """cache [B, H, S, D] with update [B, H, T, D] written at rows write_indices[b] .. + T - 1."""
+    if layer.cache_mode.name != "LINEAR" or layer.update_form.name != "PADDED_BHND":
+        raise NotImplementedLayer(f"layer {layer.name!r}: KV_CACHE_UPDATE {layer.cache_mode.name} "
+                                  f"{layer.update_form.name} is not implemented")
+    cache, update, write_indices = x
+    out, rows = cache.clone(), update.shape[2]
+    for b, start in enumerate(write_indices.tolist()):
+        if not 0 <= start <= cache.shape[2] - rows:
+            raise UserError(f"layer {layer.name!r}: writing {rows} rows at {start} overflows the cache "
+                            f"of capacity {cache.shape[2]}")
+        out[b, :, start:start + rows] = update[b]
+    return [out]
+
+
+def _fill(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    """LINSPACE: out[i_0, .., i_n] = alpha + sum_k beta[k] i_k; the shape, alpha and beta from inputs
+    0-2 when present."""
+    if layer.operation.name != "LINSPACE":
+        raise NotImplementedLayer(f"layer {layer.name!r}: FILL {layer.operation.name} is not implemented")
+
+    def given(index: int) -> Tensor | None:
+        return x[index] if len(x) > index and x[index] is not None else None
+
+    shape = given(0).tolist() if given(0) is not None else list(layer.shape)
+    alpha = given(1) if given(1) is not None else torch.tensor(layer.alpha)
+    beta = given(2) if given(2) is not None else torch.tensor(layer.beta)
+    grids = torch.meshgrid(*(torch.arange(n) for n in shape), indexing="ij")
+    value = alpha + sum(b * g for b, g in zip(beta.reshape(-1), grids, strict=True))
+    return [torch.as_tensor(value).to(torch_dtype(layer.to_type))]
+
+
+# LayerType name -> (the layer class to down-cast to, its evaluation)
+LAYERS: dict[str, tuple[str, Callable[[ParsedNetwork, Any, list[Tensor]], list[Tensor]]]] = {
+    "ACTIVATION": ("IActivationLayer", _activation),
+    "CAST": ("ICastLayer", _cast),
+    "CONCATENATION": ("IConcatenationLayer", _concatenation),
+    "CONSTANT": ("IConstantLayer", _constant),
+    "CONVOLUTION": ("IConvolutionLayer", _convolution),
+    "ELEMENTWISE": ("IElementWiseLayer", _elementwise),
+    "FILL": ("IFillLayer", _fill),
+    "GATHER": ("IGatherLayer", _gather),
+    "KV_CACHE_UPDATE": ("IKVCacheUpdateLayer", _kv_cache_update),
+    "MATRIX_MULTIPLY": ("IMatrixMultiplyLayer", _matrix_multiply),
+    "PLUGIN_V3": ("IPluginV3Layer", _plugin),
+    "REDUCE": ("IReduceLayer", _reduce),
+    "SCATTER": ("IScatterLayer", _scatter),
+    "SHAPE": ("IShapeLayer", _shape),
+    "SHUFFLE": ("IShuffleLayer", _shuffle),
+    "SLICE": ("ISliceLayer", _slice),
+    "SOFTMAX": ("ISoftMaxLayer", _softmax),
+    "SQUEEZE": ("ISqueezeLayer", _squeeze),
+    "TOPK": ("ITopKLayer", _topk),
+    "UNARY": ("IUnaryLayer", _unary),
+    "UNSQUEEZE": ("IUnsqueezeLayer", _unsqueeze),
+}
+
+
+def _check_result(layer: Any, index: int, value: Tensor) -> None:
+    """Holds a computed tensor to the dtype and static dims TensorRT declared for it."""
+    tensor = layer.get_output(index)
+    expected, dims = torch_dtype(tensor.dtype), tuple(tensor.shape)
+    fits = len(dims) == value.dim() and all(d in (-1, s) for d, s in zip(dims, value.shape, strict=True))
+    if value.dtype != expected or not fits:
+        raise RuntimeError(f"layer {layer.name!r} ({layer.type.name}) output {tensor.name!r}: computed "
+                           f"{value.dtype} {list(value.shape)}, TensorRT declares {expected} {list(dims)}")
+
+
+def _order(network: Any) -> list[int]:
+    """Layer indices in topological order (the parser's order when it is one, as it normally is)."""
+    producer: dict[str, int] = {}
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        for j in range(layer.num_outputs):
+            producer[layer.get_output(j).name] = i
+    done: set[int] = set()
+    order: list[int] = []
+
+    def visit(i: int) -> None:
+        stack = [(i, False)]
+        while stack:
+            k, expanded = stack.pop()
+            if k in done:
+                continue
+            if expanded:
+                done.add(k)
+                order.append(k)
+                continue
+            stack.append((k, True))
+            layer = network.get_layer(k)
+            for j in range(layer.num_inputs):
+                t = layer.get_input(j)
+                if t is not None and t.name in producer and producer[t.name] not in done:
+                    stack.append((producer[t.name], False))
+
+    for i in range(network.num_layers):
+        visit(i)
+    return order
+
+
+class NetworkEvaluator:
+    """Evaluates a parsed network on CPU: `evaluate({input name: tensor}) -> {output name: tensor}`."""
+
+    def __init__(self, net: ParsedNetwork) -> None:
+        self.net = net
+        network = net.network
+        self.order = _order(network)
+        self.inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
+        self.outputs = [network.get_output(i).name for i in range(network.num_outputs)]
+        self.layer_seconds: dict[str, float] = {}  # time spent per layer type in the last evaluation
+
+    def evaluate(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
+        net, trt = self.net, self.net.trt
+        values: dict[str, Tensor] = {}
+        for name, tensor in self.inputs.items():
+            if name not in feeds:
+                raise UserError(f"{net.model_path}: network input {name!r} was not fed "
+                                f"(fed: {', '.join(sorted(feeds)) or 'nothing'})")
+            values[name] = self._input(tensor, feeds[name])
+        self.layer_seconds = {}
+        for i in self.order:
+            layer = net.network.get_layer(i)
+            kind = layer.type.name
+            if kind not in LAYERS:
+                raise NotImplementedLayer(f"layer {layer.name!r}: layer type {kind} is not implemented by "
+                                          f"the network evaluator (implemented: {', '.join(sorted(LAYERS))})")
+            class_name, evaluate = LAYERS[kind]
+            start = time.perf_counter()
+            if kind == "CONSTANT" and i in net.constants:
+                results = [net.constants[i]]
+            else:
+                inputs = [None if t is None else values[t.name]
+                          for t in (layer.get_input(j) for j in range(layer.num_inputs))]
+                layer.__class__ = getattr(trt, class_name)  # the network hands out plain ILayer objects
+                results = evaluate(net, layer, inputs)
+                for j, value in enumerate(results):
+                    _check_result(layer, j, value)
+                if kind == "CONSTANT":
+                    net.constants[i] = results[0]
+            for j, value in enumerate(results):
+                values[layer.get_output(j).name] = value
+            self.layer_seconds[kind] = self.layer_seconds.get(kind, 0.0) + time.perf_counter() - start
+        return {name: values[name] for name in self.outputs}
+
+    def _input(self, tensor: Any, value: Any) -> Tensor:
+        value = torch.as_tensor(value)
+        expected = torch_dtype(tensor.dtype)
+        if value.dtype != expected and value.dtype != _NUMPY_CARRIER.get(expected):
+            raise UserError(f"network input {tensor.name!r}: fed {value.dtype}, expected {expected}")
+        dims = tuple(tensor.shape)
+        if len(dims) != value.dim() or any(d not in (-1, s) for d, s in zip(dims, value.shape, strict=True)):
+            raise UserError(f"network input {tensor.name!r}: fed shape {list(value.shape)}, expected "
+                            f"{list(dims)} (-1: any)")
+        return value.to(expected)
+
+
+def to_numpy(value: Tensor) -> np.ndarray:
+    """A tensor as numpy; bfloat16 widens to float32 (exact), as numpy has no bfloat16."""
+    return value.to(_NUMPY_CARRIER.get(value.dtype, value.dtype)).numpy()
+
+
+def evaluate_network(export_dir: str | Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Parses export_dir/model.onnx and evaluates the network once: numpy in and out by the network's
+    tensor names (a bfloat16 tensor is fed and returned as float32)."""
+    evaluator = NetworkEvaluator(parse_network(Path(export_dir) / GRAPH_FILE))
+    return {name: to_numpy(value) for name, value in evaluator.evaluate(feeds).items()}
+
+
+class NetworkRunner(BaseRunner):
+    """The parsed network evaluated on CPU, as a check runner: like EagerRunner it holds its caches
+    between calls (in the network's own dtypes), `reset` starts rows fresh, and `infer` takes the
+    call's feeds and returns every output (bfloat16 widened to float32 for numpy)."""
+
+    def __init__(self, net: ParsedNetwork, signature: Signature, name: str = "network") -> None:
+        super().__init__(name=name)
+        self.evaluator, self.signature = NetworkEvaluator(net), signature
+        self.caches: dict[str, Tensor] = {}
+
+    def reset(self, batch: int, rows: list[int] | None = None) -> None:
+        """Empty caches for `batch` rows, or only `rows` made fresh (the rest kept; latent rows need
+        nothing: a cache length of 0 hides them)."""
+        if rows is None:
+            sizes = {"batch": batch, "capacity": self.signature.capacity}
+            self.caches = {s.name: torch.zeros(resolve_shape(s, sizes), dtype=getattr(torch, s.dtype))
+                           for s in self.signature.caches}
+        else:
+            for name, cache in self.caches.items():
+                if not name.endswith("mla_latent"):
+                    cache[rows] = 0
+
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        return self.signature.metadata()
+
+    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        self.signature.check(feed_dict)
+        start = time.perf_counter()
+        with torch.no_grad():
+            outputs = self.evaluator.evaluate({**feed_dict, **self.caches})
+        self.inference_time = time.perf_counter() - start
+        for name, value in outputs.items():
+            if name.startswith(PRESENT):
+                self.caches[present_to_past(name)] = value
+        return OrderedDict((name, to_numpy(value)) for name, value in outputs.items())
+
+
+class _Float32Boundary:
+    """An ExportGraph whose bfloat16 tensors cross numpy as float32 (exact): inputs are cast to the
+    graph's dtypes, bfloat16 outputs widened, so that EagerRunner serves a bfloat16 model."""
+
+    def __init__(self, graph: ExportGraph, inputs: list[TensorSpec]) -> None:
+        self.graph, self.model, self.layers = graph, graph.model, graph.layers
+        self.dtypes = [getattr(torch, s.dtype) for s in inputs]
+
+    def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        outputs = self.graph(*(x.to(d) for x, d in zip(inputs, self.dtypes, strict=True)))
+        return tuple(o.to(_NUMPY_CARRIER.get(o.dtype, o.dtype)) for o in outputs)
+
+
+def _carried(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with bfloat16 tensors declared float32, as they cross numpy."""
+    def widen(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**s, "dtype": "float32" if s["dtype"] == "bfloat16" else s["dtype"]} for s in specs]
+
+    return {**manifest, "inputs": widen(manifest["inputs"]), "outputs": widen(manifest["outputs"])}
+
+
+# Measured on k3-tiny bfloat16 (seeds 0-2, prefill and 4 decode steps): the network's error reaches
+# 2.2 times the envelope below; the eager model's own bfloat16 rounding is one sample of that chaos.
+HALF_SPREAD_FACTOR = 4.0
+
+
+def _layer(name: str) -> float:
+    """The layer a cache output belongs to (present.{i}.*); other outputs come after every layer."""
+    match = re.match(r"present\.(\d+)\.", name)
+    return int(match.group(1)) if match else float("inf")
+
+
+def _compare_outputs(label: str, signature: Signature, outs: list[dict[str, np.ndarray]],
+                     lengths_after: np.ndarray, input_lengths: np.ndarray, tolerance: Tolerance,
+                     log: Any) -> dict[str, Any]:
+    """outs: eager, the network, and for half precision eager in float32; compared on their valid
+    entries only. Half precision: rounding error grows layer by layer (with random weights
+    chaotically: a 6e-3 spread at layer 0 becomes 0.3 to 0.9 at the logits of k3-tiny in bfloat16),
+    so layer i's outputs are held to the larger of the dtype's bound and HALF_SPREAD_FACTOR times
+    the largest eager half-vs-float32 spread of layers 0..i at this step; other outputs (logits) to
+    that of every layer. An early layer's outputs are thus held tight, a late one's loosely."""
+    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.outputs}
+             for out in outs]
+    reference, actual = valid[0], valid[1]
+    bounds = {name: tolerance for name in reference}
+    margin = tolerance.margin
+    if len(outs) > 2:
+        spreads = {name: compare(name, ref, valid[2][name], tolerance).rel for name, ref in reference.items()}
+        for name in reference:
+            envelope = max(s for other, s in spreads.items() if _layer(other) <= _layer(name))
+            bounds[name] = Tolerance(max(tolerance.rel, HALF_SPREAD_FACTOR * envelope), tolerance.margin)
+        if "logits" in reference:
+            diff = np.abs(reference["logits"].astype(np.float64) - valid[2]["logits"]).max()
+            margin = max(tolerance.margin, 2 * float(diff))
+    comparisons = [compare(name, actual[name], ref, bounds[name]) for name, ref in reference.items()]
+    step: dict[str, Any] = {"step": label, "outputs": [c.as_dict() for c in comparisons]}
+    worst = max(comparisons, key=lambda c: c.rel / c.bound)
+    line = f"{label:>10}: worst {worst.name} rel {worst.rel:.2e} (bound {worst.bound:.1e})"
+    if "logits" in reference:
+        vocab = outs[0]["logits"].shape[-1]
+        logits = next(c for c in comparisons if c.name == "logits")
+        tokens = top1_agreement(actual["logits"].reshape(-1, vocab), reference["logits"].reshape(-1, vocab),
+                                margin)
+        step["tokens"] = tokens.as_dict()
+        line += (f"; logits rel {logits.rel:.2e} cos {logits.cosine:.6f}; top-1 {tokens.agree}/"
+                 f"{tokens.positions} (ties {tokens.ties}, mismatches {tokens.mismatches})")
+    failed = [c.name for c in comparisons if not c.passed]
+    log(line + (f"  FAILED: {', '.join(failed)}" if failed else ""))
+    return step
+
+
+def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, batch: int = 2,
+                      prompt_len: int = 70, log: Any = print,
+                      net: ParsedNetwork | None = None) -> dict[str, Any]:
+    """The parsed network against the eager model, driven as `k3export check --onnx` drives ONNX
+    Runtime: a prefill of `batch` right-padded prompts of different lengths (the longest
+    `prompt_len`), then `steps` greedy decode steps in which each side keeps its own caches and
+    both take the eager model's token; valid entries compared. Returns a report shaped like
+    run_check's (see "passed"). `net`: an already parsed network (tests alter one after parsing)."""
+    export_dir = Path(export_dir)
+    G_LOGGER.module_severity = G_LOGGER.WARNING
+    manifest, config = read_export(export_dir)
+    if manifest["weights"].get("stripped"):
+        raise UserError(f"{export_dir}: exported with --no-weights, so there are no numbers to check")
+    lengths = prompt_lengths(batch, prompt_len)
+    rows = torch.tensor(lengths)
+    check_request(torch.zeros_like(rows), rows, prompt_len, manifest["capacity"])
+    check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, manifest["capacity"])
+    start = time.perf_counter()
+    dtype, layers = manifest["dtype"], range(*manifest["layers"])
+    tolerance = TOLERANCES[dtype]
+    last_logits = manifest.get("last_logits", False)
+    signature, carried = Signature(manifest), Signature(_carried(manifest))
+    log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}; "
+        f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
+    model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
+    net = net or parse_network(export_dir / GRAPH_FILE)
+    log(f"network: {net.network.num_layers} layers parsed by TensorRT-RTX, evaluated on CPU")
+    runners: list[BaseRunner] = [
+        EagerRunner(_Float32Boundary(ExportGraph(model, layers, last_logits), signature.inputs), "eager",
+                    carried),
+        NetworkRunner(net, signature),
+    ]
+    if dtype != "float32":
+        model32 = build_model(config, torch.float32, manifest["weights"], layers)
+        runners.append(EagerRunner(ExportGraph(model32, layers, last_logits), "eager-float32", carried))
+    gen = torch.Generator().manual_seed(seed)
+    feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
+    if "input_ids" in feed:  # padding tokens, as a server would send: none is read
+        feed["input_ids"][np.arange(max(lengths)) >= np.array(lengths)[:, None]] = 0
+    report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
+                              "capacity": signature.capacity, "steps": []}
+    streams: list[list[list[int]]] = [[], []]
+    cache_lengths = np.zeros(batch, np.int64)
+    network_seconds = 0.0
+    with contextlib.ExitStack() as active:
+        for runner in runners:
+            active.enter_context(runner)
+            runner.reset(batch)
+        for step in range(steps + 1):
+            outs = [runner.infer(feed, check_inputs=False) for runner in runners]
+            network_seconds += runners[1].last_inference_time()
+            input_lengths = feed["input_lengths"]
+            cache_lengths = cache_lengths + input_lengths
+            report["steps"].append(_compare_outputs("prefill" if step == 0 else f"decode {step}", signature,
+                                                    outs, cache_lengths, input_lengths, tolerance, log))
+            tokens = None
+            if "logits" in outs[0]:
+                for stream, out in zip(streams, outs, strict=False):
+                    stream.append(last_tokens(out["logits"], input_lengths.tolist())[:, 0].tolist())
+                # Every side takes the reference's greedy token: a near-tie cannot derail the rest.
+                tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
+            feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
+    failed = sorted({c["name"] for s in report["steps"] for c in s["outputs"] if not c["passed"]})
+    report["failed_outputs"] = failed
+    report["token_mismatches"] = sum(s.get("tokens", {}).get("mismatches", 0) for s in report["steps"])
+    report["greedy_streams_identical"] = streams[0] == streams[1]
+    report["passed"] = not failed and report["token_mismatches"] == 0
+    report["network"] = {"layers": net.network.num_layers, "seconds": network_seconds,
+                         "seconds_by_layer_type": runners[1].evaluator.layer_seconds}
+    report["seconds"] = time.perf_counter() - start
+    return report
