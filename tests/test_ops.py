@@ -5,6 +5,7 @@ import pytest
 import torch
 from reference import kda_inputs, rel_error
 
+from k3export.errors import UserError
 from k3export.ops import chunk_kda, recurrent_kda
 
 
@@ -17,6 +18,41 @@ def test_chunk_matches_recurrent(dtype, tol, B, T, H):
     assert o.dtype == inputs[2].dtype and s.dtype == inputs[5].dtype
     assert rel_error(o, o_ref) < tol
     assert rel_error(s, s_ref) < tol
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 65, 200])
+@pytest.mark.parametrize("decay", ["mild", "lower_bound", "steep"])
+def test_chunk_matches_recurrent_at_boundaries_and_decays(T, decay):
+    """Chunk and sub-chunk boundaries (T = 1, one sub-chunk, one chunk, one past it) and decays
+    at the published lower bound of -5 per step (the factored sub-chunk products reach e^75) and
+    beyond it (-20 per step: too steep to factor in float32, so the exact diagonal blocks run)."""
+    q, k, v, g, beta, state = kda_inputs(2, T, 2, 32, 24, torch.float64, seed=T)
+    gen = torch.Generator().manual_seed(T)
+    if decay == "lower_bound":
+        g = -5 + 1e-3 * torch.rand(g.shape, generator=gen, dtype=torch.float64)
+    elif decay == "steep":
+        g = -20 * torch.rand(g.shape, generator=gen, dtype=torch.float64)
+    inputs = (q, k, v, g, beta, state)
+    o_ref, s_ref = recurrent_kda(*inputs)
+    o, s = chunk_kda(*inputs)
+    assert rel_error(o, o_ref) < 1e-13 and rel_error(s, s_ref) < 1e-13
+    o, s = chunk_kda(*(t.float() for t in inputs))
+    assert rel_error(o, o_ref) < 1e-5 and rel_error(s, s_ref) < 1e-5
+    assert o.isfinite().all() and s.isfinite().all()
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 128])
+def test_chunk_size_does_not_change_the_result(chunk_size):
+    inputs = kda_inputs(1, 100, 2, 16, 16, torch.float64)
+    o_ref, s_ref = recurrent_kda(*inputs)
+    o, s = chunk_kda(*inputs, chunk_size=chunk_size)
+    assert rel_error(o, o_ref) < 1e-13 and rel_error(s, s_ref) < 1e-13
+
+
+@pytest.mark.parametrize("chunk_size", [8, 48])
+def test_chunk_size_must_be_a_power_of_two_of_at_least_a_sub_chunk(chunk_size):
+    with pytest.raises(UserError, match="chunk_size"):
+        chunk_kda(*kda_inputs(1, 10, 1, 16, 16, torch.float32), chunk_size=chunk_size)
 
 
 def test_recurrent_matches_written_out_delta_rule():
