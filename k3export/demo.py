@@ -22,7 +22,8 @@ def run_demo(seed: int, prompt_len: int, steps: int) -> int:
                            generator=torch.Generator().manual_seed(seed))
 
     start = time.perf_counter()
-    logits, cache = model(prompt)
+    # A cache with room for the prompt and every decode step (rows of fixed capacity).
+    logits, cache = model(prompt, model.empty_cache(1, capacity=prompt_len + steps))
     print(f"prefill: {prompt_len} tokens in {time.perf_counter() - start:.3f} s")
     tokens = [int(logits[0, -1].argmax())]
     step_logits = [logits[:, -1:]]
