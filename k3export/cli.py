@@ -140,6 +140,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     from k3export.engine.build import Limits, build_engine
 
+    if args.recipe:
+        from k3export.stages import cmd_build_recipe
+        return cmd_build_recipe(args)
+    if not args.onnx:
+        raise UserError("build: expected --onnx DIR (one export) or a RECIPE (every pipeline stage)")
+
     limits = Limits(args.max_batch, args.max_seq, args.max_past)
     print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
           f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}, "
@@ -225,12 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     from k3export.engine.build import TARGETS, Limits
 
     build = sub.add_parser("build", help="a TensorRT-RTX engine from an export, k3 plugins in place")
-    build.add_argument("--onnx", required=True, metavar="DIR", help="a `k3export export` folder")
-    build.add_argument("--out", required=True, metavar="FILE", help="the engine file to write")
+    build.add_argument("--onnx", metavar="DIR", help="a `k3export export` folder")
+    build.add_argument("--out", required=True, metavar="FILE", help="the engine file to write (with RECIPE: "
+                       "the folder of the stages and their manifest.json)")
     build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
     build.add_argument("--max-batch", type=int, default=Limits.batch)
     build.add_argument("--max-seq", type=int, default=Limits.seq, help="prefill tokens per call")
     build.add_argument("--max-past", type=int, default=Limits.past, help="tokens already cached")
+    from k3export.stages import add_build_arguments
+    add_build_arguments(build)
     build.set_defaults(run=cmd_build)
 
     from k3export.plan import add_parser as add_plan_parser

@@ -1,0 +1,199 @@
+"""`k3export build RECIPE --out DIR`: one graph (and engine) per pipeline stage, built one at a time.
+
+    DIR/manifest.json    the recipe and its sha256, the stages in order (layer ranges, files, I/O
+                         specs, profiles), every file with sha256 and bytes, backend, target, versions
+    DIR/stage-{i}/       model.onnx, model.onnx.data, config.json, export.json, and for a TensorRT
+                         backend the engine stage-{i}.{target}.engine
+
+Each stage loads only its own layers' weights (layer-range loading), exports its graph, builds its
+engine, and is dropped before the next stage starts, so peak memory follows the largest stage, not
+the model. Stage folders are written through OutputDir (staged, renamed when complete) and the
+manifest is rewritten after every stage, so a rerun skips each stage whose files still hash as the
+manifest says (an interrupted build resumes) and rebuilds one whose files are missing or altered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import importlib.util
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
+from k3export.checkpoint import build_model
+from k3export.errors import UserError
+from k3export.plan import Plan, plan_recipe
+from k3export.recipe import BACKENDS, Recipe, load_recipe
+
+MANIFEST = "manifest.json"
+
+
+def stage_folder(index: int) -> str:
+    return f"stage-{index}"
+
+
+def _versions(backend: str) -> dict[str, str]:
+    import onnx
+
+    from k3plugins.definitions import VERSION as PLUGIN_VERSION
+
+    versions = {"torch": torch.__version__, "onnx": onnx.__version__, "k3export": importlib.metadata.version(
+        "k3export"), "k3plugins_plugin_version": PLUGIN_VERSION}
+    if backend == "tensorrt-rtx":
+        versions["tensorrt_rtx"] = importlib.metadata.version("tensorrt-rtx-cu13")
+    return versions
+
+
+def _settings(recipe: Recipe, backend: str, no_weights: bool) -> dict[str, Any]:
+    """What decides a stage's files: a stage built under other settings is rebuilt."""
+    return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights}
+
+
+def _intact(out: Path, entry: dict[str, Any]) -> str | None:
+    """None if every file the stage's manifest entry lists is there with its sha256, else why not."""
+    if not entry.get("files"):
+        return "not built"
+    for name, record in entry["files"].items():
+        path = out / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if file_record(path) != record:
+            return f"{name} differs from {MANIFEST} (sha256)"
+    return None
+
+
+def _previous(out: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stage entries of the folder's manifest if it was built with the same settings."""
+    if not (out / MANIFEST).is_file():
+        return []
+    try:
+        manifest = read_manifest(out, MANIFEST)
+    except UserError:
+        return []  # damaged: every stage is rebuilt
+    if manifest.get("settings") != settings:
+        return []
+    return manifest.get("stages") or []
+
+
+def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str, no_weights: bool,
+                 overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    """Exports stage `index` (and builds its engine) into DIR/stage-{index}; returns its manifest entry."""
+    from k3export.engine.build import Limits, build_engine
+    from k3export.onnx.export import MANIFEST_FILE, export_model
+
+    stage = plan.stages[index]
+    layers, name = stage.layers, stage_folder(index)
+    weights = {"stripped": True} if no_weights else recipe.weights
+    started = time.perf_counter()
+    model = build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log)
+    folder = OutputDir(out / name, MANIFEST_FILE, "build", overwrite=overwrite)
+    result = None
+    with folder.staged() as staged:
+        export = export_model(model, staged, layers, weights, capacity=recipe.capacity)
+        # Free the stage's weights before the engine build: the parser holds its own copy.
+        del model
+        gc.collect()
+        if backend == "tensorrt-rtx":
+            engine = staged / f"{name}.{recipe.target}.engine"
+            # One batch range serves both profiles; the cache capacity is the export's.
+            limits = Limits(batch=max(recipe.prefill_batch, recipe.decode_batch), seq=recipe.prefill_seq)
+            result = build_engine(staged, engine, target=recipe.target, limits=limits)
+    files = {f"{name}/{f}": record for f, record in folder.manifest["files"].items()}
+    files[f"{name}/{MANIFEST_FILE}"] = file_record(out / name / MANIFEST_FILE)
+    return {
+        "index": index, "layers": [layers.start, layers.stop], "folder": name,
+        "graph": f"{name}/{export['graph']}",
+        "engine": f"{name}/{Path(result.engine).name}" if result else None,
+        "inputs": export["inputs"], "outputs": export["outputs"], "dtype": export["dtype"],
+        "profiles": result.profiles if result else None,
+        "weight_bytes": stage.weight_bytes, "seconds": round(time.perf_counter() - started, 1),
+        "files": files,
+    }
+
+
+def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None, no_weights: bool = False,
+                 only: list[int] | None = None, overwrite: bool = False,
+                 log: Callable[[str], None] = print,
+                 after_stage: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Builds the recipe's stages into `out` (all, or the indices in `only`), skipping stages whose
+    files still match the manifest; `after_stage(i)` runs once stage i is recorded. Returns the manifest."""
+    backend = backend or recipe.backend
+    if backend == "tensorrt":
+        raise UserError(f"{recipe.path}: backend 'tensorrt' (full TensorRT): k3export builds engines "
+                        "with TensorRT-RTX only (full TensorRT cannot be installed here); build with "
+                        "--backend onnx and build the engines from the stage graphs on the target machine")
+    if backend == "tensorrt-rtx" and importlib.util.find_spec("tensorrt_rtx") is None:
+        raise UserError("backend 'tensorrt-rtx': tensorrt_rtx is not installed "
+                        "(pip install -c constraints.txt -e '.[engine]'), or build with --backend onnx")
+    plan = plan_recipe(recipe)
+    indices = range(len(plan.stages))
+    bad = [i for i in only or [] if i not in indices]
+    if bad:
+        raise UserError(f"--stage {bad[0]}: expected a stage of {recipe.path}, 0..{len(plan.stages) - 1}")
+    out = Path(out)
+    # A killed run leaves a stage's staging folder behind; it is ours, so clear it before the check.
+    for stale in out.glob("stage-*/.k3export-stage-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
+    settings = _settings(recipe, backend, no_weights)
+    previous = _previous(out, settings)
+    manifest: dict[str, Any] = {
+        "written_by": WRITTEN_BY, "command": "build", "recipe_file": str(recipe.path),
+        "recipe_sha256": recipe.sha256, "recipe": recipe.data, "settings": settings,
+        "backend": backend, "target": recipe.target if backend != "onnx" else None,
+        "dtype": recipe.dtype, "cache": {"capacity": recipe.capacity, "batch": recipe.batch},
+        "profiles": {"prefill": {"batch": recipe.prefill_batch, "seq": recipe.prefill_seq},
+                     "decode": {"batch": recipe.decode_batch}},
+        "versions": _versions(backend), "stages": [], "files": {},
+    }
+    for i, stage in enumerate(plan.stages):
+        layers = [stage.layers.start, stage.layers.stop]
+        entry = next((e for e in previous if e.get("index") == i and e.get("layers") == layers), None)
+        problem = _intact(out, entry) if entry else "not built"
+        if problem is None:
+            log(f"stage {i} (layers {layers[0]}..{layers[1] - 1}): up to date, skipped")
+        elif only is not None and i not in only:
+            entry = {"index": i, "layers": layers, "folder": stage_folder(i), "files": {}}
+        else:
+            log(f"stage {i} (layers {layers[0]}..{layers[1] - 1}, {stage.weight_bytes / 1e9:.3g} GB of "
+                f"weights): {problem}, building ({backend})")
+            entry = _build_stage(recipe, plan, i, out, backend, no_weights, overwrite, log)
+            gc.collect()
+        manifest["stages"].append(entry)
+        manifest["files"] = {name: rec for e in manifest["stages"] for name, rec in e["files"].items()}
+        write_json(out / MANIFEST, manifest)
+        if after_stage is not None:
+            after_stage(i)
+    return manifest
+
+
+def cmd_build_recipe(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe)
+    manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
+                            only=args.stage, overwrite=args.overwrite)
+    built = [s for s in manifest["stages"] if s["files"]]
+    size = sum(r["bytes"] for r in manifest["files"].values())
+    print(f"wrote {args.out}/{MANIFEST}: {len(built)} of {len(manifest['stages'])} stages "
+          f"({manifest['backend']}), {size / 1e6:.1f} MB in {len(manifest['files'])} files")
+    return 0
+
+
+def add_build_arguments(build: argparse.ArgumentParser) -> None:
+    """The sharded form of `k3export build`: a recipe instead of --onnx."""
+    build.add_argument("recipe", nargs="?", metavar="RECIPE",
+                       help="a recipe (engines/*.toml): build every pipeline stage into --out DIR")
+    build.add_argument("--backend", choices=BACKENDS, help="with RECIPE: instead of the recipe's backend "
+                       "(onnx stops after the export)")
+    build.add_argument("--no-weights", action="store_true",
+                       help="with RECIPE: graphs at real shapes, the weights as inputs (no checkpoint read)")
+    build.add_argument("--stage", type=int, action="append", metavar="I",
+                       help="with RECIPE: build only stage I (repeatable); the others keep what they have")
+    build.add_argument("--overwrite", action="store_true",
+                       help="with RECIPE: write into a folder that holds other files (they are kept)")
