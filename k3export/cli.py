@@ -146,10 +146,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     if not args.onnx:
         raise UserError("build: expected --onnx DIR (one export) or a RECIPE (every pipeline stage)")
 
-    limits = Limits(args.max_batch, args.max_seq, args.max_past)
+    limits = Limits(args.max_batch, args.max_seq)
     print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
-          f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}, "
-          f"past 0..{limits.past})")
+          f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}; the export's "
+          f"cache capacity)")
     result = build_engine(args.onnx, args.out, target=args.target, limits=limits)
     plugins = result.network.plugin_layers
     print(f"wrote {result.engine}: {_human(result.bytes, 'B')} in {result.seconds:.1f} s; "
@@ -170,7 +170,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
               ["check", "--onnx", str(out), "--steps", str(args.steps)]]
     if importlib.util.find_spec("tensorrt_rtx"):
         stages.append(["build", "--onnx", str(out), "--out", str(out / "k3-tiny.sm89.engine"),
-                       "--max-seq", "128", "--max-past", "256"])
+                       "--max-seq", "128"])
     else:
         print("(TensorRT-RTX is not installed: `pip install -c constraints.txt -e '.[engine]'` "
               "adds the build stage)")
@@ -237,13 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
     build.add_argument("--max-batch", type=int, default=Limits.batch)
     build.add_argument("--max-seq", type=int, default=Limits.seq, help="prefill tokens per call")
-    build.add_argument("--max-past", type=int, default=Limits.past, help="tokens already cached")
     from k3export.stages import add_build_arguments
     add_build_arguments(build)
     build.set_defaults(run=cmd_build)
 
     from k3export.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
+    from k3export.runtime import add_parser as add_run_parser
+    add_run_parser(sub)
 
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then "
                                        "export, check and build")

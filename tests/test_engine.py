@@ -1,5 +1,7 @@
-"""TensorRT-RTX on CPU: the k3 plugins replace the ONNX functions, an engine builds for SM89 and
-SM120 with the prefill and decode profiles, and a missing plugin is refused with a clear message.
+"""TensorRT-RTX on CPU: the k3 plugins replace the ONNX functions, every MLA cache is updated by one
+KV_CACHE_UPDATE layer (the graph's TensorScatter) and copied by no Concat, an engine builds for SM89
+and SM120 with the prefill and decode profiles, and a missing plugin is refused with a clear message.
+The cache census is shown to tell the two apart on a small hand-built graph first.
 
 Every parse and build runs in a subprocess: some TensorRT failures abort the process."""
 
@@ -13,6 +15,10 @@ from typing import Any
 
 import onnx
 import pytest
+from onnx import TensorProto, helper
+
+from k3export.engine.build import Limits, profile_shapes
+from k3export.errors import UserError
 
 if importlib.util.find_spec("tensorrt_rtx") is None:
     pytest.skip("tensorrt_rtx is not installed (pip install tensorrt-rtx-cu13, then "
@@ -32,7 +38,7 @@ creators = k3plugins.trt.register(trt) if register else {}
 try:
     if mode == "build":
         result = asdict(build.build_engine(export_dir, sys.argv[4], target=sys.argv[5],
-                                           limits=build.Limits(batch=2, seq=64, past=128), trt=trt))
+                                           limits=build.Limits(batch=2, seq=64), trt=trt))
     else:
         logger = trt.Logger(trt.Logger.ERROR)
         _, network, _ = build.parse(export_dir / "model.onnx", trt, logger, strict=mode == "strict")
@@ -55,6 +61,76 @@ def run(mode: str, export_dir: Path, *args: str, register: bool = True) -> dict[
 def k3_nodes(export_dir: Path) -> list[onnx.NodeProto]:
     model = onnx.load(export_dir / "model.onnx", load_external_data=False)
     return [n for n in model.graph.node if n.domain == "k3"]
+
+
+def small_export(folder: Path, concat_cache: bool = False) -> Path:
+    """An export folder (model.onnx, and export.json's inputs and capacity) holding one MLA cache write,
+    a LatentMLA node on the written cache and a KDA node: the cache written in place by TensorScatter,
+    or, with `concat_cache`, grown by a Concat as exports did before fixed-capacity caches."""
+    H, C, D, V = 2, 64, 48, 32
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    specs = [("q", f32, ["batch", "seq", H, D]), ("update", f32, ["batch", 1, "seq", D]),
+             ("cache_lengths", i64, ["batch"]), ("past.0.mla_latent", f32, ["batch", 1, "capacity", D]),
+             *((name, f32, ["batch", "seq", H, V]) for name in ("kq", "kk", "kv", "kg")),
+             ("kbeta", f32, ["batch", "seq", H]), ("past.1.kda_state", f32, ["batch", H, V, V])]
+    inputs = [helper.make_tensor_value_info(n, t, [C if d == "capacity" else d for d in shape])
+              for n, t, shape in specs]
+    plugin = {"plugin_namespace": "k3", "plugin_version": "1"}
+    if concat_cache:
+        write = helper.make_node("Concat", ["past.0.mla_latent", "update"], ["present.0.mla_latent"], axis=2)
+    else:
+        write = helper.make_node("TensorScatter", ["past.0.mla_latent", "update", "cache_lengths"],
+                                 ["present.0.mla_latent"], axis=2)
+    nodes = [write,
+             helper.make_node("LatentMLA", ["q", "present.0.mla_latent", "cache_lengths"], ["o"], domain="k3",
+                              v_dim=V, scale=D**-0.5, **plugin),
+             helper.make_node("KDA", ["kq", "kk", "kv", "kg", "kbeta", "past.1.kda_state"],
+                              ["o_kda", "present.1.kda_state"], domain="k3", **plugin)]
+    outputs = [helper.make_tensor_value_info(n, f32, None)
+               for n in ("o", "present.0.mla_latent", "o_kda", "present.1.kda_state")]
+    model = helper.make_model(helper.make_graph(nodes, "census", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("k3", 1)])
+    folder.mkdir(parents=True)
+    onnx.save(model, folder / "model.onnx")
+    manifest = {"capacity": C, "inputs": [{"name": n, "shape": shape} for n, _, shape in specs]}
+    (folder / "export.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_census_of_a_small_graph(tmp_path: Path) -> None:
+    """The census counts a TensorScatter cache write as a KV_CACHE_UPDATE layer and no Concat, tells a
+    Concat on the cache apart, and the in-place graph builds (KDA's aliased state included)."""
+    in_place = run("strict", small_export(tmp_path / "in_place"))
+    assert in_place["kv_cache_updates"] == ["node_of_present.0.mla_latent: past.0.mla_latent -> "
+                                            "present.0.mla_latent"]
+    assert in_place["cache_concats"] == []
+    assert [p.split(": ")[1] for p in in_place["plugin_layers"]] == ["k3::LatentMLA v1", "k3::KDA v1"]
+
+    copied = run("strict", small_export(tmp_path / "concat", concat_cache=True))
+    assert copied["kv_cache_updates"] == []
+    assert copied["cache_concats"] == ["node_of_present.0.mla_latent: past.0.mla_latent, update -> "
+                                       "present.0.mla_latent"]
+
+    report = run("build", tmp_path / "in_place", str(tmp_path / "small.engine"), "sm89")
+    assert report["bytes"] > 0
+    prefill, decode = report["profiles"]
+    assert prefill["past.0.mla_latent"] == [[1, 1, 64, 48], [2, 1, 64, 48], [2, 1, 64, 48]]
+    assert decode["q"] == [[1, 1, 2, 48], [2, 1, 2, 48], [2, 1, 2, 48]]
+    assert decode["cache_lengths"] == [[1], [2], [2]]
+
+
+def test_profiles_keep_the_capacity() -> None:
+    shapes = {"input_ids": ["batch", "seq"], "cache_lengths": ["batch"],
+              "past.3.mla_latent": ["batch", 1, "capacity", 576]}
+    manifest = {"capacity": 100, "inputs": [{"name": n, "shape": shape} for n, shape in shapes.items()]}
+    prefill, decode = profile_shapes(manifest, Limits(batch=4, seq=100))
+    assert prefill == {"input_ids": [[1, 1], [4, 100], [4, 100]], "cache_lengths": [[1], [4], [4]],
+                       "past.3.mla_latent": [[1, 1, 100, 576], [4, 1, 100, 576], [4, 1, 100, 576]]}
+    assert decode["input_ids"] == [[1, 1], [4, 1], [4, 1]]
+    with pytest.raises(UserError, match="--max-seq 101 and --max-batch 4: .* capacity 100"):
+        profile_shapes(manifest, Limits(batch=4, seq=101))
+    with pytest.raises(UserError, match="no \"capacity\""):
+        profile_shapes({"inputs": []}, Limits())
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +156,12 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
     assert plugins == [{"KDA": "k3::KDA v1", "MLA": "k3::LatentMLA v1"}[m] for m in mixers]
     assert summary["layer_types"]["PLUGIN_V3"] == len(k3_nodes(tiny_export))
     assert not LOOP_LAYERS & set(summary["layer_types"]), "a KDA function body was inlined"
+    # Each MLA cache is written in place by one KV_CACHE_UPDATE layer and copied by no Concat.
+    updates = [u.split(": ", 1)[1] for u in summary["kv_cache_updates"]]
+    assert updates == [f"past.{layer['layer']}.mla_latent -> present.{layer['layer']}.mla_latent"
+                       for layer in manifest["schedule"] if layer["mixer"] == "MLA"]
+    assert summary["layer_types"]["KV_CACHE_UPDATE"] == mixers.count("MLA")
+    assert summary["cache_concats"] == []
 
     # The fields the parser passed are the nodes' ONNX attributes.
     expected = [{"v_dim": onnx.helper.get_attribute_value(a_v), "scale": onnx.helper.get_attribute_value(a_s)}
@@ -104,8 +186,10 @@ def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path, targ
     # [min, opt, max] of input_ids [batch, seq]: prefill seq 1..64, decode seq 1; batch 1..2.
     assert prefill["input_ids"] == [[1, 1], [2, 64], [2, 64]]
     assert decode["input_ids"] == [[1, 1], [2, 1], [2, 1]]
+    assert decode["cache_lengths"] == decode["input_lengths"] == [[1], [2], [2]]
+    capacity = json.loads((tiny_export / "export.json").read_text())["capacity"]
     latent = next(name for name in decode if name.endswith("mla_latent"))
-    assert [shape[1] for shape in decode[latent]] == [0, 128, 128]  # past 0..128
+    assert [shape[:3] for shape in decode[latent]] == [[1, 1, capacity], [2, 1, capacity], [2, 1, capacity]]
     assert len(report["network"]["plugin_layers"]) == len(k3_nodes(tiny_export))
 
 

@@ -3,8 +3,13 @@
     k3export build --onnx EXPORT_DIR --out model.engine --target sm89
 
 One engine serves both graphs of the export as two optimization profiles: 0 prefill (seq 1..N) and
-1 decode (seq 1), both with batch 1..B and past 0..P. TensorRT-RTX builds with no GPU for a named
-compute capability (SM75..SM121 less SM90); the engine cannot be deserialized without one.
+1 decode (seq 1), both with batch 1..B. The MLA caches [batch, 1, capacity, latent] keep the
+export's static capacity (TensorRT's in-place KV_CACHE_UPDATE, which the parser makes of the graph's
+TensorScatter, needs it), and cache_lengths / input_lengths [batch] int64 are plain execution inputs
+(their values never shape a tensor). TensorRT-RTX builds with no GPU for a named compute capability
+(SM75..SM121 less SM90); the engine cannot be deserialized without one, so nothing here has run it:
+whether the KV_CACHE_UPDATE layers and the KDA plugin's aliased state really write in place is
+TensorRT's promise, not our measurement.
 
 The parser silently inlines a k3 node's ONNX function (Scan loops for KDA) when no creator matches
 its name, plugin_version and plugin_namespace, which would build a correct but slow engine; so the
@@ -25,6 +30,7 @@ import onnx
 
 from k3export.artifacts import atomic_path
 from k3export.engine.rtx_setup import ensure_symlink
+from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 from k3export.onnx.functions import DOMAIN
 
@@ -32,13 +38,16 @@ from k3export.onnx.functions import DOMAIN
 TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
 
 
+# Layers through which a tensor is still the MLA cache (its rows moved or retyped, not combined).
+_CACHE_PRESERVING = ("CAST", "IDENTITY", "SHUFFLE", "SLICE", "CONCATENATION", "KV_CACHE_UPDATE")
+
+
 @dataclass
 class Limits:
-    """The largest shapes the engine takes."""
+    """The largest shapes the engine takes (the cache capacity is the export's)."""
 
     batch: int = 4
-    seq: int = 256  # prefill tokens per call
-    past: int = 1024  # tokens already in the MLA cache
+    seq: int = 256  # prefill tokens per call, at most the capacity
 
 
 @dataclass
@@ -47,6 +56,8 @@ class NetworkSummary:
     layer_types: dict[str, int]
     plugin_layers: list[str]  # "name: namespace::type v<version>" of each plugin layer
     plugin_fields: dict[str, list[dict[str, Any]]]  # op -> fields of each plugin created, in order
+    kv_cache_updates: list[str]  # KV_CACHE_UPDATE layers: "name: cache input -> output"
+    cache_concats: list[str]  # CONCATENATION layers on an MLA cache (a copy of it): want none
 
 
 @dataclass
@@ -102,7 +113,8 @@ def parse(model_path: Path, trt: ModuleType, logger: Any, *, strict: bool = True
 
 
 def summarize(network: Any, trt: ModuleType, creators: dict[str, Any] | None = None) -> NetworkSummary:
-    """Layer counts by type, the plugin layers, and the fields each creator was given."""
+    """Layer counts by type, the plugin layers, the fields each creator was given, and the census of
+    the MLA caches (`cache_census`)."""
     types: Counter[str] = Counter()
     plugins = []
     for i in range(network.num_layers):
@@ -114,19 +126,55 @@ def summarize(network: Any, trt: ModuleType, creators: dict[str, Any] | None = N
             plugins.append(f"{layer.name}: {core.plugin_namespace}::{core.plugin_name} "
                            f"v{core.plugin_version}")
     fields = {name: list(c.created) for name, c in (creators or {}).items()}
-    return NetworkSummary(network.num_layers, dict(types), plugins, fields)
+    updates, concats = cache_census(network)
+    return NetworkSummary(network.num_layers, dict(types), plugins, fields, updates, concats)
+
+
+def is_mla_cache(name: str) -> bool:
+    """Whether a network input is an MLA cache (`past.{i}.mla_latent`, export.py's name)."""
+    return name.startswith("past.") and name.endswith(".mla_latent")
+
+
+def cache_census(network: Any) -> tuple[list[str], list[str]]:
+    """(KV_CACHE_UPDATE layers, CONCATENATION layers on a cache) of a parsed network. A tensor is a
+    cache if it is an MLA cache input or comes from one through layers that only move, retype or
+    update its rows (_CACHE_PRESERVING); a Concat among those copies the cache, which an in-place
+    update avoids. Shape layers and the attention plugin read a cache without passing it on."""
+    layers = [network.get_layer(i) for i in range(network.num_layers)]
+    caches = {network.get_input(i).name for i in range(network.num_inputs)
+              if is_mla_cache(network.get_input(i).name)}
+    updates, concats = [], []
+    for layer in layers:  # the network's layers are in topological order
+        inputs = [layer.get_input(j) for j in range(layer.num_inputs)]
+        names = [t.name for t in inputs if t is not None]
+        if layer.type.name not in _CACHE_PRESERVING or not caches.intersection(names):
+            continue
+        outputs = [layer.get_output(k).name for k in range(layer.num_outputs)]
+        caches.update(outputs)
+        if layer.type.name == "KV_CACHE_UPDATE":
+            updates.append(f"{layer.name}: {names[0]} -> {outputs[0]}")
+        elif layer.type.name == "CONCATENATION":
+            concats.append(f"{layer.name}: {', '.join(names)} -> {outputs[0]}")
+    return updates, concats
 
 
 def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, list[list[int]]]]:
-    """[prefill, decode]: input name -> [min, opt, max] shapes from export.json's symbolic dims."""
-    ranges = {
-        "prefill": {"batch": (1, limits.batch, limits.batch), "seq": (1, limits.seq, limits.seq),
-                    "past": (0, limits.past, limits.past)},
-        "decode": {"batch": (1, limits.batch, limits.batch), "seq": (1, 1, 1),
-                   "past": (0, limits.past, limits.past)},
-    }
+    """[prefill, decode]: input name -> [min, opt, max] shapes from export.json's named dims
+    ("batch", "seq" dynamic; "capacity" the export's static cache rows)."""
+    capacity = manifest.get("capacity")
+    if capacity is None:
+        raise UserError("export.json has no \"capacity\": an export made before fixed-capacity caches; "
+                        "export it again (k3export export ... --capacity N)")
+    if not 1 <= limits.seq <= capacity or limits.batch < 1:
+        raise UserError(f"build: --max-seq {limits.seq} and --max-batch {limits.batch}: expected a batch "
+                        f">= 1 and 1 <= seq <= the export's capacity {capacity} (every call writes its "
+                        f"seq rows into the cache)")
+    batch = (1, limits.batch, limits.batch)
+    ranges = {"prefill": {"batch": batch, "seq": (1, limits.seq, limits.seq)},
+              "decode": {"batch": batch, "seq": (1, 1, 1)}}
     profiles = []
     for dims in ranges.values():
+        dims["capacity"] = (capacity,) * 3
         shapes = {}
         for spec in manifest["inputs"]:
             shapes[spec["name"]] = [[dims[d][k] if isinstance(d, str) else d for d in spec["shape"]]
@@ -143,10 +191,11 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
 
     if target not in TARGETS:
         raise ValueError(f"--target {target!r}: expected one of {', '.join(TARGETS)}")
-    trt = trt or load_tensorrt_rtx()
     start = time.perf_counter()
     export_dir, out = Path(export_dir), Path(out)
     manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
+    profiles = profile_shapes(manifest, limits or Limits())
+    trt = trt or load_tensorrt_rtx()
     logger = trt.Logger(trt.Logger.WARNING)
     creators = k3plugins.trt.register(trt)
     # The parser owns the weights the network points at: keep it alive until the build is done.
@@ -158,7 +207,9 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
     config.num_compute_capabilities = 1
     if not config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), 0):
         raise RuntimeError(f"TensorRT-RTX refused compute capability {target}")
-    profiles = profile_shapes(manifest, limits or Limits())
+    # KDA's final state aliases its initial state (k3plugins' get_aliased_input): a preview feature,
+    # without which the build refuses the plugin.
+    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     for shapes in profiles:
         profile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in shapes.items():
