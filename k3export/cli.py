@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "become named graph inputs; nothing to check numerically")
     export.add_argument("--packed-experts", action="store_true",
                         help="keep the checkpoint's MXFP4 routed experts packed in the eager model "
-                        "(4.25 bits a weight in memory; the ONNX file still holds them dequantised)")
+                        "(4.25 bits a weight in memory); the ONNX file holds them packed too, as uint8 "
+                        "dequantised by the graph")
     export.add_argument("--aot-plugins", action="store_true",
                         help="mark every k3 node aot=1: full TensorRT with k3plugins.trt_aot then builds "
                              "the plugins' AOT forms (PTX in the engine, no Python at run time); "
