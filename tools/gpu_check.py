@@ -21,9 +21,12 @@ seconds, default 360, and no row at all after --budget + 90):
    eager op on the same values in float64 on the GPU: `recurrent_kda` and `chunk_kda` against
    k3export.ops.recurrent_kda / chunk_kda, `latent_mla` decode and prefill against
    torch.ops.k3.latent_mla; up to the published shapes (KDA H=96, K=V=128; MLA H=96, D=576,
-   v_dim=512, scale=192^-0.5), in float32, float16 and bfloat16.
+   v_dim=512, scale=192^-0.5), in float32, float16 and bfloat16. MLA rows have ragged cache
+   lengths (row b sees (B - b) / B of the row's S rows) in a cache of capacity 2 S whose rows past
+   each row's length are NaN, so a kernel that read past its row's length returns NaN.
 3. Runs the TensorRT plugins' enqueue body, k3plugins.trt.launch_from_pointers, on raw device
-   pointers (into NaN-filled output buffers, on a side stream), and the ahead-of-time compiled KDA
+   pointers (into NaN-filled output buffers, on a side stream; KDA's final state into its initial
+   state's own buffer, as TensorRT aliases them), and the ahead-of-time compiled KDA
    and LatentMLA kernels that k3plugins.trt_aot's aot_impls embed (sm_90, PTX 8.7), launched directly.
 4. Times each with triton.testing.do_bench (median; the L2 is flushed before each run) and prints
    ONE table: relative error (norm of the difference over the norm of the reference, the largest
@@ -68,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # where inputs are drawn (a CPU smoke test of the glue may set "cpu")
 DTYPES = ("float32", "float16", "bfloat16")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+NAMES = {**{v: k for k, v in TORCH_DTYPES.items()}, torch.int64: "int64"}
 SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Relative-error bounds against the float64 reference on the same (rounded) inputs. Every product in
 # the kernels is a float32 FMA ("ieee") dot or a half-precision tensor-core dot with float32
@@ -101,7 +105,7 @@ class Case:
     dtype: str  # of q, k, v (KDA) or q, kv (MLA)
     B: int
     T: int
-    S: int = 0  # MLA cache rows, the T new ones included; 0 for KDA
+    S: int = 0  # MLA cache rows of the longest row, the T new ones included; 0 for KDA
     gate_dtype: str | None = None  # KDA g and beta; None: the row's dtype
     big: bool = False  # among the largest: not started once the time budget is spent
 
@@ -188,11 +192,18 @@ def cost(c: Case) -> tuple[float, float]:
             # Per token and head: the decay, S^T k, the rank-one update and S^T q (~7 K V).
             flops = 7 * tokens * K * V
         return nbytes, flops
-    # MLA: the latent cache read once for all heads, q and o. Query t sees S - T + t + 1 rows.
-    nbytes = e * (c.B * c.S * MLA_D + c.B * c.T * MLA_H * (MLA_D + MLA_VDIM))
-    pairs = c.T * (c.S - c.T) + c.T * (c.T + 1) // 2
-    flops = 2 * c.B * MLA_H * pairs * (MLA_D + MLA_VDIM)  # causal Q K^T over D, then P V over v_dim
+    # MLA: each row's visible cache read once for all heads, q and o. Query t of row b sees
+    # lengths[b] + t + 1 rows.
+    lengths = mla_lengths(c)
+    nbytes = e * (sum(n + c.T for n in lengths) * MLA_D + c.B * c.T * MLA_H * (MLA_D + MLA_VDIM))
+    pairs = sum(c.T * n + c.T * (c.T + 1) // 2 for n in lengths)
+    flops = 2 * MLA_H * pairs * (MLA_D + MLA_VDIM)  # causal Q K^T over D, then P V over v_dim
     return nbytes, flops
+
+
+def mla_lengths(c: Case) -> list[int]:
+    """Ragged cache lengths: row 0 holds S - T rows before the call, row b (B - b) / B of that."""
+    return [(c.S - c.T) * (c.B - b) // c.B for b in range(c.B)]
 
 
 @dataclass
@@ -243,21 +254,29 @@ def kda_reference(op: Callable[..., tuple[Tensor, Tensor]], inputs: Sequence[Ten
 
 
 def mla_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
+    """q, the cache kv [B, 1, 2 S, D] (NaN past each row's cache_lengths + T) and cache_lengths."""
     dtype = TORCH_DTYPES[c.dtype]
     q = torch.randn(c.B, c.T, MLA_H, MLA_D, device=gen.device, generator=gen)
-    kv = torch.randn(c.B, c.S, MLA_D, device=gen.device, generator=gen)
-    return [q.to(dtype), kv.to(dtype)]
+    kv = torch.randn(c.B, 1, 2 * c.S, MLA_D, device=gen.device, generator=gen).to(dtype)
+    lengths = mla_lengths(c)
+    for b, n in enumerate(lengths):
+        kv[b, 0, n + c.T:] = float("nan")
+    return [q.to(dtype), kv, torch.tensor(lengths, dtype=torch.int64, device=gen.device)]
 
 
-def mla_reference(q: Tensor, kv: Tensor) -> list[Tensor]:
-    """torch.ops.k3.latent_mla in float64, a group of heads at a time so that the float64 scores
-    stay near 2 GB (prefill at T = S = 4096 would need 13 GB per copy at once)."""
-    q64, kv64 = q.double(), kv.double()
-    B, T, H, _ = q.shape
-    group = max(1, min(H, int(2e9 // (8 * B * T * kv.shape[1]))))
-    parts = [torch.ops.k3.latent_mla(q64[:, :, h:h + group], kv64, MLA_VDIM, MLA_SCALE)
-             for h in range(0, H, group)]
-    return [torch.cat(parts, dim=2)]
+def mla_reference(q: Tensor, kv: Tensor, cache_lengths: Tensor) -> list[Tensor]:
+    """torch.ops.k3.latent_mla in float64, one row at a time on its own valid rows (the op reads up
+    to the longest row, and the rows past a row's length are NaN), a group of heads at a time so
+    that the float64 scores stay near 2 GB (prefill at T = S = 4096 would need 13 GB at once)."""
+    _, T, H, _ = q.shape
+    rows = []
+    for b, n in enumerate(cache_lengths.tolist()):
+        q64, kv64 = q[b:b + 1].double(), kv[b:b + 1, :, :n + T].double()
+        group = max(1, min(H, int(2e9 // (8 * T * (n + T)))))
+        parts = [torch.ops.k3.latent_mla(q64[:, :, h:h + group], kv64, cache_lengths[b:b + 1], MLA_VDIM,
+                                         MLA_SCALE) for h in range(0, H, group)]
+        rows.append(torch.cat(parts, dim=2))
+    return [torch.cat(rows)]
 
 
 # ---- the launches under test ----
@@ -318,12 +337,15 @@ def plugin_trial(c: Case, gen: torch.Generator) -> Trial:
                                           "scale": np.array([MLA_SCALE], dtype=np.float32)})
         inputs = mla_inputs(c, gen)
         reference = mla_reference(*inputs)
-    names = {v: k for k, v in TORCH_DTYPES.items()}
-    in_descs = [(tuple(t.shape), names[t.dtype]) for t in inputs]
+    in_descs = [(tuple(t.shape), NAMES[t.dtype]) for t in inputs]
     out_dims = definition.output_shapes([d for d, _ in in_descs], fields, int)
     out_dtypes = definition.output_dtypes([n for _, n in in_descs])
     out_descs = [(tuple(d), n) for d, n in zip(out_dims, out_dtypes, strict=True)]
-    outputs = [torch.full(d, float("nan"), dtype=TORCH_DTYPES[n], device="cuda") for d, n in out_descs]
+    # An aliased output (KDA's final state) is its input's buffer, as TensorRT hands it over.
+    outputs = [inputs[definition.aliased_input(i)] if definition.aliased_input(i) >= 0
+               else torch.full(d, float("nan"), dtype=TORCH_DTYPES[n], device="cuda")
+               for i, (d, n) in enumerate(out_descs)]
+    saved = [t.clone() for t in inputs]  # an in-place launch overwrites its aliased input
     in_ptrs, out_ptrs = [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs]
     side = torch.cuda.Stream()
 
@@ -331,6 +353,8 @@ def plugin_trial(c: Case, gen: torch.Generator) -> Trial:
         launch_from_pointers(definition, fields, in_descs, out_descs, in_ptrs, out_ptrs, stream)
 
     def check() -> Sequence[Tensor]:
+        for t, s in zip(inputs, saved, strict=True):
+            t.copy_(s)
         side.wait_stream(torch.cuda.current_stream())  # the inputs and NaN fills are done
         launch(side.cuda_stream)
         side.synchronize()
@@ -359,8 +383,8 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         outputs = [torch.full_like(v, float("nan")), torch.full_like(h0, float("nan"))]
     else:
         inputs = mla_inputs(c, gen)
-        q, kv = inputs
-        reference = mla_reference(q, kv)
+        q, kv, _ = inputs
+        reference = mla_reference(*inputs)
         variant = latent_mla_aot_kernel(c.dtype, c.dtype, MLA_D, MLA_VDIM, MLA_SCALE)
         grid, scalars = latent_mla_aot_launch(list(q.shape), list(kv.shape))
         outputs = [q.new_full((*q.shape[:3], MLA_VDIM), float("nan"))]
