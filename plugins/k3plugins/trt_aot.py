@@ -122,7 +122,7 @@ def _dtype_names(trt: Any) -> dict[Any, str]:
     return {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16", trt.int64: "int64"}
 
 
-def _outputs(trtp: Any, trt: Any, definition: PluginDefinition, descs: Sequence[Any],
+def output_descs(trtp: Any, trt: Any, definition: PluginDefinition, descs: Sequence[Any],
              fields: dict[str, Any]) -> tuple[Any, ...]:
     """Output descriptors from the definition; an aliased output is its input's `aliased()`."""
     names = _dtype_names(trt)
@@ -178,7 +178,7 @@ def register() -> None:
 
     @trtp.register("k3::KDA")
     def kda_desc(q: Desc, k: Desc, v: Desc, g: Desc, beta: Desc, initial_state: Desc) -> tuple[Desc, Desc]:
-        return _outputs(trtp, trt, KDA, (q, k, v, g, beta, initial_state), {})
+        return output_descs(trtp, trt, KDA, (q, k, v, g, beta, initial_state), {})
 
     @trtp.autotune("k3::KDA")
     def kda_autotune(q, k, v, g, beta, initial_state, outputs) -> list[trtp.AutoTuneCombination]:
@@ -196,7 +196,8 @@ def register() -> None:
 
     @trtp.register("k3::LatentMLA")
     def latent_mla_desc(q: Desc, kv: Desc, cache_lengths: Desc, v_dim: int, scale: float) -> Desc:
-        return _outputs(trtp, trt, LATENT_MLA, (q, kv, cache_lengths), {"v_dim": v_dim, "scale": scale})[0]
+        fields = {"v_dim": v_dim, "scale": scale}
+        return output_descs(trtp, trt, LATENT_MLA, (q, kv, cache_lengths), fields)[0]
 
     @trtp.autotune("k3::LatentMLA")
     def latent_mla_autotune(q, kv, cache_lengths, outputs) -> list[trtp.AutoTuneCombination]:
