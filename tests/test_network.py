@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from reference import kda_inputs
 
 from k3export.artifacts import file_record
+from k3export.cli import main
 from k3export.engine.network import (
     LAYERS,
     NetworkEvaluator,
@@ -249,8 +250,6 @@ def test_unimplemented_mode_is_an_error_naming_it(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_export_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from k3export.cli import main
-
     folder = tmp_path_factory.mktemp("export") / "tiny_bf16"
     options = ["--preset", "k3-tiny", "--seed", "0", "--dtype", "bfloat16", "--out", str(folder)]
     assert main(["export", *options]) == 0
@@ -285,9 +284,11 @@ def scaled_copy(export: Path, folder: Path, name: str, factor: float) -> Path:
 PERTURBED = "model.model.layers.0.self_attn.k_conv1d.weight"
 
 
-def test_float32_network_matches_eager(tiny_export: Path) -> None:
-    report = run_network_check(tiny_export, steps=3, log=lambda line: None)
-    assert report["passed"], report["failed_outputs"]
+def test_float32_network_matches_eager(tiny_export: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`k3export check --network`: prefill and 3 decode steps, logits within 1e-4 of eager."""
+    assert main(["check", "--network", str(tiny_export), "--steps", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and len(report["steps"]) == 4
     for step in report["steps"]:
         logits = next(c for c in step["outputs"] if c["name"] == "logits")
         assert logits["rel"] < 1e-4
@@ -295,13 +296,12 @@ def test_float32_network_matches_eager(tiny_export: Path) -> None:
     assert report["network"]["layers"] > 1000
 
 
-def test_float32_network_fails_with_a_scaled_weight(tiny_export: Path, tmp_path: Path) -> None:
-    lines: list[str] = []
-    report = run_network_check(scaled_copy(tiny_export, tmp_path / "scaled", PERTURBED, 1.5), steps=0,
-                               log=lines.append)
-    assert not report["passed"]
-    assert {"present.0.kda_state", "logits"} <= set(report["failed_outputs"])
-    assert "FAILED: " in lines[-1] and "present.0.kda_state" in lines[-1]
+def test_float32_network_fails_with_a_scaled_weight(tiny_export: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    scaled = scaled_copy(tiny_export, tmp_path / "scaled", PERTURBED, 1.5)
+    assert main(["check", "--network", str(scaled), "--steps", "0"]) == 1
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("FAILED: ") and "present.0.kda_state" in verdict and "logits" in verdict
 
 
 def _layers(net, layer_type: str) -> list:
