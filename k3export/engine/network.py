@@ -435,46 +435,61 @@ def _check_result(layer: Any, index: int, value: Tensor) -> None:
 
 
 def _order(network: Any) -> list[int]:
-    """Layer indices in topological order (the parser's order when it is one, as it normally is)."""
-    producer: dict[str, int] = {}
+    """Layer indices in topological order: the parser's, with a layer's producers moved before it
+    where they are not already (the parser adds layers in order, so normally nothing moves)."""
+    producer = {}
     for i in range(network.num_layers):
         layer = network.get_layer(i)
-        for j in range(layer.num_outputs):
-            producer[layer.get_output(j).name] = i
-    done: set[int] = set()
+        producer.update((layer.get_output(j).name, i) for j in range(layer.num_outputs))
+    placed: set[int] = set()
     order: list[int] = []
-
-    def visit(i: int) -> None:
-        stack = [(i, False)]
-        while stack:
-            k, expanded = stack.pop()
-            if k in done:
-                continue
-            if expanded:
-                done.add(k)
-                order.append(k)
-                continue
-            stack.append((k, True))
-            layer = network.get_layer(k)
-            for j in range(layer.num_inputs):
-                t = layer.get_input(j)
-                if t is not None and t.name in producer and producer[t.name] not in done:
-                    stack.append((producer[t.name], False))
-
     for i in range(network.num_layers):
-        visit(i)
+        pending = [i]
+        while pending:
+            layer = network.get_layer(pending[-1])
+            inputs = (layer.get_input(j) for j in range(layer.num_inputs))
+            missing = [producer[t.name] for t in inputs
+                       if t is not None and t.name in producer and producer[t.name] not in placed]
+            if pending[-1] in placed:
+                pending.pop()
+            elif missing:
+                pending.extend(missing)
+            else:
+                placed.add(pending[-1])
+                order.append(pending.pop())
     return order
 
 
+@dataclass
+class _Step:
+    index: int
+    layer: Any
+    kind: str
+    inputs: list[str | None]
+    outputs: list[str]
+    release: list[str]  # values no later layer reads (and no network output): freed after this one
+
+
 class NetworkEvaluator:
-    """Evaluates a parsed network on CPU: `evaluate({input name: tensor}) -> {output name: tensor}`."""
+    """Evaluates a parsed network on CPU: `evaluate({input name: tensor}) -> {output name: tensor}`.
+    Constant layers are read once, at the first evaluation."""
 
     def __init__(self, net: ParsedNetwork) -> None:
         self.net = net
         network = net.network
-        self.order = _order(network)
         self.inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
         self.outputs = [network.get_output(i).name for i in range(network.num_outputs)]
+        self.steps: list[_Step] = []
+        for i in _order(network):
+            layer = network.get_layer(i)
+            inputs = [None if t is None else t.name
+                      for t in (layer.get_input(j) for j in range(layer.num_inputs))]
+            outputs = [layer.get_output(j).name for j in range(layer.num_outputs)]
+            self.steps.append(_Step(i, layer, layer.type.name, inputs, outputs, []))
+        last_use = {name: step for step in self.steps for name in step.inputs if name is not None}
+        for name, step in last_use.items():
+            if name not in self.outputs:
+                step.release.append(name)
         self.layer_seconds: dict[str, float] = {}  # time spent per layer type in the last evaluation
 
     def evaluate(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -486,27 +501,25 @@ class NetworkEvaluator:
                                 f"(fed: {', '.join(sorted(feeds)) or 'nothing'})")
             values[name] = self._input(tensor, feeds[name])
         self.layer_seconds = {}
-        for i in self.order:
-            layer = net.network.get_layer(i)
-            kind = layer.type.name
+        for step in self.steps:
+            layer, kind = step.layer, step.kind
             if kind not in LAYERS:
                 raise NotImplementedLayer(f"layer {layer.name!r}: layer type {kind} is not implemented by "
                                           f"the network evaluator (implemented: {', '.join(sorted(LAYERS))})")
             class_name, evaluate = LAYERS[kind]
             start = time.perf_counter()
-            if kind == "CONSTANT" and i in net.constants:
-                results = [net.constants[i]]
+            if kind == "CONSTANT" and step.index in net.constants:
+                results = [net.constants[step.index]]
             else:
-                inputs = [None if t is None else values[t.name]
-                          for t in (layer.get_input(j) for j in range(layer.num_inputs))]
                 layer.__class__ = getattr(trt, class_name)  # the network hands out plain ILayer objects
-                results = evaluate(net, layer, inputs)
+                results = evaluate(net, layer, [None if n is None else values[n] for n in step.inputs])
                 for j, value in enumerate(results):
                     _check_result(layer, j, value)
                 if kind == "CONSTANT":
-                    net.constants[i] = results[0]
-            for j, value in enumerate(results):
-                values[layer.get_output(j).name] = value
+                    net.constants[step.index] = results[0]
+            values.update(zip(step.outputs, results, strict=True))
+            for name in step.release:
+                del values[name]
             self.layer_seconds[kind] = self.layer_seconds.get(kind, 0.0) + time.perf_counter() - start
         return {name: values[name] for name in self.outputs}
 
