@@ -163,6 +163,8 @@ def latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: 
     C = kv.shape[2]
     bdv, bdr = block_dims(D, v_dim)
     q = q.contiguous()
+    # A no-op for the exports (cache and q share the model dtype); a cache of another dtype is copied
+    # whole here, which keeps the compiled variants one per dtype.
     kv = kv.to(q.dtype).contiguous()
     lengths = cache_lengths.to(torch.int64).contiguous()
     n_rows = B * T * H
