@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from k3export.artifacts import sha256
+from k3export.artifacts import file_record, sha256
 from k3export.checkpoint import build_model, save_checkpoint
 from k3export.cli import main
 from k3export.config import K3Config
@@ -37,7 +37,8 @@ def census(path: Path) -> onnx.ModelProto:
     config = K3Config.from_json(path.parent / "config.json")
     layers = range(*json.loads((path.parent / "export.json").read_text())["layers"])
     nodes = [n for n in model.graph.node if n.domain == "k3"]
-    assert [n.op_type for n in nodes] == ["LatentMLA" if config.is_mla(i) else "KDA" for i in layers]
+    assert [n.op_type for n in nodes] == [op for i in layers for op in (
+        "LatentMLA" if config.is_mla(i) else "KDA", *([] if config.is_dense(i) else ["RoutedExperts"]))]
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert {k: attrs[k] for k in PLUGIN} == PLUGIN
@@ -131,7 +132,8 @@ def test_aot_plugins_export(tiny_export, aot_export):
                 for n in model.graph.node if n.domain == "k3"]
 
     census(aot_export / "model.onnx")
-    assert aot_values(aot_export) == [1] * 9 and aot_values(tiny_export) == [None] * 9
+    # 9 mixers and 8 MoE layers.
+    assert aot_values(aot_export) == [1] * 17 and aot_values(tiny_export) == [None] * 17
     assert json.loads((aot_export / "export.json").read_text())["aot_plugins"] is True
     assert json.loads((tiny_export / "export.json").read_text())["aot_plugins"] is False
     assert sha256(aot_export / "model.onnx.data") == sha256(tiny_export / "model.onnx.data")
@@ -160,6 +162,10 @@ def test_check_fails_on_a_perturbed_weight(tiny_export, tmp_path, capsys):
     values[:8] += 0.5
     data[offset:offset + values.nbytes] = values.tobytes()
     (broken / "model.onnx.data").write_bytes(bytes(data))
+    # Recorded as written, so that check's integrity test passes and its comparison is what fails.
+    manifest = json.loads((broken / "export.json").read_text())
+    manifest["files"]["model.onnx.data"] = file_record(broken / "model.onnx.data")
+    (broken / "export.json").write_text(json.dumps(manifest))
     assert main(["check", "--onnx", str(broken), "--steps", "1"]) == 1
     out = capsys.readouterr().out
     failed = out.split("FAILED: ")[-1].split(" (")[0].split(", ")
