@@ -2,15 +2,17 @@
 (before) against fixed-capacity caches written in place (after), side by side in one run.
 
     python tools/bench_decode.py [--out out/bench-decode] [--lengths 64,1024,4096,16384]
-                                 [--threads 2] [--repeats 5] [--before REV]
+                                 [--threads 1] [--repeats 15] [--before REV] [--after REV]
 
-before: the graphs of REV (default: the last commit with concatenated caches), exported from a
-`git worktree` checkout of it in a subprocess: past.{i}.mla_latent [batch, past, latent] comes in
-and goes out one row longer through a Concat, run with session.run.
-after: this checkout's graphs, [batch, 1, capacity, latent] caches (capacity = the longest length)
-written by TensorScatter, run two ways: session.run, where ONNX Runtime copies past to present,
-and IO binding with past and present bound to one OrtValue, where it writes the new row in place
-(the KDA states and conv tails go to preallocated buffers).
+Both sides are exported from `git worktree` checkouts of two commits, in subprocesses, so that
+nothing uncommitted in this working tree (another change in progress) enters either side.
+before: the graphs of REV (default: the last commit with concatenated caches):
+past.{i}.mla_latent [batch, past, latent] comes in and goes out one row longer through a Concat,
+run with session.run.
+after: the graphs of REV (default HEAD): [batch, 1, capacity, latent] caches (capacity = the
+longest length) written by TensorScatter, run two ways: session.run, where ONNX Runtime copies
+past to present, and IO binding with past and present bound to one OrtValue, where it writes the
+new row in place (the KDA states and conv tails go to preallocated buffers).
 Two graphs each: k3-small (float32, batch 1, all layers) and one MLA mixer alone (k3-small's
 first MLA layer, built from the model's own module), so that the MoE does not hide the cache
 traffic. A step at length L attends over L rows (it holds L - 1 and writes one). Exports are kept
@@ -92,29 +94,40 @@ def export_mixer(out: Path, capacity: int) -> None:
                     input_names=names, output_names=["y", "present.0.mla_latent"])
 
 
-def run_in(checkout: Path, *args: str) -> None:
-    """Runs `python *args` with `checkout`'s k3export importable ahead of this one."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    subprocess.run([sys.executable, *args], env=env, check=True, cwd=checkout)
+def run_in(tree: Path, *args: str) -> None:
+    """Runs `python *args` with `tree`'s k3export importable ahead of this checkout's."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    subprocess.run([sys.executable, *args], env=env, check=True, cwd=tree)
 
 
-def exports(out: Path, before: str, capacity: int, graphs: list[str]) -> dict[tuple[str, str], Path]:
+def checkout(out: Path, rev: str) -> tuple[str, Path]:
+    """A worktree of `rev` under `out` (made once): its commit and folder."""
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    folder = out / f"checkout-{commit}"
+    if not folder.exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit],
+                       check=True)
+    return commit, folder
+
+
+def exports(out: Path, before: str, after: str, capacity: int,
+            graphs: list[str]) -> dict[tuple[str, str], Path]:
     """The graphs, exported unless already there: (graph, 'before' | 'after') -> ONNX file."""
-    old = out / "checkout"
-    if not old.exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), before], check=True)
     paths = {}
-    for when, checkout, cap_args in (("before", old, []), ("after", REPO, ["--capacity", str(capacity)])):
-        folder = out / (when if when == "before" else f"after-capacity-{capacity}")
+    sides = (("before", *checkout(out, before), []),
+             ("after", *checkout(out, after), ["--capacity", str(capacity)]))
+    for when, commit, tree, cap_args in sides:
+        folder = out / f"{when}-{commit}" / (f"capacity-{capacity}" if cap_args else "")
         small, mixer = folder / "k3-small", folder / "mixer"
         if "k3-small" in graphs and not (small / "export.json").exists():
             print(f"exporting k3-small ({when}) to {small} ...", flush=True)
-            run_in(checkout, "-m", "k3export.cli", "export", "--preset", "k3-small", "--dtype", "float32",
+            run_in(tree, "-m", "k3export.cli", "export", "--preset", "k3-small", "--dtype", "float32",
                    "--out", str(small), *cap_args)
         if "mixer" in graphs and not (mixer / MIXER_FILE).exists():
             print(f"exporting one MLA mixer ({when}) to {mixer} ...", flush=True)
             mixer.mkdir(parents=True, exist_ok=True)
-            run_in(checkout, str(Path(__file__).resolve()), "--export-mixer", str(mixer),
+            run_in(tree, str(Path(__file__).resolve()), "--export-mixer", str(mixer),
                    "--capacity", str(capacity))
         paths["k3-small", when], paths["mixer", when] = small / "model.onnx", mixer / MIXER_FILE
     return paths
@@ -123,6 +136,8 @@ def exports(out: Path, before: str, capacity: int, graphs: list[str]) -> dict[tu
 def session(path: Path, threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    # Idle workers sleep instead of spinning, so that CPU time counts work, not waiting.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3  # session.run on a TensorScatter warns of its copy on every call
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
@@ -163,8 +178,10 @@ def bound(sess: ort.InferenceSession, tensors: dict[str, np.ndarray]) -> ort.IOB
 
 def time_step(before: ort.InferenceSession, after: ort.InferenceSession, rows: int,
               repeats: int) -> dict[str, float]:
-    """Median milliseconds of one decode step at `rows` in the three ways, timed alternately so
-    that drifts in the machine's load hit all three alike."""
+    """Milliseconds of one decode step at `rows` in the three ways, timed alternately so that
+    drifts in the machine's load hit all three alike: the median of `repeats` in CPU time of this
+    process (all its threads), which other jobs on a shared machine disturb far less than wall
+    time, and the median wall time beside it."""
     old_feed, new_feed = feed(before, rows), feed(after, rows)
     binding = bound(after, new_feed)
     runs = {"before": lambda: before.run(None, old_feed),
@@ -172,13 +189,16 @@ def time_step(before: ort.InferenceSession, after: ort.InferenceSession, rows: i
             "after, IO binding": lambda: after.run_with_iobinding(binding)}
     for run in runs.values():
         run()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            cpu[name].append(time.process_time() - start_cpu)
+            wall[name].append(time.perf_counter() - start)
+    return {**{name: statistics.median(t) * 1e3 for name, t in cpu.items()},
+            **{f"{name} (wall)": statistics.median(t) * 1e3 for name, t in wall.items()}}
 
 
 def main() -> None:
@@ -186,9 +206,10 @@ def main() -> None:
     parser.add_argument("--out", default="out/bench-decode",
                         help="exports (made if absent) and the old checkout")
     parser.add_argument("--lengths", default="64,1024,4096,16384", help="cache rows attended by the step")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--before", default=BEFORE, help="the commit whose graphs are 'before'")
+    parser.add_argument("--after", default="HEAD", help="the commit whose graphs are 'after'")
     parser.add_argument("--graphs", default="mixer,k3-small", help="which graphs to time")
     parser.add_argument("--export-mixer", metavar="DIR", help=argparse.SUPPRESS)  # run in a checkout
     parser.add_argument("--capacity", type=int, help=argparse.SUPPRESS)
@@ -200,7 +221,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     out = Path(args.out).resolve()
     graphs = args.graphs.split(",")
-    paths = exports(out, args.before, max(lengths), graphs)
+    paths = exports(out, args.before, args.after, max(lengths), graphs)
     results = []
     for graph in graphs:
         before = session(paths[graph, "before"], args.threads)
@@ -210,14 +231,16 @@ def main() -> None:
             results.append((graph, rows, ms))
             print(f"{graph} {rows}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
 
-    print(f"\nONNX Runtime {ort.__version__}, float32, batch 1, one decode step, {args.threads} threads, "
-          f"median of {args.repeats}; capacity {max(lengths)}; before = {args.before}\n")
+    print(f"\nONNX Runtime {ort.__version__}, float32, batch 1, one decode step, {args.threads} thread(s), "
+          f"median of {args.repeats} in CPU time (wall time in parentheses); capacity {max(lengths)}; "
+          f"before = {args.before}, after = {args.after}\n")
     print("| graph | cache rows | before: Concat (ms) | after: TensorScatter, session.run (ms) | "
           "after: TensorScatter, IO binding (ms) | before / after (IO binding) |")
     print("|---|---|---|---|---|---|")
     for graph, rows, ms in results:
-        print(f"| {'one MLA mixer' if graph == 'mixer' else graph} | {rows} | {ms['before']:.2f} | "
-              f"{ms['after, session.run']:.2f} | {ms['after, IO binding']:.2f} | "
+        cells = [f"{ms[k]:.2f} ({ms[k + ' (wall)']:.2f})" for k in ("before", "after, session.run",
+                                                                    "after, IO binding")]
+        print(f"| {'one MLA mixer' if graph == 'mixer' else graph} | {rows} | {' | '.join(cells)} | "
               f"{ms['before'] / ms['after, IO binding']:.2f}x |")
 
 
