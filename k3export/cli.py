@@ -120,6 +120,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from k3export.onnx.check import run_check
 
+    if args.build:
+        from k3export.runtime.check import cmd_check_build
+        return cmd_check_build(args)
+
     if args.network:
         from k3export.engine.network import HALF_SPREAD_FACTOR, run_network_check
     run = run_network_check if args.network else run_check
@@ -230,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     artifact.add_argument("--onnx", metavar="DIR", help="a `k3export export` folder, in ONNX Runtime")
     artifact.add_argument("--network", metavar="DIR", help="a `k3export export` folder, parsed by "
                           "TensorRT-RTX (k3 plugins registered) and the network evaluated on CPU")
+    artifact.add_argument("--build", metavar="DIR", help="a `k3export build RECIPE` folder: its stages "
+                          "chained in ONNX Runtime, each against the eager model over its layers")
     check.add_argument("--steps", type=int, default=16, help="greedy decode steps after the prefill")
     check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     check.add_argument("--batch", type=int, default=2)

@@ -1,19 +1,30 @@
 """Sharded builds of engines/k3-tiny.toml: stage graphs that chain by name, dtype and shape (read
-from the ONNX files), resume after an interruption, files held to the manifest by sha256, and the
-TensorRT-RTX build with one engine per stage."""
+from the ONNX files), resume after an interruption, files held to the manifest by sha256, the
+TensorRT-RTX build with one engine per stage, and the sharded runtime (in-process and 2 processes
+over gloo) against one ONNX Runtime session and the eager model."""
 
 import importlib.util
 import itertools
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import pytest
 
-from k3export.artifacts import verify
+from k3export.artifacts import file_record, verify
 from k3export.cli import main
 from k3export.errors import UserError
+from k3export.onnx.check import EagerRunner, Signature
+from k3export.onnx.export import ExportGraph
+from k3export.parity import TOLERANCES, top1_agreement
 from k3export.recipe import load_recipe
+from k3export.runtime import Pipeline, Sampler, generate, last_positions, random_prompts, stage_exports
+from k3export.runtime.check import run_build_check
 from k3export.stages import MANIFEST, build_recipe
 
 TINY = Path(__file__).resolve().parents[1] / "engines/k3-tiny.toml"
@@ -140,3 +151,111 @@ def test_tensorrt_rtx_build(tmp_path: Path) -> None:
     flip_byte(engines[0])
     with pytest.raises(UserError, match="sha256"):
         verify(tmp_path, MANIFEST, full=True)
+
+
+def teacher_forced(run: Any, prompts: list[list[int]], steps: int, tokens: list[np.ndarray] | None
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Valid logits of a prefill and `steps` decode steps, each row fed `tokens` (the reference's
+    greedy choices) or, without them, its own; returns (logits per call, tokens fed)."""
+    lengths = np.array([len(p) for p in prompts])
+    ids = np.zeros((len(prompts), lengths.max()), np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
+    request = {"input_ids": ids, "cache_lengths": np.zeros(len(prompts), np.int64), "input_lengths": lengths}
+    logits, fed = [], []
+    for step in range(steps + 1):
+        out = run(request)["logits"]
+        logits.append(np.concatenate([out[b, :n] for b, n in enumerate(request["input_lengths"])]))
+        chosen = tokens[step] if tokens else last_positions(out, request["input_lengths"]).argmax(-1)
+        fed.append(chosen)
+        request = {"input_ids": chosen[:, None].astype(np.int64),
+                   "cache_lengths": request["cache_lengths"] + request["input_lengths"],
+                   "input_lengths": np.ones(len(prompts), np.int64)}
+    return logits, fed
+
+
+def relative(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64)))
+
+
+def test_sharded_run_matches_unsharded_and_eager(onnx_build, tiny_export: Path, tiny_model) -> None:
+    """Prompts of 20 and 7 tokens, then 16 greedy decode steps, every side fed the unsharded run's
+    tokens: the 2-stage chain within 1e-5 of one ONNX Runtime session and within float32's bound
+    (1e-4) of the eager model, with the same greedy tokens wherever the top-1 margin is decisive."""
+    out, _ = onnx_build
+    prompts = random_prompts(2, 20, 256, seed=1)
+    assert sorted(map(len, prompts)) != [20, 20]
+    whole = Pipeline([tiny_export])
+    whole.reset(2)
+    reference, tokens = teacher_forced(whole, prompts, 16, None)
+    sharded = Pipeline(stage_exports(out))
+    sharded.reset(2)
+    chained, _ = teacher_forced(sharded, prompts, 16, tokens)
+    signature = Signature(json.loads((tiny_export / "export.json").read_text()))
+    with EagerRunner(ExportGraph(tiny_model, range(9)), "eager", signature) as eager:
+        eager.reset(2)
+        eager_logits, _ = teacher_forced(lambda r: eager.infer(r, check_inputs=False), prompts, 16, tokens)
+    for ours, ref, ref_eager in zip(chained, reference, eager_logits, strict=True):
+        assert relative(ours, ref) <= 1e-5
+        assert relative(ours, ref_eager) <= TOLERANCES["float32"].rel
+        assert top1_agreement(ours, ref_eager, TOLERANCES["float32"].margin).mismatches == 0
+    whole.close()
+    sharded.close()
+
+
+def test_torchrun_two_processes_match_in_process(onnx_build) -> None:
+    out, _ = onnx_build
+    options = ["--prompt-len", "12", "--batch", "2", "--max-new-tokens", "16", "--seed", "3", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "-m", "k3export.runtime", str(out), *options],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    distributed = json.loads(proc.stdout.strip().splitlines()[-1])
+    pipeline = Pipeline(stage_exports(out))
+    prompts = random_prompts(2, 12, 256, seed=3)
+    pipeline.reset(2)
+    local = generate(pipeline, prompts, 16, Sampler(), frozenset())
+    pipeline.close()
+    assert distributed["tokens"] == local.tokens and all(len(t) == 16 for t in local.tokens)
+    assert len(distributed["stage_seconds"]) == 2
+
+
+def test_sampling_is_seeded() -> None:
+    logits = np.random.default_rng(0).normal(size=(3, 50))
+    draw = [Sampler(temperature=0.8, top_k=10, top_p=0.9, seed=5)(logits) for _ in range(2)]
+    assert (draw[0] == draw[1]).all()
+    assert (Sampler(temperature=1.0, top_k=1)(logits) == logits.argmax(-1)).all()
+
+
+def perturb_stage_weights(build: Path, stage: int) -> None:
+    """Scales the largest weight of one stage's ONNX file by 1.05 and records the new files' hashes,
+    as a consistent but wrong build would have them."""
+    folder = build / f"stage-{stage}"
+    model = onnx.load(folder / "model.onnx")
+    weight = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    weight.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(weight) * 1.05, weight.name))
+    (folder / "model.onnx.data").unlink()
+    onnx.save(model, folder / "model.onnx", save_as_external_data=True, location="model.onnx.data")
+    stage_manifest = json.loads((folder / "export.json").read_text())
+    for name in ("model.onnx", "model.onnx.data"):
+        stage_manifest["files"][name] = file_record(folder / name)
+    (folder / "export.json").write_text(json.dumps(stage_manifest))
+    manifest = json.loads((build / MANIFEST).read_text())
+    for name in ("model.onnx", "model.onnx.data", "export.json"):
+        record = file_record(folder / name)
+        key = f"stage-{stage}/{name}"
+        manifest["files"][key] = manifest["stages"][stage]["files"][key] = record
+    (build / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_check_build_names_the_divergent_stage(onnx_build, tmp_path: Path) -> None:
+    out, _ = onnx_build
+    report = run_build_check(out, steps=4, batch=2, prompt_len=12, log=lambda _: None)
+    assert report["passed"] and report["first_divergent_stage"] is None
+    assert all(s["rel"] <= 1e-4 for step in report["steps"] for s in step["stages"])
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    perturb_stage_weights(bad, 1)
+    report = run_build_check(bad, steps=2, batch=2, prompt_len=12, log=lambda _: None)
+    assert not report["passed"] and report["first_divergent_stage"] == 1
+    assert report["steps"][0]["stages"][0]["passed"]
