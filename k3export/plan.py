@@ -71,7 +71,7 @@ def partition(weights: list[int], parts: int) -> list[range]:
     and among those maximising the smallest. Exact, O(parts x n^2)."""
     n = len(weights)
     if not 1 <= parts <= n:
-        raise UserError(f"stages: expected 1..{n} (one layer at least per stage), got {parts}")
+        raise UserError(f"{parts} stages for {n} layers: expected 1..{n} stages (a layer at least in each)")
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)
