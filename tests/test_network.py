@@ -99,6 +99,8 @@ CASES = [
     *[(f"elementwise-{op}-int64", "ELEMENTWISE", op, {"a": ints, "b": int_divisors}, {}, {})
       for op in ("Add", "Mul", "Sub", "Max", "Min", "Div")],
     ("elementwise-Less-int64", "ELEMENTWISE", "Less", {"a": ints, "b": int_divisors}, {}, {}),
+    # ONNX Mod (sign of the divisor) -> FLOOR_DIV, PROD, SUB
+    ("elementwise-FLOOR_DIV-int64", "ELEMENTWISE", "Mod", {"a": ints, "b": int_divisors}, {}, {}),
     *[(f"unary-{op}", "UNARY", op, {"x": np.abs(x3) + 0.1 if op in ("Sqrt", "Log") else x3 * 2}, {}, {})
       for op in ("Sqrt", "Reciprocal", "Exp", "Log", "Abs", "Neg", "Sin", "Cos", "Erf", "Floor", "Ceil",
                  "Sign", "Round")],
@@ -159,6 +161,37 @@ def test_layer_matches_onnxruntime(case, tmp_path: Path) -> None:
     outputs = ["values", "indices"] if op == "TopK" else ["y"]
     path = one_node(tmp_path, op, feeds, outputs, constants, **attrs)
     assert_matches_onnxruntime(path, feeds, layer_type)
+
+
+def test_slice_with_a_computed_end_matches_onnxruntime(tmp_path: Path) -> None:
+    """Constant start, computed end: the parser clamps start and size in shape arithmetic."""
+    feeds = {"x": randn(4, 10), "like": randn(7)}
+    nodes = [helper.make_node("Shape", ["like"], ["end"]),
+             helper.make_node("Slice", ["x", "start", "end", "axis"], ["y"])]
+    constants = [numpy_helper.from_array(np.array([2], np.int64), "start"),
+                 numpy_helper.from_array(np.array([1], np.int64), "axis")]
+    inputs = [helper.make_tensor_value_info("x", F32, ["a", "b"]),
+              helper.make_tensor_value_info("like", F32, ["c"])]
+    graph = helper.make_graph(nodes, "slice", inputs, [helper.make_tensor_value_info("y", F32, None)],
+                              constants)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)]), tmp_path / "m.onnx")
+    assert_matches_onnxruntime(tmp_path / "m.onnx", feeds, "SLICE")
+
+
+def test_expand_is_a_slice_of_stride_zero(tmp_path: Path) -> None:
+    """ONNX Expand (broadcast) becomes a SLICE whose stride is 0 along the broadcast axes."""
+    feeds = {"x": randn(3, 1), "like": randn(2, 3, 4)}
+    nodes = [helper.make_node("Shape", ["like"], ["shape"]),
+             helper.make_node("Expand", ["x", "shape"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", F32, ["a", "b"]),
+              helper.make_tensor_value_info("like", F32, ["c", "d", "e"])]
+    graph = helper.make_graph(nodes, "expand", inputs, [helper.make_tensor_value_info("y", F32, None)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)]), tmp_path / "m.onnx")
+    net = parse_network(tmp_path / "m.onnx")
+    layer = next(net.network.get_layer(i) for i in range(net.network.num_layers)
+                 if net.network.get_layer(i).type.name == "SLICE")
+    assert layer.get_input(1) is None  # the start is static, the size and stride computed
+    assert_matches_onnxruntime(tmp_path / "m.onnx", feeds, "SLICE")
 
 
 def test_bfloat16_constant_is_read_from_the_onnx_file(tmp_path: Path) -> None:
