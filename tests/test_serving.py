@@ -36,6 +36,13 @@ def last_logits_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def references(tiny_model) -> list[tuple[list[int], torch.Tensor, list[int]]]:
+    """The prompts of 5, 17 and 64 tokens, each run alone: (prompt, logits, decode tokens fed)."""
+    prompts = [prompt(n, seed) for seed, n in enumerate(PROMPTS)]
+    return [(p, *alone(tiny_model, p, STEPS)) for p in prompts]
+
+
 def runner(kind: str, folder: Path, model) -> EagerRunner | BoundOnnxrtRunner:
     manifest = json.loads((folder / "export.json").read_text())
     signature = Signature(manifest)
@@ -95,19 +102,17 @@ def expected(reference: torch.Tensor, prompt_len: int, last_only: bool) -> torch
 
 @pytest.mark.parametrize("kind", ["eager", "onnxrt"])
 @pytest.mark.parametrize("last_logits", [False, True], ids=["all-logits", "last-logits"])
-def test_padded_batch_equals_each_prompt_alone(tiny_model, tiny_export, last_logits_export, kind,
-                                               last_logits):
+def test_padded_batch_equals_each_prompt_alone(tiny_model, tiny_export, last_logits_export, references,
+                                               kind, last_logits):
     """Prompts of 5, 17 and 64 tokens right-padded to 64, then 8 greedy decode steps: every valid
     logit of every row equals that prompt run alone (float32, 1e-5 relative, the same backend),
     and ONNX Runtime also equals eager alone (1e-4)."""
     folder = last_logits_export if last_logits else tiny_export
-    prompts = [prompt(n, seed) for seed, n in enumerate(PROMPTS)]
-    references = [alone(tiny_model, p, STEPS) for p in prompts]
-    fed = [tokens for _, tokens in references]
+    prompts, fed = [p for p, _, _ in references], [f for _, _, f in references]
     with runner(kind, folder, tiny_model) as run:
         batched = serve_batch(run, prompts, fed)
         singles = [serve_batch(run, [p], [f])[0] for p, f in zip(prompts, fed, strict=True)]
-    for p, (reference, _), rows, single in zip(prompts, references, batched, singles, strict=True):
+    for (p, reference, _), rows, single in zip(references, batched, singles, strict=True):
         want = expected(reference, len(p), last_logits)
         assert rows.shape == want.shape == (len(want), 256)
         assert rel_error(rows, single) <= SAME_BACKEND
