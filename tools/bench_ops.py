@@ -6,6 +6,12 @@ thread count), reported as ratios so that a machine shared with other work still
 KDA: the eager chunked form (`chunk_kda`, what prefill runs) against our token-by-token recurrence
 and flash-linear-attention's pure-torch `naive_recurrent_kda` (a benchmark dependency only:
 `pip install --no-deps fla-core==0.6.0 einops`), at B=1, T=2048, H=8, K=V=128, float32.
+
+MoE: `torch.ops.k3.routed_experts` (only the chosen experts) against the dense dispatch the model ran
+before it (every expert on every token, a combine matrix selecting), at E=64, k=4 and E=56, k=1 (the
+published 896 / 16 ratio) with small widths, float32: time and the peak resident memory one call
+adds (Linux VmHWM after resetting it), in eager and in ONNX Runtime (the k3.RoutedExperts function
+against the dense form exported in standard ops).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 import torch
 
 from k3export.ops import chunk_kda, recurrent_kda
+from k3export.ops.moe import situ_glu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from reference import kda_inputs, rel_error  # the tests' input generator
@@ -71,6 +78,88 @@ def bench_kda(repeats: int) -> None:
         print(f"| {name} | {B * T / s:,.0f} | {s / chunked:.2f}x |")
 
 
+class DenseExperts(torch.nn.Module):
+    """The dense dispatch the model ran before k3.routed_experts: every expert on every token."""
+
+    def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = (torch.nn.Parameter(w, requires_grad=False) for w in (w1, w3, w2))
+
+    def forward(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        combine = torch.zeros(z.shape[0], self.w1.shape[0]).scatter(-1, experts, weights)
+        a, b = z @ self.w1.transpose(1, 2), z @ self.w3.transpose(1, 2)  # [E, N, I]
+        y = situ_glu(a, b, 4.0, 25.0) @ self.w2.transpose(1, 2)
+        return (y * combine.T[..., None]).sum(0)
+
+
+class RoutedExperts(DenseExperts):
+    def forward(self, z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.k3.routed_experts(z, experts, weights, self.w1, self.w3, self.w2, 4.0, 25.0)
+
+
+def peak_mb(run: Callable[[], object]) -> float:
+    """Resident memory one call adds at its peak, in MB (Linux: VmHWM after resetting it)."""
+    def status(field: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+        return int(line.split()[1])
+
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status("VmRSS:")
+    run()
+    return (status("VmHWM:") - base) / 1024
+
+
+def bench_moe(repeats: int, threads: int) -> None:
+    import tempfile
+
+    import onnxruntime as ort
+
+    from k3export.onnx import export_onnx
+
+    L, I = 448, 384  # the published 3584 : 3072, small
+    print(f"\nMoE routed experts, L={L}, I={I}, float32, {threads} threads, median of {repeats}; "
+          f"memory: peak resident memory one call adds")
+    print("| E | k | tokens | backend | routed ms | dense ms | speed-up | routed MB | dense MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for E, k in ((64, 4), (56, 1)):
+        w1, w3 = (torch.randn(E, I, L, generator=gen) * L**-0.5 for _ in range(2))
+        w2 = torch.randn(E, L, I, generator=gen) * I**-0.5
+        modules = {"routed": RoutedExperts(w1, w3, w2).eval(), "dense": DenseExperts(w1, w3, w2).eval()}
+        sessions = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, module in modules.items():
+                example = (torch.randn(5, L), torch.zeros(5, k, dtype=torch.long), torch.ones(5, k) / k)
+                path = Path(tmp) / f"{name}.onnx"
+                export_onnx(module, example, path,
+                            dynamic_shapes=({0: "tokens"}, {0: "tokens", 1: "k"}, {0: "tokens", 1: "k"}))
+                options = ort.SessionOptions()
+                options.intra_op_num_threads = threads
+                options.enable_cpu_mem_arena = False  # memory returns after each run: peaks are per call
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                sessions[name] = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        for N in (1, 512):
+            z = torch.randn(N, L, generator=gen)
+            experts = torch.rand(N, E, generator=gen).argsort(-1)[:, :k]
+            weights = torch.rand(N, k, generator=gen)
+            weights = weights / weights.sum(-1, keepdim=True)
+            feed = {"z": z.numpy(), "experts": experts.numpy(), "weights": weights.numpy()}
+            inputs = (z, experts, weights)
+            runs = {
+                "eager": {name: (lambda m=m, x=inputs: m(*x)) for name, m in modules.items()},
+                "ONNX Runtime": {name: (lambda s=s, f=feed: s.run(None, f)) for name, s in sessions.items()},
+            }
+            u_routed = runs["ONNX Runtime"]["routed"]()[0]
+            assert rel_error(torch.from_numpy(u_routed), modules["dense"](z, experts, weights)) < 1e-5
+            for backend, pair in runs.items():
+                with torch.no_grad():
+                    memory = {name: peak_mb(run) for name, run in pair.items()}
+                    seconds = alternating_medians(pair, repeats)
+                print(f"| {E} | {k} | {N} | {backend} | {seconds['routed'] * 1e3:.2f} | "
+                      f"{seconds['dense'] * 1e3:.2f} | {seconds['dense'] / seconds['routed']:.1f}x | "
+                      f"{memory['routed']:.1f} | {memory['dense']:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -82,6 +171,8 @@ def main() -> None:
     print(f"torch {torch.__version__}")
     if args.only in (None, "kda"):
         bench_kda(args.repeats)
+    if args.only in (None, "moe"):
+        bench_moe(args.repeats, args.threads)
 
 
 if __name__ == "__main__":

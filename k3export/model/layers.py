@@ -1,9 +1,14 @@
-"""Building blocks shared by every layer type: RMSNorm, SiTU-GLU and initialisation."""
+"""Building blocks shared by every layer type: RMSNorm and SiTU-GLU (its math lives beside the
+routed-experts op, which runs it too)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from k3export.ops.moe import situ_glu
+
+__all__ = ["RMSNorm", "SituMLP", "situ_glu"]
 
 
 class RMSNorm(nn.Module):
@@ -18,14 +23,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
-
-
-def situ_glu(a: Tensor, b: Tensor, beta: float, linear_beta: float) -> Tensor:
-    """SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)], in float32.
-
-    Each factor is a soft clamp of SwiGLU's (silu(a) * b) and bounded by its beta."""
-    a, b = a.float(), b.float()
-    return beta * torch.tanh(a / beta) * torch.sigmoid(a) * (linear_beta * torch.tanh(b / linear_beta))
 
 
 class SituMLP(nn.Module):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3export import mxfp4
 from k3export.config import K3Config
-from k3export.model.layers import RMSNorm, SituMLP, situ_glu
+from k3export.model.layers import RMSNorm, SituMLP
 
 
 class Router(nn.Module):
@@ -39,7 +40,8 @@ class RoutedExperts(nn.Module):
     """All routed experts' weights stacked: w1/w3 (gate/up) [E, I, L], w2 (down) [E, L, I].
 
     Checkpoints hold them per expert (`experts.{e}.w1.weight`); checkpoint.py converts.
-    After `keep_packed()` they are MXFP4 buffers instead, dequantised on every forward call."""
+    After `keep_packed()` they are MXFP4 buffers instead, and only the experts a call routes tokens
+    to are dequantised (`torch.ops.k3.routed_experts_mxfp4`)."""
 
     PROJECTIONS = ("w1", "w2", "w3")
 
@@ -55,13 +57,10 @@ class RoutedExperts(nn.Module):
     def keep_packed(self) -> None:
         """Replaces w1/w2/w3 [E, O, I] by MXFP4 buffers `{w}_packed` [E, O, I/2] and `{w}_scale`
         [E, O, I/32] (uint8, 4.25 bits a weight instead of 16), as the published checkpoint
-        stores them; forward then dequantises to the model dtype. torch.export's graph keeps that
-        dequantisation, and the ONNX export keeps the buffers uint8 in the file and dequantises
-        them in the graph in standard ops (export_onnx turns constant folding off for them)."""
+        stores them; the exported graph keeps them uint8 too."""
         for name in self.PROJECTIONS:
             weight = getattr(self, name)
             E, O, I = weight.shape
-            self.dtype = weight.dtype
             delattr(self, name)
             self.register_buffer(f"{name}_packed", torch.zeros(E, O, I // 2, dtype=torch.uint8,
                                                                device=weight.device))
@@ -69,30 +68,21 @@ class RoutedExperts(nn.Module):
                                                               device=weight.device))
         self.packed = True
 
-    def weight(self, name: str) -> Tensor:
-        if not self.packed:
-            return getattr(self, name)
-        return mxfp4.dequantize(getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale"), self.dtype)
-
-    def forward(self, z: Tensor, combine: Tensor) -> Tensor:
-        """sum_e combine[n, e] * E_e(z_n), accumulated in float32.
-
-        Dense dispatch: every expert runs on every token and `combine` (zero off the top-k)
-        selects. It is static-shaped, so it traces and exports, at E / k times the FLOPs of a
-        grouped GEMM; a grouped-GEMM MoE plugin is later work."""
-        # Batched matmuls over experts rather than einsum: ONNX's Einsum has no bfloat16.
-        a = z @ self.weight("w1").transpose(1, 2)  # [E, N, I]
-        b = z @ self.weight("w3").transpose(1, 2)
-        h = situ_glu(a, b, self.beta, self.linear_beta).to(z.dtype)
-        y = h @ self.weight("w2").transpose(1, 2)  # [E, N, L]
-        return (y.float() * combine.T[..., None]).sum(0)
+    def forward(self, z: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """u[n] = sum_j weights[n, j] * E_{experts[n, j]}(z[n]), float32 [N, L]: only the chosen
+        experts run (one custom op, `k3.RoutedExperts` in ONNX)."""
+        if self.packed:
+            return torch.ops.k3.routed_experts_mxfp4(
+                z, experts, weights, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale,
+                self.w2_packed, self.w2_scale, self.beta, self.linear_beta)
+        return torch.ops.k3.routed_experts(z, experts, weights, self.w1, self.w3, self.w2, self.beta,
+                                           self.linear_beta)
 
 
 class LatentMoE(nn.Module):
     def __init__(self, config: K3Config, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         D, L = config.hidden_size, config.routed_expert_hidden_size
-        self.num_experts = config.num_experts
         self.gate = Router(config, dtype)
         self.routed_expert_down_proj = nn.Linear(D, L, bias=False, dtype=dtype)
         self.experts = RoutedExperts(config, dtype)
@@ -104,8 +94,6 @@ class LatentMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.flatten(0, -2)
         experts, weights = self.gate(tokens)
-        combine = torch.zeros(tokens.shape[0], self.num_experts, dtype=torch.float32,
-                              device=x.device).scatter(-1, experts, weights)
-        u = self.experts(self.routed_expert_down_proj(tokens), combine)
+        u = self.experts(self.routed_expert_down_proj(tokens), experts, weights)
         routed = self.routed_expert_up_proj(self.routed_expert_norm(u).to(x.dtype))
         return routed.view_as(x) + self.shared_experts(x)

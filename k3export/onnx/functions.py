@@ -140,7 +140,9 @@ _BUILDERS = {"KDA": kda_function, "LatentMLA": latent_mla_function}
 def k3_functions(op_types: Iterable[str], opset_version: int) -> list[onnx.FunctionProto]:
     """The functions for those of `op_types` that are k3 ops, at the model's standard opset (ONNX
     requires a function's opset to match its model's)."""
-    return [_BUILDERS[name](opset_version) for name in sorted(set(op_types) & _BUILDERS.keys())]
+    from k3export.onnx.moe import MOE_FUNCTIONS  # here: onnx/moe.py builds on this module
+    builders = {**_BUILDERS, **MOE_FUNCTIONS}
+    return [builders[name](opset_version) for name in sorted(set(op_types) & builders.keys())]
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:

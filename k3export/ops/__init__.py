@@ -2,5 +2,7 @@
 
 from k3export.ops.kda import chunk_kda, kda, recurrent_kda
 from k3export.ops.mla import latent_mla, tensor_scatter
+from k3export.ops.moe import routed_experts, routed_experts_mxfp4
 
-__all__ = ["chunk_kda", "kda", "latent_mla", "recurrent_kda", "tensor_scatter"]
+__all__ = ["chunk_kda", "kda", "latent_mla", "recurrent_kda", "routed_experts", "routed_experts_mxfp4",
+           "tensor_scatter"]

@@ -1,0 +1,244 @@
+"""The routed-experts ops against a per-token loop written here, the MXFP4 form against
+dequantise-then-dense, and the model's MoE with packed experts against the same model unpacked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from reference import rel_error
+from torch import Tensor
+
+import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3export import mxfp4
+from k3export.errors import UserError
+
+E, I, L = 8, 64, 32
+BETA, LINEAR_BETA = 4.0, 25.0
+
+
+def experts_weights(dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w1, w3 = (torch.randn(E, I, L, generator=gen, dtype=torch.float64) * L**-0.5 for _ in range(2))
+    w2 = torch.randn(E, L, I, generator=gen, dtype=torch.float64) * I**-0.5
+    return w1.to(dtype), w3.to(dtype), w2.to(dtype)
+
+
+def per_token_loop(z: Tensor, experts: Tensor, weights: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    """u[n] = sum_j weights[n, j] w2[e] SiTU-GLU(w1[e] z[n], w3[e] z[n]), one token and slot at a time,
+    in float64, with SiTU-GLU written out from its definition."""
+    z, w1, w3, w2, weights = (t.double() for t in (z, w1, w3, w2, weights))
+    u = torch.zeros(z.shape, dtype=torch.float64)
+    for n in range(z.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[n, j])
+            a, b = w1[e] @ z[n], w3[e] @ z[n]
+            h = BETA * torch.tanh(a / BETA) * torch.sigmoid(a) * LINEAR_BETA * torch.tanh(b / LINEAR_BETA)
+            u[n] += weights[n, j] * (w2[e] @ h)
+    return u
+
+
+def routing(case: str, N: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """experts [N, k] int64 and renormalised weights [N, k] float32 for one routing pattern."""
+    if case == "random":
+        experts = torch.rand(N, E, generator=gen).argsort(-1)[:, :3]
+    elif case == "top1":
+        experts = torch.randint(0, E, (N, 1), generator=gen)
+    elif case == "unused_experts":  # experts 0, 2, 3, 4, 6, 7 receive no token
+        experts = torch.tensor([1, 5]).repeat(N, 1)
+    elif case == "one_expert":  # every token on expert 6, k = 1
+        experts = torch.full((N, 1), 6)
+    elif case == "ties":  # what a router gives when every score ties: the lowest indices, equal weights
+        experts = torch.arange(4).repeat(N, 1)
+        return experts, torch.full((N, 4), 0.25)
+    else:
+        raise AssertionError(case)
+    weights = torch.rand(experts.shape, generator=gen)
+    return experts, weights / weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("case", ["random", "top1", "unused_experts", "one_expert", "ties"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_routed_experts_matches_per_token_loop(case, dtype, tol):
+    gen = torch.Generator().manual_seed(1)
+    N = 13
+    z = torch.randn(N, L, generator=gen, dtype=torch.float64).to(dtype)
+    experts, weights = routing(case, N, gen)
+    w1, w3, w2 = experts_weights(dtype)
+    u = torch.ops.k3.routed_experts(z, experts, weights, w1, w3, w2, BETA, LINEAR_BETA)
+    assert u.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert u.shape == (N, L)
+    assert rel_error(u, per_token_loop(z, experts, weights, w1, w3, w2)) < tol
+
+
+def test_routed_experts_half_precision_accumulates_in_float32():
+    """bfloat16 tokens and experts: matmuls in bfloat16, u float32 (within bf16 rounding of the loop)."""
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(9, L, generator=gen).bfloat16()
+    experts, weights = routing("random", 9, gen)
+    w1, w3, w2 = experts_weights(torch.bfloat16)
+    u = torch.ops.k3.routed_experts(z, experts, weights, w1, w3, w2, BETA, LINEAR_BETA)
+    assert u.dtype == torch.float32
+    assert rel_error(u, per_token_loop(z, experts, weights, w1, w3, w2)) < 2e-2
+
+
+def test_a_token_routed_twice_to_one_expert_gets_both_contributions():
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(2, L, generator=gen, dtype=torch.float64)
+    experts, weights = torch.tensor([[2, 2], [2, 5]]), torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    w1, w3, w2 = experts_weights(torch.float64)
+    u = torch.ops.k3.routed_experts(z, experts, weights, w1, w3, w2, BETA, LINEAR_BETA)
+    torch.testing.assert_close(u, per_token_loop(z, experts, weights, w1, w3, w2))
+
+
+def packed_experts(seed: int = 0) -> tuple[Tensor, ...]:
+    """MXFP4 experts (packed, scale for w1, w3, w2) quantised from random weights."""
+    return tuple(t for w in experts_weights(torch.float32, seed) for t in mxfp4.quantize(w))
+
+
+def dense_reference(z: Tensor, experts: Tensor, weights: Tensor, packed: tuple[Tensor, ...]) -> Tensor:
+    """Dequantise every expert, run every expert on every token, select by a combine matrix."""
+    w1, w3, w2 = (mxfp4.dequantize(packed[i], packed[i + 1], z.dtype) for i in (0, 2, 4))
+    combine = torch.zeros(z.shape[0], E, dtype=torch.float64).scatter_add(1, experts, weights.double())
+    a, b = z @ w1.transpose(1, 2), z @ w3.transpose(1, 2)  # [E, N, I]
+    h = BETA * torch.tanh(a / BETA) * torch.sigmoid(a) * LINEAR_BETA * torch.tanh(b / LINEAR_BETA)
+    return ((h @ w2.transpose(1, 2)).double() * combine.T[..., None]).sum(0)
+
+
+@pytest.mark.parametrize("case", ["random", "top1", "unused_experts", "one_expert"])
+def test_routed_experts_mxfp4_matches_dequantise_then_dense(case):
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(11, L, generator=gen)
+    experts, weights = routing(case, 11, gen)
+    packed = packed_experts()
+    u = torch.ops.k3.routed_experts_mxfp4(z, experts, weights, *packed, BETA, LINEAR_BETA)
+    assert u.dtype == torch.float32
+    assert rel_error(u, dense_reference(z, experts, weights, packed)) < 1e-6
+
+
+def test_routed_experts_mxfp4_dequantises_only_the_experts_used(monkeypatch):
+    calls = []
+    dequantize = mxfp4.dequantize
+
+    def counting(packed: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+        calls.append(packed.shape)
+        return dequantize(packed, scale, dtype)
+
+    monkeypatch.setattr(mxfp4, "dequantize", counting)
+    gen = torch.Generator().manual_seed(5)
+    experts, weights = routing("unused_experts", 6, gen)
+    torch.ops.k3.routed_experts_mxfp4(torch.randn(6, L, generator=gen), experts, weights, *packed_experts(),
+                                      BETA, LINEAR_BETA)
+    # Experts 1 and 5, three projections each, one expert's slice at a time, each once.
+    assert sorted(calls) == sorted([(I, L // 2), (I, L // 2), (L, I // 2)] * 2)
+
+
+@pytest.mark.parametrize(("experts", "message"), [
+    (torch.tensor([[0, 8]]), "expert indices span 0..8"),
+    (torch.tensor([[-1, 2]]), "expert indices span -1..2"),
+    (torch.tensor([[0, 1, 2]]), "expected both"),
+    (torch.tensor([[0, 1]], dtype=torch.int32), "torch.int64"),
+])
+def test_bad_routing_is_refused(experts, message):
+    w1, w3, w2 = experts_weights(torch.float32)
+    with pytest.raises(UserError, match=message):
+        torch.ops.k3.routed_experts(torch.zeros(1, L), experts, torch.full((1, 2), 0.5), w1, w3, w2,
+                                    BETA, LINEAR_BETA)
+
+
+@torch.no_grad()
+def test_packed_moe_equals_the_moe_with_dequantised_experts(tiny_config):
+    """The model's MoE layer after keep_packed() (routed_experts_mxfp4) against the same layer
+    holding the dequantised weights (routed_experts)."""
+    from k3export.model.moe import LatentMoE
+
+    torch.manual_seed(0)
+    dense = LatentMoE(tiny_config)
+    for p in dense.parameters():
+        p.normal_(0, 0.1)
+    packed = LatentMoE(tiny_config)
+    packed.load_state_dict(dense.state_dict())
+    packed.experts.keep_packed()
+    for name in packed.experts.PROJECTIONS:
+        weight_packed, weight_scale = mxfp4.quantize(getattr(dense.experts, name))
+        getattr(packed.experts, f"{name}_packed").copy_(weight_packed)
+        getattr(packed.experts, f"{name}_scale").copy_(weight_scale)
+        getattr(dense.experts, name).copy_(mxfp4.dequantize(weight_packed, weight_scale, torch.float32))
+    x = torch.randn(2, 5, tiny_config.hidden_size)
+    torch.testing.assert_close(packed(x), dense(x), rtol=0, atol=0)
+
+
+class RoutedExpertsModule(torch.nn.Module):
+    """The op on stacked experts held as parameters (export_onnx writes a module without any as a graph
+    with its weights as inputs)."""
+
+    def __init__(self, tensors: tuple[Tensor, ...], packed: bool) -> None:
+        super().__init__()
+        self.packed = packed
+        for i, t in enumerate(tensors):
+            setattr(self, f"t{i}", torch.nn.Parameter(t, requires_grad=False))
+
+    def forward(self, z: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        tensors = [getattr(self, f"t{i}") for i in range(6 if self.packed else 3)]
+        op = torch.ops.k3.routed_experts_mxfp4 if self.packed else torch.ops.k3.routed_experts
+        return op(z, experts, weights, *tensors, BETA, LINEAR_BETA)
+
+
+def onnx_tensors(packed: bool, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    return packed_experts() if packed else experts_weights(dtype)
+
+
+@pytest.fixture(scope="module")
+def onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, torch.dtype], Path]:
+    """One export per form (plain, packed) and token dtype, at example shapes other than those tested."""
+    from k3export.onnx import export_onnx
+
+    folder = tmp_path_factory.mktemp("moe_onnx")
+    models = {}
+    for packed, dtype in ((False, torch.float32), (False, torch.float16), (True, torch.float32)):
+        gen = torch.Generator().manual_seed(0)
+        experts, weights = routing("random", 5, gen)
+        path = folder / f"moe_{packed}_{str(dtype).removeprefix('torch.')}.onnx"
+        export_onnx(RoutedExpertsModule(onnx_tensors(packed, dtype), packed).eval(),
+                    (torch.randn(5, L, generator=gen).to(dtype), experts, weights), path,
+                    dynamic_shapes=({0: "tokens"}, {0: "tokens", 1: "top_k"}, {0: "tokens", 1: "top_k"}))
+        models[packed, dtype] = path
+    return models
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_routed_experts_node_and_its_function(onnx_models, packed):
+    path = onnx_models[packed, torch.float32]
+    onnx.checker.check_model(path, full_check=True)
+    model = onnx.load(path)
+    op_type = "RoutedExpertsMXFP4" if packed else "RoutedExperts"
+    (node,) = [n for n in model.graph.node if n.domain == "k3"]
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert node.op_type == op_type
+    assert attributes == {"plugin_namespace": b"k3", "plugin_version": b"1",
+                          "situ_beta": BETA, "situ_linear_beta": LINEAR_BETA}
+    assert [(f.domain, f.name) for f in model.functions] == [("k3", op_type)]
+    # The packed experts stay uint8 in the file: no float copy of them anywhere.
+    stored = {t.name: t.data_type for t in model.graph.initializer}
+    expected = onnx.TensorProto.UINT8 if packed else onnx.TensorProto.FLOAT
+    assert sorted(stored.values()) == [expected] * (6 if packed else 3)
+
+
+@pytest.mark.parametrize(("packed", "dtype"), [(False, torch.float32), (False, torch.float16),
+                                               (True, torch.float32)])
+@pytest.mark.parametrize(("case", "N"), [("random", 1), ("random", 17), ("top1", 6), ("unused_experts", 9),
+                                         ("one_expert", 4), ("ties", 3)])
+def test_onnx_function_matches_eager(onnx_models, packed, dtype, case, N):
+    """ONNX Runtime runs the function body (a Loop over the used experts) against the eager op."""
+    import onnxruntime as ort
+
+    gen = torch.Generator().manual_seed(N)
+    z = torch.randn(N, L, generator=gen).to(dtype)
+    experts, weights = routing(case, N, gen)
+    session = ort.InferenceSession(onnx_models[packed, dtype], providers=["CPUExecutionProvider"])
+    (u,) = session.run(None, {"z": z.numpy(), "experts": experts.numpy(), "weights": weights.numpy()})
+    expected = RoutedExpertsModule(onnx_tensors(packed, dtype), packed)(z, experts, weights)
+    # float16: eager runs the matmuls in float16, the function in float32.
+    assert rel_error(torch.from_numpy(u), expected) < (1e-6 if dtype == torch.float32 else 5e-3)
