@@ -24,6 +24,7 @@ from k3export.engine.network import (
     LAYERS,
     NetworkEvaluator,
     NotImplementedLayer,
+    evaluate_network,
     parse_network,
     run_network_check,
     to_numpy,
@@ -208,6 +209,7 @@ def test_bfloat16_constant_is_read_from_the_onnx_file(tmp_path: Path) -> None:
     onnx.save(model, tmp_path / "model.onnx", save_as_external_data=True, size_threshold=0,
               location="model.onnx.data")
     assert_matches_onnxruntime(tmp_path / "model.onnx", {"x": x}, "CONSTANT")
+    np.testing.assert_array_equal(evaluate_network(tmp_path, {"x": x})["y"], x + values.float().numpy())
     net = parse_network(tmp_path / "model.onnx")
     layer = next(net.network.get_layer(i) for i in range(net.network.num_layers)
                  if net.network.get_layer(i).get_output(0).dtype == net.trt.DataType.BF16)

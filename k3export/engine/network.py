@@ -549,8 +549,9 @@ def evaluate_network(export_dir: str | Path, feeds: dict[str, np.ndarray]) -> di
 
 class NetworkRunner(BaseRunner):
     """The parsed network evaluated on CPU, as a check runner: like EagerRunner it holds its caches
-    between calls (in the network's own dtypes), `reset` starts rows fresh, and `infer` takes the
-    call's feeds and returns every output (bfloat16 widened to float32 for numpy)."""
+    between calls (in the network's own dtypes once written), `reset` starts rows fresh, and `infer`
+    takes the call's feeds and returns every output. `signature` may declare bfloat16 tensors
+    float32 (_carried): they cross numpy as float32 and are cast to the network's dtypes."""
 
     def __init__(self, net: ParsedNetwork, signature: Signature, name: str = "network") -> None:
         super().__init__(name=name)
@@ -685,13 +686,13 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     runners: list[BaseRunner] = [
         EagerRunner(_Float32Boundary(ExportGraph(model, layers, last_logits), signature.inputs), "eager",
                     carried),
-        NetworkRunner(net, signature),
+        NetworkRunner(net, carried),
     ]
     if dtype != "float32":
         model32 = build_model(config, torch.float32, manifest["weights"], layers)
         runners.append(EagerRunner(ExportGraph(model32, layers, last_logits), "eager-float32", carried))
     gen = torch.Generator().manual_seed(seed)
-    feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
+    feed = request(carried, None, [0] * batch, lengths, config.vocab_size, gen)
     if "input_ids" in feed:  # padding tokens, as a server would send: none is read
         feed["input_ids"][np.arange(max(lengths)) >= np.array(lengths)[:, None]] = 0
     report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
@@ -716,7 +717,7 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
                     stream.append(last_tokens(out["logits"], input_lengths.tolist())[:, 0].tolist())
                 # Every side takes the reference's greedy token: a near-tie cannot derail the rest.
                 tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
-            feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
+            feed = request(carried, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
     failed = sorted({c["name"] for s in report["steps"] for c in s["outputs"] if not c["passed"]})
     report["failed_outputs"] = failed
     report["token_mismatches"] = sum(s.get("tokens", {}).get("mismatches", 0) for s in report["steps"])
