@@ -147,6 +147,23 @@ def test_rows_at_different_depths_and_a_reused_row(tiny_model, tiny_export, kind
     assert rel_error(torch.cat(out1), ref_fresh) <= tol
 
 
+@pytest.mark.parametrize("kind", ["eager", "onnxrt"])
+def test_an_idle_row_keeps_its_state(tiny_model, last_logits_export, kind):
+    """A decode step in which row 1 has no new token (input_lengths 0) leaves row 1 as it was: its
+    next steps equal its prompt decoded alone, while row 0 goes on decoding."""
+    first, second = prompt(9, 20), prompt(6, 21)
+    ref_first, fed_first = alone(tiny_model, first, 3)
+    ref_second, fed_second = alone(tiny_model, second, 2)
+    with runner(kind, last_logits_export, tiny_model) as run:
+        run.reset(2)
+        call(run, [first, second], [0, 0])
+        step0, _ = call(run, [[fed_first[0]], []], [9, 6])
+        rows = [call(run, [[fed_first[1 + k]], [fed_second[k]]], [10 + k, 6 + k]) for k in range(2)]
+    tol = SAME_BACKEND if kind == "eager" else ACROSS_BACKENDS
+    assert rel_error(torch.cat([step0, *(r[0] for r in rows)]), ref_first[9:]) <= tol
+    assert rel_error(torch.cat([r[1] for r in rows]), ref_second[6:]) <= tol
+
+
 def test_overflowing_request_is_refused_before_any_session(tiny_export, monkeypatch):
     """cache_lengths + seq past the capacity (4096 here) is refused by our own check with our
     message: by `check` before it builds anything, by the runner before ONNX Runtime runs, and by

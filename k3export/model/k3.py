@@ -31,6 +31,12 @@ from k3export.model.mla import LatentMLA
 from k3export.model.moe import LatentMoE
 
 
+def last_positions(input_lengths: Tensor) -> Tensor:
+    """Each row's last valid position; 0 for a row with no new tokens (an idle row in a batch,
+    whose logits are then to be ignored)."""
+    return (input_lengths - 1).clamp(min=0)
+
+
 def _res_proj(config: K3Config, dtype: torch.dtype | None) -> nn.Linear:
     return nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype)
 
@@ -107,7 +113,7 @@ class K3ForCausalLM(nn.Module):
         check_request(cache.lengths, input_lengths, T, cache.capacity if self.config.mla_layers else T)
         bank, partial, layers = self.run_layers([], self.model.embed_tokens(input_ids), cache.layers,
                                                 range(len(self.model.layers)), cache.lengths, input_lengths)
-        logits = self.head(bank, partial, input_lengths - 1 if last_logits else None)
+        logits = self.head(bank, partial, last_positions(input_lengths) if last_logits else None)
         return logits, K3Cache(layers, cache.lengths + input_lengths)
 
     def run_layers(self, bank: list[Tensor], partial: Tensor, cache: list[LayerCache], layers: range,

@@ -38,6 +38,7 @@ from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM, KDACache, MLACache
 from k3export.model.cache import LayerCache
+from k3export.model.k3 import last_positions
 from k3export.onnx.ops import export_onnx
 
 GRAPH_FILE = "model.onnx"
@@ -138,7 +139,8 @@ def graph_signature(config: K3Config, layers: range, dtype: torch.dtype,
         outputs = boundary(layers.stop)
     elif last_logits:
         outputs = [TensorSpec("logits", name, ["batch", config.vocab_size],
-                              "next-token logits at each row's last valid token (input_lengths - 1)")]
+                              "next-token logits at each row's last valid token (input_lengths - 1; "
+                              "a row with no new tokens gives position 0's, to be ignored)")]
     else:
         outputs = [TensorSpec("logits", name, ["batch", "seq", config.vocab_size], "next-token logits")]
     for layer in layers:
@@ -170,7 +172,7 @@ class ExportGraph(nn.Module):
             rest = rest[n:]
         bank, partial, caches = model.run_layers(bank, partial, caches, layers, cache_lengths, input_lengths)
         if layers.stop == model.config.num_hidden_layers:
-            outputs = [model.head(bank, partial, input_lengths - 1 if self.last_logits else None)]
+            outputs = [model.head(bank, partial, last_positions(input_lengths) if self.last_logits else None)]
         else:
             outputs = [torch.stack(bank), partial]
         return (*outputs, *(getattr(c, f.name) for c in caches for f in fields(c)))
