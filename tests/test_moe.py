@@ -3,6 +3,10 @@ dequantise-then-dense, and the model's MoE with packed experts against the same 
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import onnx
@@ -242,3 +246,50 @@ def test_onnx_function_matches_eager(onnx_models, packed, dtype, case, N):
     expected = RoutedExpertsModule(onnx_tensors(packed, dtype), packed)(z, experts, weights)
     # float16: eager runs the matmuls in float16, the function in float32.
     assert rel_error(torch.from_numpy(u), expected) < (1e-6 if dtype == torch.float32 else 5e-3)
+
+
+PARSE_SCRIPT = """
+import json, sys
+import k3plugins.trt
+from k3export.engine import build
+trt = build.load_tensorrt_rtx()
+k3plugins.trt.register(trt)
+_, network, _ = build.parse(sys.argv[1], trt, trt.Logger(trt.Logger.ERROR))
+print(json.dumps([network.get_layer(i).type.name for i in range(network.num_layers)]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx is not installed")
+@pytest.mark.parametrize("kind", ["no_weights", "packed_experts"])
+def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, tiny_model, tmp_path):
+    """`export --no-weights` (weights as graph inputs) and `export --packed-experts` (uint8 experts) skip
+    the exporter's constant folding; the shape arithmetic is folded afterwards, so TensorRT-RTX's parser
+    (which wants axes and shapes as build-time constants) takes them: one plugin per mixer, one inlined
+    Loop per MoE layer. Parsed in a subprocess: some TensorRT failures abort the process."""
+    from k3export.cli import main
+    from k3export.published import write_published
+
+    if kind == "no_weights":
+        options = ["--preset", "k3-tiny", "--no-weights"]
+    else:
+        write_published(tiny_model, tmp_path / "checkpoint", experts="mxfp4")
+        options = ["--checkpoint", str(tmp_path / "checkpoint"), "--packed-experts"]
+    assert main(["export", "--out", str(tmp_path / "out"), *options]) == 0
+    path = tmp_path / "out" / "model.onnx"
+    model = onnx.load(path, load_external_data=False)
+    initializers = {t.name: t.data_type for t in model.graph.initializer}
+    if kind == "no_weights":
+        weights = [i.name for i in model.graph.input if i.name.startswith("model.")]
+        assert weights and not any(name.startswith("model.") for name in initializers)
+    else:
+        packed = [name for name in initializers if name.endswith(("_packed", "_scale"))]
+        assert packed and all(initializers[name] == onnx.TensorProto.UINT8 for name in packed)
+    proc = subprocess.run([sys.executable, "-c", PARSE_SCRIPT, str(path)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layers = json.loads(proc.stdout.strip().splitlines()[-1])
+    config = tiny_model.config
+    mixers = config.num_hidden_layers
+    moe_layers = sum(not config.is_dense(i) for i in range(config.num_hidden_layers))
+    assert layers.count("PLUGIN_V3") == mixers
+    assert layers.count("TRIP_LIMIT") == 2 * moe_layers and "ITERATOR" not in layers

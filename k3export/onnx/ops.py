@@ -18,6 +18,7 @@ from typing import Any
 
 import onnx
 import onnx_ir as ir
+import onnxscript.optimizer
 import torch
 from onnx.defs import OpSchema
 from onnxscript import opset18 as op
@@ -169,6 +170,8 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
             value = model.graph.initializers.pop(name)
             value.const_value = None
             model.graph.inputs.append(value)
+    if not optimize:  # fold what TensorRT needs as constants (axes, shapes); the weights are inputs or uint8
+        onnxscript.optimizer.optimize(model, inline=False)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data_name = f"{path.name}.data"
