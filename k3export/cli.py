@@ -136,8 +136,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         verdict = "PASSED" if report["passed"] else f"FAILED: {failed}"
         bound = report["tolerance"]["rel"]
         if report["dtype"] != "float32":
-            bound = (f"max({bound}, {HALF_SPREAD_FACTOR:g}x the eager float32 spread up to each layer)"
-                     if args.network else f"max({bound}, 2x the eager float32 spread)")
+            bound = (f"max({bound}, {HALF_SPREAD_FACTOR:g}x the eager float32 spread of the step, or of "
+                     "the layers so far before any router)" if args.network
+                     else f"max({bound}, 2x the eager float32 spread)")
         print(f"{verdict} ({report['dtype']}, relative error <= {bound}; "
               f"greedy streams identical: {report['greedy_streams_identical']}, "
               f"token mismatches past the margin: {report['token_mismatches']})")

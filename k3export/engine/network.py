@@ -606,8 +606,9 @@ def _carried(manifest: dict[str, Any]) -> dict[str, Any]:
     return {**manifest, "inputs": widen(manifest["inputs"]), "outputs": widen(manifest["outputs"])}
 
 
-# Measured on k3-tiny bfloat16 (seeds 0-2, prefill and 4 decode steps): the network's error reaches
-# 2.2 times the envelope below; the eager model's own bfloat16 rounding is one sample of that chaos.
+# Measured on k3-tiny float16 and bfloat16 (seeds 0-2, prefill and 4 decode steps): the network's
+# error reaches 0.97 times the spread before any router and 2.7 times it after (random weights: the
+# router's near-ties flip experts, and the flips spread chaotically).
 HALF_SPREAD_FACTOR = 4.0
 
 
@@ -617,15 +618,27 @@ def _layer(name: str) -> float:
     return int(match.group(1)) if match else float("inf")
 
 
+def unrouted_layers(manifest: dict[str, Any]) -> set[int]:
+    """The layers whose caches no router decision reaches: those up to the first MoE layer (a layer's
+    mixer, which writes its caches, runs before its router)."""
+    layers = set()
+    for entry in manifest["schedule"]:
+        layers.add(entry["layer"])
+        if entry["ffn"] == "moe":
+            break
+    return layers
+
+
 def _compare_outputs(label: str, signature: Signature, outs: list[dict[str, np.ndarray]],
                      lengths_after: np.ndarray, input_lengths: np.ndarray, tolerance: Tolerance,
-                     log: Any) -> dict[str, Any]:
+                     unrouted: set[int], log: Any) -> dict[str, Any]:
     """outs: eager, the network, and for half precision eager in float32; compared on their valid
-    entries only. Half precision: rounding error grows layer by layer (with random weights
-    chaotically: a 6e-3 spread at layer 0 becomes 0.3 to 0.9 at the logits of k3-tiny in bfloat16),
-    so layer i's outputs are held to the larger of the dtype's bound and HALF_SPREAD_FACTOR times
-    the largest eager half-vs-float32 spread of layers 0..i at this step; other outputs (logits) to
-    that of every layer. An early layer's outputs are thus held tight, a late one's loosely."""
+    entries only. Half precision: rounding error grows layer by layer, and a router's near-tie can
+    flip an expert in one backend and not the other, a jump that then spreads (see check --onnx).
+    So an output is held to the larger of the dtype's bound and HALF_SPREAD_FACTOR times an eager
+    half-vs-float32 spread at this step: for the caches of `unrouted` layers i, which no router
+    reaches, the largest spread of layers 0..i (tight: a wrong weight there fails); for every other
+    output, the largest spread of the step (loose with random weights)."""
     valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.outputs}
              for out in outs]
     reference, actual = valid[0], valid[1]
@@ -634,8 +647,9 @@ def _compare_outputs(label: str, signature: Signature, outs: list[dict[str, np.n
     if len(outs) > 2:
         spreads = {name: compare(name, ref, valid[2][name], tolerance).rel for name, ref in reference.items()}
         for name in reference:
-            envelope = max(s for other, s in spreads.items() if _layer(other) <= _layer(name))
-            bounds[name] = Tolerance(max(tolerance.rel, HALF_SPREAD_FACTOR * envelope), tolerance.margin)
+            layer = _layer(name) if _layer(name) in unrouted else float("inf")
+            spread = max(s for other, s in spreads.items() if _layer(other) <= layer)
+            bounds[name] = Tolerance(max(tolerance.rel, HALF_SPREAD_FACTOR * spread), tolerance.margin)
         if "logits" in reference:
             diff = np.abs(reference["logits"].astype(np.float64) - valid[2]["logits"]).max()
             margin = max(tolerance.margin, 2 * float(diff))
@@ -678,6 +692,7 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     tolerance = TOLERANCES[dtype]
     last_logits = manifest.get("last_logits", False)
     signature, carried = Signature(manifest), Signature(_carried(manifest))
+    unrouted = unrouted_layers(manifest)
     log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}; "
         f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
     model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
@@ -710,7 +725,8 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
             input_lengths = feed["input_lengths"]
             cache_lengths = cache_lengths + input_lengths
             report["steps"].append(_compare_outputs("prefill" if step == 0 else f"decode {step}", signature,
-                                                    outs, cache_lengths, input_lengths, tolerance, log))
+                                                    outs, cache_lengths, input_lengths, tolerance, unrouted,
+                                                    log))
             tokens = None
             if "logits" in outs[0]:
                 for stream, out in zip(streams, outs, strict=False):
