@@ -17,9 +17,12 @@ against the dense form exported in standard ops).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -97,67 +100,107 @@ class RoutedExperts(DenseExperts):
         return torch.ops.k3.routed_experts(z, experts, weights, self.w1, self.w3, self.w2, 4.0, 25.0)
 
 
-def peak_mb(run: Callable[[], object]) -> float:
-    """Resident memory one call adds at its peak, in MB (Linux: VmHWM after resetting it)."""
+L_MOE, I_MOE = 448, 384  # the published 3584 : 3072, small
+
+
+def moe_case(E: int, k: int, N: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Seeded experts (w1, w3, w2) and routing inputs (z, experts, weights) for one table row."""
+    gen = torch.Generator().manual_seed(E * 100 + k)
+    w1, w3 = (torch.randn(E, I_MOE, L_MOE, generator=gen) * L_MOE**-0.5 for _ in range(2))
+    w2 = torch.randn(E, L_MOE, I_MOE, generator=gen) * I_MOE**-0.5
+    gen = torch.Generator().manual_seed(N)
+    z = torch.randn(N, L_MOE, generator=gen)
+    experts = torch.rand(N, E, generator=gen).argsort(-1)[:, :k]
+    weights = torch.rand(N, k, generator=gen)
+    return (w1, w3, w2), (z, experts, weights / weights.sum(-1, keepdim=True))
+
+
+def ort_session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.enable_cpu_mem_arena = False  # memory goes back after each run: the peak is the call's
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def memory_child(E: int, k: int, N: int, form: str, onnx_path: str, threads: int) -> None:
+    """Prints the resident memory (MB) one call adds at its peak, after a warm-up call (ONNX Runtime
+    prepacks weights on its first run). Run in a fresh process with MALLOC_MMAP_THRESHOLD_ low, so
+    that freed buffers leave the process and VmHWM (reset before the call) measures the call."""
+    torch.set_num_threads(threads)
+    weights, inputs = moe_case(E, k, N)
+    if onnx_path:
+        session = ort_session(Path(onnx_path), threads)
+        feed = dict(zip(("z", "experts", "weights"), (x.numpy() for x in inputs), strict=True))
+
+        def run() -> object:
+            return session.run(None, feed)
+    else:
+        module = (RoutedExperts if form == "routed" else DenseExperts)(*weights).eval()
+
+        def run() -> object:
+            with torch.no_grad():
+                return module(*inputs)
+
     def status(field: str) -> int:
         line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
         return int(line.split()[1])
 
+    run()
     Path("/proc/self/clear_refs").write_text("5")
     base = status("VmRSS:")
     run()
-    return (status("VmHWM:") - base) / 1024
+    print((status("VmHWM:") - base) / 1024)
+
+
+def peak_mb(E: int, k: int, N: int, form: str, onnx_path: Path | None, threads: int) -> float:
+    command = [sys.executable, __file__, "--memory-child", str(E), str(k), str(N), form,
+               str(onnx_path or ""), str(threads)]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 def bench_moe(repeats: int, threads: int) -> None:
-    import tempfile
-
-    import onnxruntime as ort
-
     from k3export.onnx import export_onnx
 
-    L, I = 448, 384  # the published 3584 : 3072, small
-    print(f"\nMoE routed experts, L={L}, I={I}, float32, {threads} threads, median of {repeats}; "
-          f"memory: peak resident memory one call adds")
+    print(f"\nMoE routed experts, L={L_MOE}, I={I_MOE}, float32, {threads} threads, median of {repeats}; "
+          f"MB: the resident memory one call adds at its peak (own process)")
     print("| E | k | tokens | backend | routed ms | dense ms | speed-up | routed MB | dense MB |")
     print("|---|---|---|---|---|---|---|---|---|")
-    gen = torch.Generator().manual_seed(0)
     for E, k in ((64, 4), (56, 1)):
-        w1, w3 = (torch.randn(E, I, L, generator=gen) * L**-0.5 for _ in range(2))
-        w2 = torch.randn(E, L, I, generator=gen) * I**-0.5
-        modules = {"routed": RoutedExperts(w1, w3, w2).eval(), "dense": DenseExperts(w1, w3, w2).eval()}
-        sessions = {}
         with tempfile.TemporaryDirectory() as tmp:
+            expert_weights, _ = moe_case(E, k, 1)
+            modules = {"routed": RoutedExperts(*expert_weights).eval(),
+                       "dense": DenseExperts(*expert_weights).eval()}
+            paths = {}
             for name, module in modules.items():
-                example = (torch.randn(5, L), torch.zeros(5, k, dtype=torch.long), torch.ones(5, k) / k)
-                path = Path(tmp) / f"{name}.onnx"
-                export_onnx(module, example, path,
+                paths[name] = Path(tmp) / f"{name}.onnx"
+                example = (torch.randn(5, L_MOE), torch.zeros(5, k, dtype=torch.long), torch.ones(5, k) / k)
+                export_onnx(module, example, paths[name],
                             dynamic_shapes=({0: "tokens"}, {0: "tokens", 1: "k"}, {0: "tokens", 1: "k"}))
-                options = ort.SessionOptions()
-                options.intra_op_num_threads = threads
-                options.enable_cpu_mem_arena = False  # memory returns after each run: peaks are per call
-                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-                sessions[name] = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        for N in (1, 512):
-            z = torch.randn(N, L, generator=gen)
-            experts = torch.rand(N, E, generator=gen).argsort(-1)[:, :k]
-            weights = torch.rand(N, k, generator=gen)
-            weights = weights / weights.sum(-1, keepdim=True)
-            feed = {"z": z.numpy(), "experts": experts.numpy(), "weights": weights.numpy()}
-            inputs = (z, experts, weights)
-            runs = {
-                "eager": {name: (lambda m=m, x=inputs: m(*x)) for name, m in modules.items()},
-                "ONNX Runtime": {name: (lambda s=s, f=feed: s.run(None, f)) for name, s in sessions.items()},
-            }
-            u_routed = runs["ONNX Runtime"]["routed"]()[0]
-            assert rel_error(torch.from_numpy(u_routed), modules["dense"](z, experts, weights)) < 1e-5
-            for backend, pair in runs.items():
+            sessions = {name: ort_session(path, threads) for name, path in paths.items()}
+            for N in (1, 512):
+                _, inputs = moe_case(E, k, N)
+                feed = dict(zip(("z", "experts", "weights"), (x.numpy() for x in inputs), strict=True))
+                runs = {
+                    "eager": {name: (lambda m=m, x=inputs: m(*x)) for name, m in modules.items()},
+                    "ONNX Runtime": {name: (lambda s=s, f=feed: s.run(None, f))
+                                     for name, s in sessions.items()},
+                }
+                u_routed = runs["ONNX Runtime"]["routed"]()[0]
                 with torch.no_grad():
-                    memory = {name: peak_mb(run) for name, run in pair.items()}
-                    seconds = alternating_medians(pair, repeats)
-                print(f"| {E} | {k} | {N} | {backend} | {seconds['routed'] * 1e3:.2f} | "
-                      f"{seconds['dense'] * 1e3:.2f} | {seconds['dense'] / seconds['routed']:.1f}x | "
-                      f"{memory['routed']:.1f} | {memory['dense']:.1f} |")
+                    assert rel_error(torch.from_numpy(u_routed), modules["dense"](*inputs)) < 1e-5
+                for backend, pair in runs.items():
+                    with torch.no_grad():
+                        seconds = alternating_medians(pair, repeats)
+                    onnx_paths = paths if backend == "ONNX Runtime" else dict.fromkeys(paths)
+                    memory = {name: peak_mb(E, k, N, name, onnx_paths[name], threads) for name in pair}
+                    print(f"| {E} | {k} | {N} | {backend} | {seconds['routed'] * 1e3:.2f} | "
+                          f"{seconds['dense'] * 1e3:.2f} | {seconds['dense'] / seconds['routed']:.1f}x | "
+                          f"{memory['routed']:.1f} | {memory['dense']:.1f} |")
 
 
 def main() -> None:
@@ -165,7 +208,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", choices=["kda", "moe"])
+    parser.add_argument("--memory-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        E, k, N, form, onnx_path, threads = args.memory_child
+        memory_child(int(E), int(k), int(N), form, onnx_path, int(threads))
+        return
     torch.set_num_threads(args.threads)
     print("$ python tools/bench_ops.py " + shlex.join(sys.argv[1:]))
     print(f"torch {torch.__version__}")
