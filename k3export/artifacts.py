@@ -234,3 +234,39 @@ class OutputDir:
         (self.path / _JOURNAL).unlink()
         self.manifest = manifest
         return manifest
+
+
+class OutputFile:
+    """A file a command writes (an engine), with its record `<file>.json` beside it (the command,
+    the file's sha256 and bytes, and what the command adds). An existing file is replaced only if
+    its record says k3export wrote it, or with --overwrite. The record names the file as pending
+    before the file is written, so a rerun after a kill still knows it as ours."""
+
+    def __init__(self, path: str | Path, command: str, overwrite: bool = False) -> None:
+        self.path, self.command = Path(path), command
+        self.record_path = self.path.with_name(f"{self.path.name}.json")
+        if self.path.is_dir():
+            raise UserError(f"--out {self.path}: a folder is there; expected a file name")
+        ours = self._ours()
+        for path in (self.path, self.record_path):
+            if path.exists() and not ours and not overwrite:
+                raise UserError(f"--out {self.path}: {path} exists and k3export did not write it; "
+                                "choose another name, or pass --overwrite to replace it")
+
+    def _ours(self) -> bool:
+        try:
+            record = json.loads(self.record_path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            return False
+        return isinstance(record, dict) and record.get("written_by") == WRITTEN_BY \
+            and self.path.name in {*record.get("files", {}), *record.get("pending", [])}
+
+    def begin(self) -> None:
+        write_json(self.record_path, {"written_by": WRITTEN_BY, "command": self.command, "files": {},
+                                      "pending": [self.path.name]})
+
+    def finish(self, details: dict[str, Any]) -> dict[str, Any]:
+        record = {"written_by": WRITTEN_BY, "command": self.command, **details,
+                  "files": {self.path.name: file_record(self.path)}}
+        write_json(self.record_path, record)
+        return record

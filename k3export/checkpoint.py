@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -37,6 +37,11 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 4 << 30
 PUBLISHED_PREFIX = "language_model."
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# safetensors header dtypes; anything else is refused as mis-typed.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+                      "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 _STACKED_EXPERTS = re.compile(r"(.*\.experts)\.(w[123])(_packed|_scale)?")
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
@@ -120,20 +125,60 @@ def save_checkpoint(model: nn.Module, directory: str | Path,
 
 
 def weight_map(directory: str | Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it, from the index or the single file."""
+    """Tensor name -> the safetensors file that holds it, from the index or the single file.
+    Only safetensors files inside the folder are accepted: pickle checkpoints can run code."""
     directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"--checkpoint {directory}: no such folder")
     index_path = directory / INDEX_NAME
     if index_path.exists():
         try:
             entries = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: expected JSON with a 'weight_map' object ({e})") from None
-        return {name: directory / file for name, file in entries.items()}
+            if not isinstance(entries, dict) or not all(isinstance(f, str) for f in entries.values()):
+                raise TypeError("its values must be file names")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: expected JSON with a 'weight_map' object of tensor name -> "
+                                  f"file name ({e})") from None
+        files = {name: _shard_path(directory, file, index_path) for name, file in entries.items()}
+        return files
     single = directory / SINGLE_NAME
     if not single.exists():
+        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(f"{directory}: holds {', '.join(pickles[:3])} (PyTorch pickle files, which "
+                                  f"can run code when loaded); expected safetensors ({SINGLE_NAME} or "
+                                  f"{INDEX_NAME} with its shards): convert them with safetensors first")
         raise CheckpointError(f"{directory}: no {INDEX_NAME} or {SINGLE_NAME}")
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    return dict.fromkeys(read_headers([single])[single], single)
+
+
+def _shard_path(directory: Path, file: str, index_path: Path) -> Path:
+    path = directory / file
+    if Path(file).is_absolute() or ".." in Path(file).parts \
+            or not path.resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(f"{index_path}: weight_map entry {file!r}: expected a file inside {directory}")
+    if path.suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{index_path}: weight_map entry {file!r} is a PyTorch pickle file (it can run "
+                              "code when loaded); expected .safetensors shards")
+    return path
+
+
+def read_headers(paths: Iterable[Path]) -> dict[Path, dict[str, tuple[list[int], str]]]:
+    """Each safetensors file's tensors (name -> shape, dtype) from its header alone. Every file
+    that is missing or whose header does not parse (a truncated download) is named together."""
+    headers, bad = {}, []
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt") as f:
+                slices = {n: f.get_slice(n) for n in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+                headers[path] = {n: (t.get_shape(), t.get_dtype()) for n, t in slices.items()}
+        except FileNotFoundError:
+            bad.append(f"{path}: missing")
+        except (SafetensorError, OSError) as e:
+            bad.append(f"{path}: not a complete safetensors file ({e}); download it again")
+    if bad:
+        raise CheckpointError("unreadable checkpoint files:\n  " + "\n  ".join(bad))
+    return headers
 
 
 def published_name(name: str) -> str | None:
@@ -236,7 +281,7 @@ def _to_model_layout(name: str, tensor: Tensor, target: Tensor, where: str) -> T
         padded = tensor.dim() == 1 or (tensor.dim() == 4 and tensor.shape[:2] + tensor.shape[3:] == (1, 1, 1))
         flat, heads = tensor.flatten(), target.shape[0]
         if padded and flat.numel() > heads:
-            if flat[heads:].any():
+            if not flat.is_meta and flat[heads:].any():
                 raise CheckpointError(f"{where}: {name} has non-zero entries past the {heads} heads "
                                       f"(shape {list(tensor.shape)}); expected zero padding")
             return flat[:heads]
@@ -248,11 +293,13 @@ def _to_model_layout(name: str, tensor: Tensor, target: Tensor, where: str) -> T
 
 
 class _Loader:
-    """One load: fills the model's slots from the files, recording what did not fit."""
+    """One load: fills the model's slots from the files, recording what did not fit. A dry loader
+    takes meta tensors (shapes and dtypes from the files' headers) and checks without copying."""
 
-    def __init__(self, model: nn.Module, layout: CheckpointLayout) -> None:
+    def __init__(self, model: nn.Module, layout: CheckpointLayout, dry: bool = False) -> None:
         self.slots = checkpoint_slots(model)
-        self.layout = layout
+        self.layout, self.dry = layout, dry
+        self.dtype = getattr(model, "dtype", torch.float32)  # what MXFP4 experts decode to
         self.loaded: set[str] = set()
         self.misshaped: dict[str, str] = {}
         self.pairs: dict[str, dict[str, Tensor]] = {}  # MXFP4 halves waiting for their partner
@@ -270,7 +317,12 @@ class _Loader:
         if tensor.shape != target.shape:
             self.misshaped[ours] = f"{name} ({path.name}: {shape}, model: {list(target.shape)})"
             return
-        target.copy_(tensor)
+        if tensor.dtype.is_floating_point != target.dtype.is_floating_point:
+            self.misshaped[ours] = (f"{name} ({path.name}: {str(tensor.dtype).removeprefix('torch.')}, "
+                                    f"model: {str(target.dtype).removeprefix('torch.')})")
+            return
+        if not self.dry:
+            target.copy_(tensor)
         self.loaded.add(ours)
 
     def add(self, ours: str, tensor: Tensor, path: Path) -> None:
@@ -285,10 +337,12 @@ class _Loader:
             return
         del self.pairs[pair[1]]
         base, packed, scale = pair[1], halves["packed"], halves["scale"]
-        try:
-            mxfp4.check(packed, scale, f"{path}: {self.layout.tensors[f'{base}.weight_scale'][0]}")
-        except mxfp4.MXFP4Error as e:
-            raise CheckpointError(str(e)) from None
+        if not self.dry:
+            try:
+                mxfp4.check(packed, scale, f"{path}: {self.layout.tensors[f'{base}.weight_scale'][0]}",
+                            self.dtype)
+            except mxfp4.MXFP4Error as e:
+                raise CheckpointError(str(e)) from None
         dense = f"{base}.weight"
         if dense not in self.slots:
             self.copy(f"{base}.weight_packed", packed, path)
@@ -301,7 +355,8 @@ class _Loader:
             self.misshaped[dense] = (f"{name}/_scale ({path.name}: {list(packed.shape)} + "
                                      f"{list(scale.shape)}, model: {list(target.shape)} as MXFP4)")
             return
-        target.copy_(mxfp4.dequantize(packed, scale, target.dtype))
+        if not self.dry:
+            target.copy_(mxfp4.dequantize(packed, scale, target.dtype))
         self.loaded.add(dense)
 
 
@@ -327,23 +382,40 @@ def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | Non
     Raises CheckpointError naming every missing, unexpected and mis-shaped tensor; the model
     may then be partly loaded and should be discarded."""
     layout = read_layout(directory)
-    loader = _Loader(model, layout)
+    slots = checkpoint_slots(model)
 
     def needed(name: str) -> bool:
         return layers is None or _in_range(name, layers, len(model.model.layers))
 
-    wanted = [n for n in loader.slots if needed(n)]
     files: dict[Path, list[str]] = {}
     unexpected: list[str] = []
     for ours, (name, path) in layout.tensors.items():
-        if not loader.fills(ours):
+        if not _Loader(model, layout, dry=True).fills(ours):
             unexpected.append(name)
         elif needed(ours):
             files.setdefault(path, []).append(ours)
+    # First every name, shape and dtype against the model, from the headers alone: a bad
+    # checkpoint is refused before any weight is read, with all its problems listed together.
+    headers = read_headers(files)
+    dry = _Loader(model, layout, dry=True)
+    for path, names in files.items():
+        for ours in names:
+            header = headers[path].get(layout.tensors[ours][0])
+            if header is not None:
+                shape, dtype = header
+                dry.add(ours, torch.empty(shape, dtype=SAFETENSORS_DTYPES.get(dtype, torch.int8),
+                                          device="meta"), path)
+    _refuse_mismatch(directory, dry, [n for n in slots if needed(n)], unexpected)
+    loader = _Loader(model, layout)
     for path, names in files.items():
         with safe_open(path, framework="pt") as f:
             for ours in names:
                 loader.add(ours, f.get_tensor(layout.tensors[ours][0]), path)
+    return LoadReport(layout, list(files), len(loader.loaded))
+
+
+def _refuse_mismatch(directory: Path, loader: _Loader, wanted: list[str], unexpected: list[str]) -> None:
+    """Raises naming every missing, unexpected and mis-shaped tensor, if there are any."""
     missing = [n for n in wanted if n not in loader.loaded and n not in loader.misshaped]
     problems = [(label, items) for label, items in
                 (("missing", missing), ("unexpected", unexpected),
@@ -352,7 +424,33 @@ def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | Non
         lines = [f"{label} ({len(items)}): " + ", ".join(items[:10]) + (" ..." if len(items) > 10 else "")
                  for label, items in problems]
         raise CheckpointError(f"{directory}: checkpoint does not match the model:\n  " + "\n  ".join(lines))
-    return LoadReport(layout, list(files), len(loader.loaded))
+
+
+def available_memory() -> int:
+    """Bytes this machine can still allocate without swapping (MemAvailable), or 0 if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _refuse_if_too_large(parts: list[nn.Module], config: K3Config, dtype: torch.dtype,
+                         layers: range | None) -> None:
+    """Refuses, with the numbers, eager weights that cannot fit in this machine's memory, before
+    anything is allocated (the whole published model is 5.6 TB in bfloat16)."""
+    needed = sum(t.numel() * t.element_size() for part in parts
+                 for t in chain(part.parameters(), part.buffers()))
+    available = available_memory()
+    if available and needed > available:
+        span = f"layers {layers.start}:{layers.stop}" if layers else "all layers"
+        raise UserError(
+            f"the eager model ({span} of {config.num_hidden_layers}, {str(dtype).removeprefix('torch.')}) "
+            f"needs {needed / 1e9:,.1f} GB of weights and this machine has {available / 1e9:,.1f} GB "
+            "available; export a layer range that fits (--layers A:B, see `k3export plan`), or the graph "
+            "alone at real shapes (--no-weights)")
 
 
 def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], layers: range | None = None,
@@ -376,7 +474,9 @@ def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], l
         for layer in model.model.layers:
             if not layer.is_dense:
                 layer.block_sparse_moe.experts.keep_packed()
-    for part in model.parts(layers or range(config.num_hidden_layers)):
+    parts = model.parts(layers or range(config.num_hidden_layers))
+    _refuse_if_too_large(parts, config, dtype, layers)
+    for part in parts:
         part.to_empty(device="cpu")
     if "checkpoint" in weights:
         log(load_checkpoint(model, weights["checkpoint"], layers).summary())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 import traceback
@@ -148,6 +149,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from k3export.artifacts import OutputFile
     from k3export.engine.build import Limits, build_engine
 
     if args.recipe:
@@ -156,15 +160,35 @@ def cmd_build(args: argparse.Namespace) -> int:
     if not args.onnx:
         raise UserError("build: expected --onnx DIR (one export) or a RECIPE (every pipeline stage)")
 
+    out = OutputFile(args.out, "build", overwrite=args.overwrite)
     limits = Limits(args.max_batch, args.max_seq)
     print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
           f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}; the export's "
           f"cache capacity)")
+    out.begin()
     result = build_engine(args.onnx, args.out, target=args.target, limits=limits)
+    out.finish({"export": str(Path(args.onnx).resolve()), "target": result.target,
+                "profiles": result.profiles, "network": asdict(result.network)})
     plugins = result.network.plugin_layers
     print(f"wrote {result.engine}: {_human(result.bytes, 'B')} in {result.seconds:.1f} s; "
           f"{result.network.layers} layers, {len(plugins)} k3 plugin layers")
+    print(f"its record (profiles, network census, sha256): {out.record_path}")
     print("this engine cannot be run on this machine (no GPU); TensorRT-RTX has no sm90 target")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from k3export.artifacts import MANIFEST_NAMES, verify
+
+    folder = Path(args.dir)
+    names = [n for n in MANIFEST_NAMES if (folder / n).exists()]
+    if not names:
+        raise UserError(f"{folder}: no k3export manifest ({', '.join(MANIFEST_NAMES)}); expected a folder "
+                        "that `k3export export`, `build` or `check` wrote")
+    for name in names:
+        manifest = verify(folder, name, full=True)
+        size = sum(record["bytes"] for record in manifest["files"].values())
+        print(f"{folder / name}: {len(manifest['files'])} files, {_human(size, 'B')}, every sha256 matches")
     return 0
 
 
@@ -248,8 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser("build", help="a TensorRT-RTX engine from an export, k3 plugins in place")
     build.add_argument("--onnx", metavar="DIR", help="a `k3export export` folder")
-    build.add_argument("--out", required=True, metavar="FILE", help="the engine file to write (with RECIPE: "
-                       "the folder of the stages and their manifest.json)")
+    build.add_argument("--out", required=True, metavar="FILE",
+                       help="the engine file to write, FILE.json beside it recording how it was built (with "
+                       "RECIPE: the folder of the stages and their manifest.json)")
     build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
     build.add_argument("--max-batch", type=int, default=Limits.batch)
     build.add_argument("--max-seq", type=int, default=Limits.seq, help="prefill tokens per call")
@@ -261,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     from k3export.runtime import add_parser as add_run_parser
     add_run_parser(sub)
+
+    verify = sub.add_parser("verify", help="hash every file of an output folder against its manifest")
+    verify.add_argument("dir", metavar="DIR")
+    verify.set_defaults(run=cmd_verify)
 
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then "
                                        "export, check and build")
@@ -276,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (a check passed), 1 a check failed, 2 bad input (one message naming the
     culprit; --debug adds the traceback), 3 an internal error (a bug: its traceback is printed)."""
     args = build_parser().parse_args(argv)
+    if not logging.getLogger("k3export").handlers:
+        handler = logging.StreamHandler()  # stderr, at the time of each message
+        handler.setFormatter(logging.Formatter("k3export: %(levelname)s: %(message)s"))
+        logging.getLogger("k3export").addHandler(handler)
     started = time.perf_counter()
     try:
         code = args.run(args)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,11 +140,17 @@ class K3Config:
             value = _get(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 fail(name, "a positive integer")
+            # Far beyond any model this tool can export; a typo (an extra digit, bytes for counts).
+            largest = {"vocab_size": 1 << 24, "num_hidden_layers": 4096}.get(name, 1 << 20)
+            if value > largest:
+                fail(name, f"at most {largest:,}")
         for name in ["qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace"]:
             value = _get(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 fail(name, "a non-negative integer")
         lac = self.linear_attn_config
+        if lac.short_conv_kernel_size < 2:
+            fail("linear_attn_config.short_conv_kernel_size", "at least 2 (a causal conv over past tokens)")
         if self.num_experts_per_token > self.num_experts:
             fail("num_experts_per_token", f"at most num_experts ({self.num_experts})")
         if self.first_k_dense_replace > self.num_hidden_layers:
@@ -208,6 +216,10 @@ class K3Config:
         if not isinstance(data.get("linear_attn_config"), dict):
             raise ConfigError(f"{source}: field 'linear_attn_config': expected an object "
                               "with full_attn_layers")
+        unknown = _unknown(cls, data, "") + _unknown(LinearAttnConfig, data["linear_attn_config"],
+                                                      "linear_attn_config.")
+        if unknown:
+            log.warning("%s: unknown fields, ignored: %s", source, ", ".join(unknown))
         try:
             return _build(cls, data, "")
         except ConfigError as e:
@@ -249,13 +261,53 @@ def _get(config: K3Config, dotted: str) -> Any:
     return value
 
 
+# What each annotation accepts (bool is not an int here, though Python says it is).
+_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "list[int]": ("a list of integers",
+                  lambda v: isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                        for i in v)),
+    "LinearAttnConfig": ("an object", lambda v: isinstance(v, (dict, LinearAttnConfig))),
+}
+
+# Keys of published and Hugging Face configs that k3export reads no meaning from, on purpose:
+# bookkeeping, tokenizer ids, attention details that K3 fixes (no rotary, MLA/KDA heads as given),
+# and the quantization block (read by the checkpoint loader). Other unknown keys are warned about.
+IGNORED_KEYS = {
+    "architectures", "auto_map", "transformers_version", "initializer_range", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "rope_theta",
+    "rope_scaling", "attention_dropout", "attention_bias", "num_key_value_heads", "head_dim",
+    "dtype", "quantization_config", "moe_layer_freq", "scoring_func", "norm_topk_prob",
+    "use_grouped_topk", "mlp_bias", "pretraining_tp", "tokenizer_class", "text_config",
+    "vision_config", "media_placeholder_token_id", "ignore_index", "name_or_path", "_name_or_path",
+    "torchscript", "return_dict", "output_hidden_states", "output_attentions", "kv_heads",
+}
+log = logging.getLogger("k3export")
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    """Builds a dataclass from the known keys of `data`; other HF keys are ignored."""
+    """Builds a dataclass from the known keys of `data`, each checked against its annotation
+    (a missing required key is an error; from_dict warns about unknown ones)."""
     fields = dataclasses.fields(cls)
     missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
     if missing:
         raise ConfigError(f"field '{prefix}{missing[0]}' is missing")
+    for f in fields:
+        if f.name not in data or (data[f.name] is None and "None" in f.type):
+            continue
+        expected, accepts = _TYPES[f.type.removesuffix(" | None")]
+        if not accepts(data[f.name]):
+            raise ConfigError(f"field '{prefix}{f.name}' = {json.dumps(data[f.name])}: expected {expected}"
+                              + (" or null" if "None" in f.type else ""))
     return cls(**{f.name: data[f.name] for f in fields if f.name in data})
+
+
+def _unknown(cls: type, data: dict[str, Any], prefix: str) -> list[str]:
+    known = {f.name for f in dataclasses.fields(cls)} | IGNORED_KEYS | set(ALIASES)
+    return [prefix + key for key in sorted(set(data) - known)]
 
 
 def _schedule(num_layers: int, period: int, extra: tuple[int, ...] = ()) -> list[int]:

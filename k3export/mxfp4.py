@@ -54,16 +54,21 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat1
     return grouped.flatten(-2).to(dtype)
 
 
-def check(packed: Tensor, scale: Tensor, name: str) -> None:
-    """Refuses a scale byte of 255 (NaN in OCP E8M0) and values beyond the float32 range."""
+def check(packed: Tensor, scale: Tensor, name: str, dtype: torch.dtype = torch.float32) -> None:
+    """Refuses a scale byte of 255 (NaN in OCP E8M0) and values beyond the range of `dtype`, the
+    dtype they will be decoded to (float16 overflows from scale byte 141 on)."""
     bad = (scale == NAN_SCALE).nonzero()
     if len(bad):
         raise MXFP4Error(f"{name}: {len(bad)} scale bytes are 255, NaN in OCP E8M0 (first at "
                          f"{bad[0].tolist()}); expected 0..254")
-    # Only 2^126 and 2^127 times the largest E2M1 values reach 2^128; skip decoding otherwise.
-    if int(scale.max()) >= 253 and not torch.isfinite(dequantize(packed, scale, torch.float32)).all():
-        raise MXFP4Error(f"{name}: scale bytes of {int(scale.max())} make values beyond the float32 "
-                         "range; expected finite weights")
+    largest = torch.finfo(dtype).max
+    # Decode only when the largest scale can lift the largest E2M1 value (6) past the limit.
+    top = int(scale.max())
+    if 6 * 2.0 ** (top - 127) > largest \
+            and not (dequantize(packed, scale, torch.float32).abs() <= largest).all():
+        raise MXFP4Error(f"{name}: scale bytes of {top} make values beyond the "
+                         f"{str(dtype).removeprefix('torch.')} range (largest finite {largest:.6g}); "
+                         "expected finite weights")
 
 
 def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:

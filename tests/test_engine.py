@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 import k3plugins.trt
 from k3export.engine import build
+from k3export.errors import UserError
 
 mode, register, export_dir = sys.argv[1], sys.argv[2] == "register", Path(sys.argv[3])
 trt = build.load_tensorrt_rtx()
@@ -43,7 +44,7 @@ try:
         logger = trt.Logger(trt.Logger.ERROR)
         _, network, _ = build.parse(export_dir / "model.onnx", trt, logger, strict=mode == "strict")
         result = asdict(build.summarize(network, trt, creators))
-except LookupError as error:
+except UserError as error:
     result = {"error": str(error)}
 print(json.dumps(result))
 """

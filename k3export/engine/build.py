@@ -18,7 +18,6 @@ builder checks every k3 node against the registry first and refuses with a messa
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from typing import Any
 
 import onnx
 
-from k3export.artifacts import atomic_path
+from k3export.artifacts import atomic_path, require, verify
 from k3export.engine.rtx_setup import ensure_symlink
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
@@ -95,7 +94,7 @@ def check_plugins(model_path: Path, trt: ModuleType) -> None:
         if registry.get_creator(node.op_type, version, namespace) is None:
             known = sorted(f"{c.plugin_namespace}::{c.name} v{c.plugin_version}"
                            for c in registry.all_creators if c.plugin_namespace == DOMAIN)
-            raise LookupError(
+            raise UserError(
                 f"{model_path}: node {node.name!r} ({DOMAIN}.{node.op_type}) asks for plugin "
                 f"{namespace}::{node.op_type} version {version!r}, which is not registered "
                 f"(registered k3 plugins: {', '.join(known) or 'none'}); without it the parser would "
@@ -112,7 +111,7 @@ def parse(model_path: Path, trt: ModuleType, logger: Any, *, strict: bool = True
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(model_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"{model_path}: the ONNX parser failed: {errors}")
+        raise UserError(f"{model_path}: the TensorRT-RTX ONNX parser refused it: {errors}")
     return builder, network, parser
 
 
@@ -194,10 +193,11 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
     import k3plugins.trt
 
     if target not in TARGETS:
-        raise ValueError(f"--target {target!r}: expected one of {', '.join(TARGETS)}")
+        raise UserError(f"--target {target!r}: expected one of {', '.join(TARGETS)}")
     start = time.perf_counter()
     export_dir, out = Path(export_dir), Path(out)
-    manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
+    manifest = verify(export_dir, MANIFEST_FILE)
+    require(manifest, export_dir / MANIFEST_FILE, "inputs")
     profiles = profile_shapes(manifest, limits or Limits())
     trt = trt or load_tensorrt_rtx()
     logger = trt.Logger(trt.Logger.WARNING)
@@ -210,7 +210,7 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
     # The list of targets is empty until sized; set_compute_capability fails (returns False) before.
     config.num_compute_capabilities = 1
     if not config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), 0):
-        raise RuntimeError(f"TensorRT-RTX refused compute capability {target}")
+        raise UserError(f"--target {target}: TensorRT-RTX refused this compute capability")
     # KDA's final state aliases its initial state (k3plugins' get_aliased_input): a preview feature,
     # without which the build refuses the plugin.
     config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
@@ -221,8 +221,8 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
         config.add_optimization_profile(profile)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise RuntimeError(f"{export_dir / GRAPH_FILE}: TensorRT-RTX could not build an engine for "
-                           f"{target} (see the log above)")
+        raise UserError(f"{export_dir / GRAPH_FILE}: TensorRT-RTX could not build an engine for "
+                        f"{target} (see the log above)")
     with atomic_path(out) as tmp:
         tmp.write_bytes(serialized)
     return BuildResult(str(out), target, profiles, out.stat().st_size, time.perf_counter() - start, summary)
