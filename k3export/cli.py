@@ -126,26 +126,44 @@ def cmd_check(args: argparse.Namespace) -> int:
         return cmd_check_build(args)
 
     if args.network:
-        from k3export.engine.network import HALF_SPREAD_FACTOR, run_network_check
+        from k3export.engine.network import run_network_check
     run = run_network_check if args.network else run_check
     report = run(args.network or args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
                  prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        failed = ", ".join(report["failed_outputs"]) or "tokens"
-        verdict = "PASSED" if report["passed"] else f"FAILED: {failed}"
-        bound = report["tolerance"]["rel"]
-        if report["dtype"] != "float32":
-            bound = (f"max({bound}, {HALF_SPREAD_FACTOR:g}x the eager float32 spread of the step, or of "
-                     "the layers so far before any router)" if args.network
-                     else f"max({bound}, 2x the eager float32 spread)")
-        print(f"{verdict} ({report['dtype']}, relative error <= {bound}; "
-              f"greedy streams identical: {report['greedy_streams_identical']}, "
-              f"token mismatches past the margin: {report['token_mismatches']})")
+        print(_check_verdict(report, network=args.network))
         if not args.network:
             print(f"replay the prefill comparison: {report['polygraphy_command']}")
     return 0 if report["passed"] else 1
+
+
+def _check_verdict(report: dict, network: bool = False) -> str:
+    """PASSED or FAILED with every reason, then the bound and the token agreement."""
+    from k3export.engine.network import HALF_SPREAD_FACTOR
+    from k3export.parity import HALF_REL_CAP, MAX_TIE_FRACTION
+
+    reasons = []
+    if report.get("first_nonfinite"):
+        first = report["first_nonfinite"]
+        reasons.append(f"NaN/Inf first in {', '.join(first['outputs'])} at {first['step']}")
+    if report["failed_outputs"]:
+        reasons.append(", ".join(report["failed_outputs"]))
+    if report["token_mismatches"]:
+        reasons.append(f"{report['token_mismatches']} greedy tokens differ past the tie margin")
+    if report.get("too_many_ties"):
+        reasons.append(f"{report['token_ties']} of {report['token_positions']} greedy positions differ "
+                       f"within the tie margin (over {MAX_TIE_FRACTION:.0%}: the comparison says nothing)")
+    bound = report["tolerance"]["rel"]
+    if report["dtype"] != "float32":
+        spread = (f"{HALF_SPREAD_FACTOR:g}x the eager float32 spread up to each layer" if network
+                  else "2x the eager float32 spread")
+        bound = f"min({max(bound, HALF_REL_CAP)}, max({bound}, {spread}))"
+    return (("PASSED" if report["passed"] else "FAILED: " + "; ".join(reasons))
+            + f" ({report['dtype']}, relative error <= {bound}; greedy streams identical: "
+            f"{report['greedy_streams_identical']}; token mismatches {report['token_mismatches']}, ties "
+            f"{report.get('token_ties', '-')} of {report.get('token_positions', '-')} positions)")
 
 
 def cmd_build(args: argparse.Namespace) -> int:

@@ -49,7 +49,7 @@ from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model.cache import check_request
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
-from k3export.parity import TOLERANCES, Tolerance, compare, top1_agreement
+from k3export.parity import TOLERANCES, Tolerance, compare, half_precision_tolerance, top1_agreement, verdict
 
 # Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
 CHECK_DIR, CHECK_MANIFEST = "check", "check.json"
@@ -360,12 +360,8 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
                 tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
             feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
         report["aliased"] = dict(runners[1].aliased)
-    failed = sorted({c["name"] for s in report["steps"] for c in s["outputs"] if not c["passed"]})
-    mismatched = sum(s.get("tokens", {}).get("mismatches", 0) for s in report["steps"])
-    report["failed_outputs"] = failed
-    report["token_mismatches"] = mismatched
+    report.update(verdict(report["steps"]))
     report["greedy_streams_identical"] = streams[0] == streams[1]
-    report["passed"] = not failed and mismatched == 0
     atol, rtol = POLYGRAPHY_TOLERANCES[dtype]
     # Elementwise replay tolerance: at least what the prefill comparison itself accepted.
     atol = max(atol, 2 * max(c["max_abs"] for c in report["steps"][0]["outputs"]))
@@ -401,10 +397,11 @@ def _compare_step(label: str, signature: Signature, outs: list[dict[str, np.ndar
     bound, margin = tolerance, tolerance.margin
     if len(outs) > 2:
         spread = max(compare(name, ref, valid[2][name], tolerance).rel for name, ref in reference.items())
-        bound = Tolerance(max(tolerance.rel, 2 * spread), tolerance.margin)
+        logit_spread = 0.0
         if "logits" in reference:
-            diff = np.abs(reference["logits"].astype(np.float64) - valid[2]["logits"]).max()
-            margin = max(tolerance.margin, 2 * float(diff))
+            logit_spread = float(np.abs(reference["logits"].astype(np.float64) - valid[2]["logits"]).max())
+        bound = half_precision_tolerance(tolerance, spread, logit_spread)
+        margin = bound.margin
     comparisons = [compare(name, actual[name], ref, bound) for name, ref in reference.items()]
     step: dict[str, Any] = {"step": label, "outputs": [c.as_dict() for c in comparisons]}
     worst = max(comparisons, key=lambda c: c.rel / c.bound)
@@ -418,5 +415,9 @@ def _compare_step(label: str, signature: Signature, outs: list[dict[str, np.ndar
         line += (f"; logits rel {logits.rel:.2e} cos {logits.cosine:.6f}; top-1 {tokens.agree}/"
                  f"{tokens.positions} (ties {tokens.ties}, mismatches {tokens.mismatches})")
     failed = [c.name for c in comparisons if not c.passed]
+    nonfinite = [c.name for c in comparisons if not c.finite]
+    if nonfinite:
+        step["nonfinite"] = nonfinite
+        line += f"; NaN/Inf in {', '.join(nonfinite)}"
     log(line + (f"  FAILED: {', '.join(failed)}" if failed else ""))
     return step
