@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -32,6 +33,14 @@ _JOURNAL = ".k3export-journal.json"
 # size and mtime of each file when it was last hashed: the fast path of `verify`.
 _STAT_CACHE = ".k3export-verified.json"
 _OURS = (_JOURNAL, _STAT_CACHE)
+# Tests kill the process at a named point of a commit (K3EXPORT_TEST_KILL_AT=point) to prove that
+# a run killed anywhere leaves no incomplete file at a final name and that the rerun completes.
+_KILL_AT = "K3EXPORT_TEST_KILL_AT"
+
+
+def _test_kill_point(point: str) -> None:
+    if os.environ.get(_KILL_AT) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -215,6 +224,7 @@ class OutputDir:
         manifest = {"written_by": WRITTEN_BY, "command": self.command, **manifest,
                     "files": {name: file_record(stage / name) for name in new}}
         write_json(manifest_path, manifest)
+        _test_kill_point("staged")
         write_json(self.path / _JOURNAL, sorted(self.owned | set(new) | {self.manifest_name}))
         # No manifest while files move: a folder caught half-way is never taken as complete.
         (self.path / self.manifest_name).unlink(missing_ok=True)
@@ -222,6 +232,7 @@ class OutputDir:
         for name in new:
             (self.path / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(stage / name, self.path / name)
+            _test_kill_point("moving")
         for name in sorted(self.owned - set(new) - {self.manifest_name, *_OURS}):
             path = self.path / name
             path.unlink(missing_ok=True)
@@ -230,6 +241,7 @@ class OutputDir:
                 if parent == self.path or not parent.is_dir() or any(parent.iterdir()):
                     break
                 parent.rmdir()
+        _test_kill_point("before-manifest")
         os.replace(manifest_path, self.path / self.manifest_name)
         (self.path / _JOURNAL).unlink()
         self.manifest = manifest

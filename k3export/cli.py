@@ -169,8 +169,9 @@ def _check_verdict(report: dict, network: bool = False) -> str:
 def cmd_build(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from k3export.artifacts import OutputFile
+    from k3export.artifacts import OutputFile, verify
     from k3export.engine.build import Limits, build_engine
+    from k3export.onnx.export import MANIFEST_FILE
 
     if args.recipe:
         from k3export.stages import cmd_build_recipe
@@ -179,6 +180,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise UserError("build: expected --onnx DIR (one export) or a RECIPE (every pipeline stage)")
 
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
+    verify(args.onnx, MANIFEST_FILE)  # before the engine's record is begun (build_engine's is then cheap)
     limits = Limits(args.max_batch, args.max_seq)
     print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
           f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}; the export's "

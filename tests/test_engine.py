@@ -17,6 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from k3export.artifacts import file_record
 from k3export.engine.build import FUNCTION_ONLY_OPS, Limits, profile_shapes
 from k3export.errors import UserError
 
@@ -95,7 +96,8 @@ def small_export(folder: Path, concat_cache: bool = False) -> Path:
                               opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("k3", 1)])
     folder.mkdir(parents=True)
     onnx.save(model, folder / "model.onnx")
-    manifest = {"capacity": C, "inputs": [{"name": n, "shape": shape} for n, _, shape in specs]}
+    manifest = {"capacity": C, "inputs": [{"name": n, "shape": shape} for n, _, shape in specs],
+                "files": {"model.onnx": file_record(folder / "model.onnx")}}
     (folder / "export.json").write_text(json.dumps(manifest))
     return folder
 

@@ -1,0 +1,277 @@
+"""Bad input through the command line, as a new user gives it: each case runs `k3export` in a
+subprocess and asserts the exit code (2), that the message names the culprit, that no traceback is
+printed, and that files already there (a user's file, a previous good artifact) are unchanged.
+Also: runs killed at chosen points and at a random one leave no incomplete file at a final name,
+and the rerun completes and verifies."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3export.artifacts import sha256
+from k3export.checkpoint import INDEX_NAME, save_checkpoint
+from k3export.cli import main
+
+
+def k3export(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k3export.cli", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})})
+
+
+def refused(result: subprocess.CompletedProcess, *culprits: str) -> None:
+    """Exit 2, one short message naming every culprit, no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    for culprit in culprits:
+        assert culprit in result.stderr, (culprit, result.stderr[-2000:])
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# -- output folders ---------------------------------------------------------------------------------
+
+def test_export_refuses_a_folder_with_a_users_file(tmp_path):
+    folder = tmp_path / "precious"
+    folder.mkdir()
+    (folder / "thesis.txt").write_text("draft")
+    refused(k3export("export", "--preset", "k3-tiny", "--out", str(folder)), "thesis.txt", "--overwrite")
+    assert snapshot(folder) == {"thesis.txt": sha256(folder / "thesis.txt")}
+    refused(k3export("export", "--preset", "k3-tiny", "--out", str(folder / "thesis.txt")), "a file is there")
+    assert (folder / "thesis.txt").read_text() == "draft"
+
+
+def test_overwrite_replaces_only_what_the_tool_wrote(tiny_export, tmp_path):
+    """A previous export with a user's file beside it: --overwrite keeps the user's file and replaces
+    the export's own files; a rerun into the tool's own folder needs no flag."""
+    folder = tmp_path / "again"
+    shutil.copytree(tiny_export, folder)
+    assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--out", str(folder)]) == 0
+    (folder / "notes.md").write_text("mine")
+    (folder / "model.onnx.data").write_bytes(b"stale")  # an old artifact the rerun must replace
+    refused(k3export("export", "--preset", "k3-tiny", "--out", str(folder)), "notes.md")
+    assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--out", str(folder), "--overwrite"]) == 0
+    assert (folder / "notes.md").read_text() == "mine"
+    assert sha256(folder / "model.onnx.data") == sha256(tiny_export / "model.onnx.data")
+    assert main(["verify", str(folder)]) == 0
+
+
+def test_build_refuses_to_replace_a_file_it_did_not_write(tiny_export, tmp_path):
+    engine = tmp_path / "model.engine"
+    engine.write_text("somebody's engine")
+    refused(k3export("build", "--onnx", str(tiny_export), "--out", str(engine)), str(engine), "--overwrite")
+    assert engine.read_text() == "somebody's engine"
+
+
+# -- export folders that are not what they claim ------------------------------------------------------
+
+@pytest.fixture()
+def damaged(tiny_export, tmp_path):
+    """A copy of the export to damage (the session's export stays intact)."""
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_export, folder, ignore=shutil.ignore_patterns("check"))
+    return folder
+
+
+@pytest.mark.parametrize("command", ["check", "build"])
+def test_missing_and_tampered_files_are_refused_before_anything_runs(damaged, tmp_path, command):
+    extra = ["--out", str(tmp_path / "x.engine")] if command == "build" else []
+    data = damaged / "model.onnx.data"
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 1  # same size, one bit changed
+    data.write_bytes(bytes(blob))
+    refused(k3export(command, "--onnx", str(damaged), *extra), "model.onnx.data", "sha256")
+    (damaged / "model.onnx").unlink()
+    refused(k3export(command, "--onnx", str(damaged), *extra), "model.onnx", "missing")
+    assert not (tmp_path / "x.engine").exists()
+
+
+def test_damaged_manifests_name_the_file_and_field(damaged):
+    manifest = damaged / "export.json"
+    good = json.loads(manifest.read_text())
+    manifest.write_text(manifest.read_text()[:100])
+    refused(k3export("check", "--onnx", str(damaged)), str(manifest), "not valid JSON")
+    manifest.write_text(json.dumps({k: v for k, v in good.items() if k != "dtype"}))
+    refused(k3export("check", "--onnx", str(damaged)), str(manifest), "'dtype'")
+    manifest.write_text(json.dumps({**good, "files": {"../../etc/passwd": {"sha256": "0", "bytes": 1}}}))
+    refused(k3export("check", "--onnx", str(damaged)), "../../etc/passwd", "inside")
+    refused(k3export("check", "--onnx", str(damaged / "nowhere")), "nowhere")
+
+
+def test_verify_hashes_everything(damaged):
+    assert k3export("verify", str(damaged)).returncode == 0
+    config = damaged / "config.json"
+    stat = config.stat()
+    config.write_text(config.read_text().replace("64", "65", 1))
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same mtime: only a full hash sees it
+    refused(k3export("verify", str(damaged)), "config.json", "sha256")
+
+
+# -- configs ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "culprit"), [
+    ('{"linear_attn_config": {"full_attn_layers": [4], "gate_lower_bound": "x"}}', "gate_lower_bound"),
+    ('{"linear_attn_config": {"full_attn_layers": [4], "kda_layers": 3}}', "kda_layers"),
+    ('{"linear_attn_config": {"full_attn_layers": [true]}}', "full_attn_layers"),
+    ('{"linear_attn_config": {"full_attn_layers": [4, 94]}}', "full_attn_layers"),
+    ('{"linear_attn_config": {"full_attn_layers": [4], "short_conv_kernel_size": 1}}', "short_conv"),
+    ('{"hidden_size": 70000000, "linear_attn_config": {"full_attn_layers": [4]}}', "hidden_size"),
+    ('{"num_attention_heads": 7, "linear_attn_config": {"full_attn_layers": [4]}}', "num_heads"),
+    ('{"hidden_size": 7168}', "linear_attn_config"),
+    ('{"hidden_size": 7168', "not valid JSON"),
+])
+def test_bad_configs(tmp_path, text, culprit):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    refused(k3export("info", "--config", str(path)), str(path), culprit)
+
+
+def test_unknown_config_keys_are_warned_about_except_known_hf_ones(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"rope_theta": 1.0, "architectures": ["X"], "hiden_size": 7168,
+                                "linear_attn_config": {"full_attn_layers": [4], "headdim": 1}}))
+    assert main(["info", "--config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "hiden_size" in err and "linear_attn_config.headdim" in err
+    assert "rope_theta" not in err and "architectures" not in err
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def sharded(tiny_model, tmp_path):
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_model, folder, max_shard_bytes=600_000)
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) >= 3
+    return folder, shards
+
+
+def test_truncated_and_missing_shards_are_named_together_before_loading(sharded, tmp_path):
+    folder, shards = sharded
+    shards[-1].write_bytes(shards[-1].read_bytes()[:-1000])
+    shards[0].unlink()
+    out = tmp_path / "out"
+    result = k3export("export", "--checkpoint", str(folder), "--out", str(out))
+    refused(result, shards[0].name, "missing", shards[-1].name, "download it again")
+    assert not out.exists()
+
+
+def test_misshaped_and_unexpected_tensors_are_listed_together(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ckpt"
+    save_checkpoint(tiny_model, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.input_layernorm.weight"] = torch.ones(3)
+    tensors["model.layers.1.self_attn.A_log"] = torch.ones(2, dtype=torch.int32)
+    tensors["model.layers.99.mystery.weight"] = torch.ones(1)
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    result = k3export("export", "--checkpoint", str(folder), "--out", str(tmp_path / "out"))
+    refused(result, "mis-shaped", "model.layers.0.input_layernorm.weight", "int32",
+            "unexpected", "model.layers.99.mystery.weight", "missing", "lm_head.weight")
+
+
+def test_pickles_and_paths_outside_the_folder_are_refused(sharded, tmp_path):
+    folder, _ = sharded
+    index = json.loads((folder / INDEX_NAME).read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "../elsewhere.safetensors"
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    refused(k3export("info", "--checkpoint", str(folder)), "../elsewhere.safetensors", "inside")
+    index["weight_map"][name] = "pytorch_model.bin"
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    refused(k3export("info", "--checkpoint", str(folder)), "pytorch_model.bin", "pickle")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(folder / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    refused(k3export("info", "--checkpoint", str(pickled)), "pytorch_model.bin", "pickle")
+
+
+def test_mxfp4_values_beyond_float16_are_refused():
+    from k3export import mxfp4
+
+    packed = torch.full((2, 16), 0x77, dtype=torch.uint8)  # code 7: 6.0
+    scale = torch.full((2, 1), 127 + 14, dtype=torch.uint8)  # 6 * 2^14 = 98304 > 65504
+    mxfp4.check(packed, scale, "w", torch.bfloat16)
+    with pytest.raises(mxfp4.MXFP4Error, match=r"w: scale bytes of 141 make values beyond the float16"):
+        mxfp4.check(packed, scale, "w", torch.float16)
+
+
+# -- sizes --------------------------------------------------------------------------------------------
+
+def test_a_model_larger_than_memory_is_refused_before_allocating(tmp_path):
+    out = tmp_path / "k3"
+    result = k3export("export", "--preset", "kimi-k3", "--out", str(out))
+    refused(result, "5,559.0 GB", "available", "--no-weights")
+    assert not out.exists()
+
+
+# -- internal errors and --debug ---------------------------------------------------------------------
+
+def test_internal_errors_keep_their_traceback(monkeypatch, capsys):
+    import k3export.cli as cli
+
+    path = "/nonexistent/config.json"
+    assert cli.main(["--debug", "info", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and f"k3export: error: {path}: no such file" in err
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_info", broken)
+    assert cli.main(["info", "--preset", "k3-tiny"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'a bug'" in err and "internal error" in err
+
+
+# -- crash safety -------------------------------------------------------------------------------------
+
+def _complete(folder: Path, reference: Path) -> None:
+    """Every file at a final name equals the complete export's; nothing half-written is visible."""
+    for name, digest in snapshot(folder).items():
+        if not name.startswith("."):
+            assert digest == sha256(reference / name), name
+
+
+@pytest.mark.parametrize("point", ["staged", "moving", "before-manifest"])
+def test_killed_exports_leave_no_incomplete_file_and_rerun(tiny_export, tmp_path, point):
+    folder = tmp_path / "killed"
+    args = ("export", "--preset", "k3-tiny", "--seed", "0", "--out", str(folder))
+    result = k3export(*args, env={"K3EXPORT_TEST_KILL_AT": point})
+    assert result.returncode == -signal.SIGKILL
+    _complete(folder, tiny_export)
+    assert not (folder / "export.json").exists()  # the folder is not taken as a complete export
+    assert k3export(*args).returncode == 0
+    assert k3export("verify", str(folder)).returncode == 0
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["config.json", "export.json", "model.onnx", "model.onnx.data", ".k3export-verified.json"])
+
+
+def test_export_killed_at_a_random_moment(tiny_export, tmp_path):
+    folder = tmp_path / "random"
+    args = [sys.executable, "-m", "k3export.cli", "export", "--preset", "k3-tiny", "--seed", "0",
+            "--out", str(folder)]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(random.Random(os.getpid()).uniform(2.0, 12.0))
+    process.kill()
+    process.wait()
+    if folder.exists():
+        _complete(folder, tiny_export)
+    assert subprocess.run(args, capture_output=True).returncode == 0
+    assert k3export("verify", str(folder)).returncode == 0
