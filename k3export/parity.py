@@ -16,9 +16,11 @@ in ten greedy tokens compared.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -101,12 +103,20 @@ def top1_agreement(logits: np.ndarray, reference: np.ndarray, margin: float) -> 
     return TokenAgreement(len(ref), int(same.sum()), int((~same & tie).sum()))
 
 
-def verdict(steps: list[dict]) -> dict:
+def nonfinite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the floating-point tensors that hold a NaN or an Inf, in order."""
+    return [name for name, t in named if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
+def verdict(steps: list[dict], nonfinite_weights: list[str] = ()) -> dict:
     """A run's verdict from its steps' comparisons (each step: {"step", "outputs", "tokens"?,
-    "nonfinite"?}): which outputs failed, the first NaN/Inf (step and output), token mismatches and
-    ties, and whether it passed (no failed output, no mismatch, ties within MAX_TIE_FRACTION)."""
+    "nonfinite"?}): which outputs failed, the first NaN/Inf (step and output; or the weights that
+    hold one), token mismatches and ties, and whether it passed (no failed output, no mismatch, ties
+    within MAX_TIE_FRACTION, finite weights)."""
     failed = sorted({c["name"] for s in steps for c in s["outputs"] if not c["passed"]})
     nonfinite = [{"step": s["step"], "outputs": s["nonfinite"]} for s in steps if s.get("nonfinite")]
+    if nonfinite_weights:
+        nonfinite.insert(0, {"step": "weights", "outputs": list(nonfinite_weights)})
     tokens = [s["tokens"] for s in steps if "tokens" in s]
     positions = sum(t["positions"] for t in tokens)
     ties = sum(t["ties"] for t in tokens)
@@ -115,4 +125,4 @@ def verdict(steps: list[dict]) -> dict:
     return {"failed_outputs": failed, "first_nonfinite": nonfinite[0] if nonfinite else None,
             "token_mismatches": mismatches, "token_ties": ties, "token_positions": positions,
             "too_many_ties": too_many_ties,
-            "passed": not failed and mismatches == 0 and not too_many_ties}
+            "passed": not failed and mismatches == 0 and not too_many_ties and not nonfinite}

@@ -275,3 +275,23 @@ def test_export_killed_at_a_random_moment(tiny_export, tmp_path):
         _complete(folder, tiny_export)
     assert subprocess.run(args, capture_output=True).returncode == 0
     assert k3export("verify", str(folder)).returncode == 0
+
+
+# -- numerical faults ----------------------------------------------------------------------------------
+
+def test_a_nan_weight_fails_the_check_naming_it(tiny_model, tmp_path):
+    """A checkpoint with one Inf weight exports (the file is what it is) and the check fails (exit 1),
+    naming the weight, then the first step and outputs where NaN/Inf appear."""
+    from k3export.checkpoint import build_model
+
+    model = build_model(tiny_model.config, torch.float32, {"seed": 0})
+    name = "model.layers.5.post_attention_layernorm.weight"
+    with torch.no_grad():
+        model.get_parameter(name)[3] = float("inf")
+    save_checkpoint(model, tmp_path / "ckpt")
+    exported = k3export("export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    result = k3export("check", "--onnx", str(tmp_path / "x"), "--steps", "1")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"NaN/Inf first in {name} at weights" in result.stdout
+    assert "NaN/Inf in" in result.stdout and "prefill" in result.stdout

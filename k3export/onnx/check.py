@@ -49,7 +49,15 @@ from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model.cache import check_request
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
-from k3export.parity import TOLERANCES, Tolerance, compare, half_precision_tolerance, top1_agreement, verdict
+from k3export.parity import (
+    TOLERANCES,
+    Tolerance,
+    compare,
+    half_precision_tolerance,
+    nonfinite_tensors,
+    top1_agreement,
+    verdict,
+)
 
 # Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
 CHECK_DIR, CHECK_MANIFEST = "check", "check.json"
@@ -320,6 +328,7 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
     log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}; "
         f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
     model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
+    nonfinite_weights = nonfinite_tensors(model.named_parameters())
     runners: list[BaseRunner] = [
         EagerRunner(ExportGraph(model, layers, last_logits), "eager", signature),
         BoundOnnxrtRunner(onnx_dir / GRAPH_FILE, signature),
@@ -360,7 +369,7 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
                 tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
             feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
         report["aliased"] = dict(runners[1].aliased)
-    report.update(verdict(report["steps"]))
+    report.update(verdict(report["steps"], nonfinite_weights))
     report["greedy_streams_identical"] = streams[0] == streams[1]
     atol, rtol = POLYGRAPHY_TOLERANCES[dtype]
     # Elementwise replay tolerance: at least what the prefill comparison itself accepted.
