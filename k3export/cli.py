@@ -219,11 +219,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from k3export.demo import run_demo
 
     code = run_demo(args.seed, args.prompt_len, args.steps)
+    # Each command's output where a rerun expects it: the export folder holds only the export (and
+    # check's own check/), the engine and its record sit beside it.
     out = Path(args.out)
-    stages = [["export", "--preset", "k3-tiny", "--seed", str(args.seed), "--out", str(out)],
-              ["check", "--onnx", str(out), "--steps", str(args.steps)]]
+    export = out / "export"
+    stages = [["export", "--preset", "k3-tiny", "--seed", str(args.seed), "--out", str(export)],
+              ["check", "--onnx", str(export), "--steps", str(args.steps)]]
     if importlib.util.find_spec("tensorrt_rtx"):
-        stages.append(["build", "--onnx", str(out), "--out", str(out / "k3-tiny.sm89.engine"),
+        stages.append(["build", "--onnx", str(export), "--out", str(out / "k3-tiny.sm89.engine"),
                        "--max-seq", "128"])
     else:
         print("(TensorRT-RTX is not installed: `pip install -c constraints.txt -e '.[engine]'` "
@@ -316,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--prompt-len", type=int, default=80)
     demo.add_argument("--steps", type=int, default=8)
-    demo.add_argument("--out", default="out/demo", metavar="DIR", help="where the export and engine go")
+    demo.add_argument("--out", default="out/demo", metavar="DIR",
+                      help="where the export (DIR/export) and the engine go")
     demo.set_defaults(run=cmd_demo)
     return parser
 
