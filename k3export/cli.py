@@ -325,14 +325,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.Handler):
+    """Warnings as `k3export: warning: ...` on whatever sys.stderr is when they are emitted."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"k3export: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (a check passed), 1 a check failed, 2 bad input (one message naming the
     culprit; --debug adds the traceback), 3 an internal error (a bug: its traceback is printed)."""
     args = build_parser().parse_args(argv)
     if not logging.getLogger("k3export").handlers:
-        handler = logging.StreamHandler()  # stderr, at the time of each message
-        handler.setFormatter(logging.Formatter("k3export: %(levelname)s: %(message)s"))
-        logging.getLogger("k3export").addHandler(handler)
+        logging.getLogger("k3export").addHandler(_StderrHandler())
     started = time.perf_counter()
     try:
         code = args.run(args)
