@@ -104,8 +104,10 @@ def top1_agreement(logits: np.ndarray, reference: np.ndarray, margin: float) -> 
 
 
 def nonfinite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """The names of the floating-point tensors that hold a NaN or an Inf, in order."""
-    return [name for name, t in named if t.is_floating_point() and not torch.isfinite(t).all()]
+    """The names of the floating-point tensors that hold a NaN or an Inf, in order (tensors on the
+    meta device, the parts a layer range does not hold, have no values to check)."""
+    return [name for name, t in named
+            if t.is_floating_point() and not t.is_meta and not torch.isfinite(t).all()]
 
 
 def verdict(steps: list[dict], nonfinite_weights: list[str] = ()) -> dict:
