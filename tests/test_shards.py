@@ -3,6 +3,7 @@ from the ONNX files), resume after an interruption, files held to the manifest b
 TensorRT-RTX build with one engine per stage, and the sharded runtime (in-process and 2 processes
 over gloo) against one ONNX Runtime session and the eager model."""
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -64,10 +65,10 @@ def flip_byte(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def onnx_build(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
-    """engines/k3-tiny.toml with the onnx backend, built as a user would live through it: stopped
-    after its first stage, rerun (resume), then one file altered and rerun (that stage rebuilt)."""
+    """engines/k3-tiny.toml in 3 stages with the onnx backend, built as a user would live through it:
+    stopped after its first stage, rerun (resume), then one file altered and rerun (that stage rebuilt)."""
     out = tmp_path_factory.mktemp("shards") / "tiny"
-    recipe = load_recipe(TINY)
+    recipe = dataclasses.replace(load_recipe(TINY), stage_count=3)
     runs: dict[str, Any] = {}
 
     def stop_after_first(index: int) -> None:
@@ -95,9 +96,9 @@ def onnx_build(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
 
 def test_resume_skips_finished_stages(onnx_build) -> None:
     _, runs = onnx_build
-    first, second = runs["ranges"]
+    first, *rest = runs["ranges"]
     assert runs["interrupted"] == [first]
-    assert runs["resumed"] == [second]  # stage 0 was not exported again
+    assert runs["resumed"] == rest  # stage 0 was not exported again
 
 
 def test_altered_file_refused_and_its_stage_rebuilt(onnx_build) -> None:
@@ -137,20 +138,35 @@ def test_refuses_a_folder_of_user_files(tmp_path: Path, capsys) -> None:
     assert main(["build", str(TINY), "--out", str(tmp_path / "new"), "--stage", "7"]) == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx is not installed")
-def test_tensorrt_rtx_build(tmp_path: Path) -> None:
-    recipe = load_recipe(TINY)
+@pytest.fixture(scope="session")
+def rtx_build(tmp_path_factory) -> tuple[Path, dict[str, Any], dict[str, list]]:
+    """engines/k3-tiny.toml as it is: 2 stages, TensorRT-RTX for sm89."""
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        pytest.skip("tensorrt_rtx is not installed")
+    out = tmp_path_factory.mktemp("shards") / "tiny-rtx"
     with pytest.MonkeyPatch.context() as mp:
         calls = count_calls(mp)
-        manifest = build_recipe(recipe, tmp_path, log=lambda _: None)
-    assert manifest["backend"] == "tensorrt-rtx" and len(calls["engine"]) == recipe.stage_count
-    engines = [tmp_path / s["engine"] for s in manifest["stages"]]
-    assert all(e.is_file() and e.stat().st_size > 0 and s["engine"] in manifest["files"]
-               for e, s in zip(engines, manifest["stages"], strict=True))
-    verify(tmp_path, MANIFEST, full=True)
-    flip_byte(engines[0])
+        manifest = build_recipe(load_recipe(TINY), out, log=lambda _: None)
+    return out, manifest, calls
+
+
+def test_tensorrt_rtx_build(rtx_build, tmp_path: Path) -> None:
+    out, manifest, calls = rtx_build
+    assert manifest["backend"] == "tensorrt-rtx" and len(calls["engine"]) == load_recipe(TINY).stage_count
+    engines = [s["engine"] for s in manifest["stages"]]
+    assert all((out / e).is_file() and (out / e).stat().st_size and e in manifest["files"] for e in engines)
+    verify(out, MANIFEST, full=True)
+    altered = tmp_path / "altered"
+    shutil.copytree(out, altered)
+    flip_byte(altered / engines[0])
     with pytest.raises(UserError, match="sha256"):
-        verify(tmp_path, MANIFEST, full=True)
+        verify(altered, MANIFEST, full=True)
+
+
+@pytest.fixture(params=["3 stages, onnx", "2 stages, tensorrt-rtx"])
+def sharded(request) -> Path:
+    """A built k3-tiny folder: 3 onnx stages, or the recipe's 2 (their exports run in ONNX Runtime)."""
+    return request.getfixturevalue("onnx_build" if request.param.endswith("onnx") else "rtx_build")[0]
 
 
 def teacher_forced(run: Any, prompts: list[list[int]], steps: int, tokens: list[np.ndarray] | None
@@ -178,13 +194,13 @@ def relative(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(a.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64)))
 
 
-def test_sharded_run_matches_unsharded_and_eager(onnx_build, tiny_export: Path, tiny_model) -> None:
-    """Prompts of 20 and 7 tokens, then 16 greedy decode steps, every side fed the unsharded run's
-    tokens: the 2-stage chain within 1e-5 of one ONNX Runtime session and within float32's bound
+def test_sharded_run_matches_unsharded_and_eager(sharded: Path, tiny_export: Path, tiny_model) -> None:
+    """Prompts of 20 and 10 tokens, then 16 greedy decode steps, every side fed the unsharded run's
+    tokens: the chain of stages within 1e-5 of one ONNX Runtime session and within float32's bound
     (1e-4) of the eager model, with the same greedy tokens wherever the top-1 margin is decisive."""
-    out, _ = onnx_build
+    out = sharded
     prompts = random_prompts(2, 20, 256, seed=1)
-    assert sorted(map(len, prompts)) != [20, 20]
+    assert [len(p) for p in prompts] == [20, 10]  # right-padding in the prefill
     whole = Pipeline([tiny_export])
     whole.reset(2)
     reference, tokens = teacher_forced(whole, prompts, 16, None)
@@ -203,10 +219,11 @@ def test_sharded_run_matches_unsharded_and_eager(onnx_build, tiny_export: Path, 
     sharded.close()
 
 
-def test_torchrun_two_processes_match_in_process(onnx_build) -> None:
-    out, _ = onnx_build
+def test_torchrun_one_process_a_stage_matches_in_process(sharded: Path) -> None:
+    out = sharded
+    stages = len(stage_exports(out))
     options = ["--prompt-len", "12", "--batch", "2", "--max-new-tokens", "16", "--seed", "3", "--json"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages),
                            "-m", "k3export.runtime", str(out), *options],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -217,7 +234,7 @@ def test_torchrun_two_processes_match_in_process(onnx_build) -> None:
     local = generate(pipeline, prompts, 16, Sampler(), frozenset())
     pipeline.close()
     assert distributed["tokens"] == local.tokens and all(len(t) == 16 for t in local.tokens)
-    assert len(distributed["stage_seconds"]) == 2
+    assert len(distributed["stage_seconds"]) == stages
 
 
 def test_sampling_is_seeded() -> None:
