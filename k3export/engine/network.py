@@ -300,7 +300,7 @@ def _gather(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
     if mode == "DEFAULT" and layer.num_elementwise_dims == 0:
         index = _check_indices(layer, index, data.shape[axis])
         out = data.index_select(axis, index.reshape(-1))
-        return [out.reshape(*data.shape[:axis], *index.shape, *data.shape[axis + 1:])]
+        return [out.reshape((*data.shape[:axis], *index.shape, *data.shape[axis + 1:]))]
     if mode == "ELEMENT":
         return [torch.gather(data, axis, _check_indices(layer, index, data.shape[axis]))]
     raise NotImplementedLayer(f"layer {layer.name!r}: GATHER mode {mode} with num_elementwise_dims "
@@ -408,6 +408,7 @@ LAYERS: dict[str, tuple[str, Callable[[ParsedNetwork, Any, list[Tensor]], list[T
     "ELEMENTWISE": ("IElementWiseLayer", _elementwise),
     "FILL": ("IFillLayer", _fill),
     "GATHER": ("IGatherLayer", _gather),
+    "IDENTITY": ("IIdentityLayer", lambda net, layer, x: [x[0]]),
     "KV_CACHE_UPDATE": ("IKVCacheUpdateLayer", _kv_cache_update),
     "MATRIX_MULTIPLY": ("IMatrixMultiplyLayer", _matrix_multiply),
     "PLUGIN_V3": ("IPluginV3Layer", _plugin),
@@ -434,32 +435,6 @@ def _check_result(layer: Any, index: int, value: Tensor) -> None:
                            f"{value.dtype} {list(value.shape)}, TensorRT declares {expected} {list(dims)}")
 
 
-def _order(network: Any) -> list[int]:
-    """Layer indices in topological order: the parser's, with a layer's producers moved before it
-    where they are not already (the parser adds layers in order, so normally nothing moves)."""
-    producer = {}
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        producer.update((layer.get_output(j).name, i) for j in range(layer.num_outputs))
-    placed: set[int] = set()
-    order: list[int] = []
-    for i in range(network.num_layers):
-        pending = [i]
-        while pending:
-            layer = network.get_layer(pending[-1])
-            inputs = (layer.get_input(j) for j in range(layer.num_inputs))
-            missing = [producer[t.name] for t in inputs
-                       if t is not None and t.name in producer and producer[t.name] not in placed]
-            if pending[-1] in placed:
-                pending.pop()
-            elif missing:
-                pending.extend(missing)
-            else:
-                placed.add(pending[-1])
-                order.append(pending.pop())
-    return order
-
-
 @dataclass
 class _Step:
     index: int
@@ -467,61 +442,202 @@ class _Step:
     kind: str
     inputs: list[str | None]
     outputs: list[str]
-    release: list[str]  # values no later layer reads (and no network output): freed after this one
+    release: list[str] = field(default_factory=list)  # values no later step reads: freed after this one
+
+
+@dataclass
+class _Loop:
+    """A TensorRT loop: its boundary layers and its body (the layers that read a recurrence's value,
+    directly or not), each in topological order."""
+
+    trip_limits: list[_Step] = field(default_factory=list)
+    recurrences: list[_Step] = field(default_factory=list)
+    outputs: list[_Step] = field(default_factory=list)
+    body: list[_Step] = field(default_factory=list)
+
+
+_BOUNDARIES = {"TRIP_LIMIT": "ITripLimitLayer", "RECURRENCE": "IRecurrenceLayer",
+               "LOOP_OUTPUT": "ILoopOutputLayer", "ITERATOR": "IIteratorLayer"}
+
+
+def _loops(steps: dict[int, _Step], trt: ModuleType) -> list[_Loop]:
+    """The network's loops, their boundary layers grouped by ILoop and their bodies found forward
+    from the recurrences' values (a layer that reads no loop value runs once, outside: the same)."""
+    loops: list[tuple[Any, _Loop]] = []  # the ILoop objects stay alive, so each loop keeps one wrapper
+    for step in steps.values():
+        if step.kind in _BOUNDARIES:
+            step.layer.__class__ = getattr(trt, _BOUNDARIES[step.kind])
+            owner = step.layer.loop
+            loop = next((lp for o, lp in loops if o is owner), None)
+            if loop is None:
+                loop = _Loop()
+                loops.append((owner, loop))
+            if step.kind == "ITERATOR":
+                raise NotImplementedLayer(f"layer {step.layer.name!r}: loop ITERATOR is not implemented")
+            {"TRIP_LIMIT": loop.trip_limits, "RECURRENCE": loop.recurrences,
+             "LOOP_OUTPUT": loop.outputs}[step.kind].append(step)
+    readers: dict[str, list[_Step]] = {}
+    for step in steps.values():
+        for name in step.inputs:
+            if name is not None:
+                readers.setdefault(name, []).append(step)
+    for _, loop in loops:
+        body: dict[int, _Step] = {}
+        frontier = [name for r in loop.recurrences for name in r.outputs]
+        while frontier:
+            for reader in readers.get(frontier.pop(), []):
+                if reader.kind not in _BOUNDARIES and reader.index not in body:
+                    body[reader.index] = reader
+                    frontier.extend(reader.outputs)
+        loop.body = list(body.values())
+    return [loop for _, loop in loops]
+
+
+def _order(steps: dict[int, _Step], after: dict[int, list[int]]) -> list[int]:
+    """Step indices in topological order: the parser's, with a layer's producers moved before it
+    where they are not already. A recurrence's next value (input 1) is not a dependency (it is read
+    after the iteration); `after` adds dependencies (a loop output on its loop's layers)."""
+    producer = {name: step.index for step in steps.values() for name in step.outputs}
+
+    def needs(step: _Step) -> list[int]:
+        names = step.inputs[:1] if step.kind == "RECURRENCE" else step.inputs
+        return [producer[n] for n in names if n in producer] + after.get(step.index, [])
+
+    placed: set[int] = set()
+    order: list[int] = []
+    for index in steps:
+        pending, seen = [index], set()
+        while pending:
+            i = pending[-1]
+            missing = [j for j in needs(steps[i]) if j not in placed]
+            if i in placed:
+                pending.pop()
+            elif missing:
+                if i in seen:
+                    raise RuntimeError(f"layer {steps[i].layer.name!r}: a cycle outside a loop")
+                seen.add(i)
+                pending.extend(missing)
+            else:
+                placed.add(i)
+                order.append(pending.pop())
+    return order
 
 
 class NetworkEvaluator:
     """Evaluates a parsed network on CPU: `evaluate({input name: tensor}) -> {output name: tensor}`.
-    Constant layers are read once, at the first evaluation."""
+    Constant layers are read once, at the first evaluation. A loop runs its body once per iteration
+    (TensorRT's semantics: the trip limits are checked before each iteration; a recurrence's value
+    is its initial value, then its input 1 of the previous iteration; a LAST_VALUE loop output is its
+    input after the last iteration, for a recurrence its final value)."""
 
     def __init__(self, net: ParsedNetwork) -> None:
         self.net = net
         network = net.network
         self.inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
         self.outputs = [network.get_output(i).name for i in range(network.num_outputs)]
-        self.steps: list[_Step] = []
-        for i in _order(network):
+        steps = {}
+        for i in range(network.num_layers):
             layer = network.get_layer(i)
             inputs = [None if t is None else t.name
                       for t in (layer.get_input(j) for j in range(layer.num_inputs))]
             outputs = [layer.get_output(j).name for j in range(layer.num_outputs)]
-            self.steps.append(_Step(i, layer, layer.type.name, inputs, outputs, []))
-        last_use = {name: step for step in self.steps for name in step.inputs if name is not None}
+            steps[i] = _Step(i, layer, layer.type.name, inputs, outputs)
+        loops = _loops(steps, net.trt)
+        after = {out.index: [s.index for s in loop.body + loop.trip_limits + loop.recurrences]
+                 for loop in loops for out in loop.outputs}
+        order = _order(steps, after)
+        position = {index: k for k, index in enumerate(order)}
+        in_loop = {s.index for loop in loops for s in loop.body + loop.trip_limits + loop.recurrences}
+        # Top level: the steps outside every loop, each loop run where its first output falls.
+        self.sequence: list[_Step | _Loop] = []
+        for index in order:
+            step = steps[index]
+            loop = next((lp for lp in loops if step in lp.outputs), None)
+            if loop is not None and step is min(loop.outputs, key=lambda s: position[s.index]):
+                loop.body.sort(key=lambda s: position[s.index])
+                self.sequence.append(loop)
+            elif loop is None and index not in in_loop:
+                self.sequence.append(step)
+        # Values read inside a loop are needed every iteration: only values read outside loops are freed.
+        read_in_loops = {n for loop in loops for s in loop.body + loop.trip_limits + loop.recurrences
+                         for n in s.inputs}
+        last_use = {name: item for item in self.sequence if isinstance(item, _Step) for name in item.inputs
+                    if name is not None}
         for name, step in last_use.items():
-            if name not in self.outputs:
+            if name not in self.outputs and name not in read_in_loops:
                 step.release.append(name)
         self.layer_seconds: dict[str, float] = {}  # time spent per layer type in the last evaluation
 
     def evaluate(self, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
-        net, trt = self.net, self.net.trt
         values: dict[str, Tensor] = {}
         for name, tensor in self.inputs.items():
             if name not in feeds:
-                raise UserError(f"{net.model_path}: network input {name!r} was not fed "
+                raise UserError(f"{self.net.model_path}: network input {name!r} was not fed "
                                 f"(fed: {', '.join(sorted(feeds)) or 'nothing'})")
             values[name] = self._input(tensor, feeds[name])
         self.layer_seconds = {}
-        for step in self.steps:
-            layer, kind = step.layer, step.kind
-            if kind not in LAYERS:
-                raise NotImplementedLayer(f"layer {layer.name!r}: layer type {kind} is not implemented by "
-                                          f"the network evaluator (implemented: {', '.join(sorted(LAYERS))})")
-            class_name, evaluate = LAYERS[kind]
-            start = time.perf_counter()
-            if kind == "CONSTANT" and step.index in net.constants:
-                results = [net.constants[step.index]]
+        for item in self.sequence:
+            if isinstance(item, _Loop):
+                self._loop(item, values)
             else:
-                layer.__class__ = getattr(trt, class_name)  # the network hands out plain ILayer objects
-                results = evaluate(net, layer, [None if n is None else values[n] for n in step.inputs])
-                for j, value in enumerate(results):
-                    _check_result(layer, j, value)
-                if kind == "CONSTANT":
-                    net.constants[step.index] = results[0]
-            values.update(zip(step.outputs, results, strict=True))
-            for name in step.release:
-                del values[name]
-            self.layer_seconds[kind] = self.layer_seconds.get(kind, 0.0) + time.perf_counter() - start
+                self._step(item, values)
         return {name: values[name] for name in self.outputs}
+
+    def _step(self, step: _Step, values: dict[str, Tensor]) -> None:
+        net, layer, kind = self.net, step.layer, step.kind
+        if kind not in LAYERS:
+            raise NotImplementedLayer(f"layer {layer.name!r}: layer type {kind} is not implemented by "
+                                      f"the network evaluator (implemented: {', '.join(sorted(LAYERS))}, "
+                                      "and loops)")
+        class_name, evaluate = LAYERS[kind]
+        start = time.perf_counter()
+        if kind == "CONSTANT" and step.index in net.constants:
+            results = [net.constants[step.index]]
+        else:
+            layer.__class__ = getattr(net.trt, class_name)  # the network hands out plain ILayer objects
+            results = evaluate(net, layer, [None if n is None else values[n] for n in step.inputs])
+            for j, value in enumerate(results):
+                _check_result(layer, j, value)
+            if kind == "CONSTANT":
+                net.constants[step.index] = results[0]
+        values.update(zip(step.outputs, results, strict=True))
+        for name in step.release:
+            del values[name]
+        self.layer_seconds[kind] = self.layer_seconds.get(kind, 0.0) + time.perf_counter() - start
+
+    def _loop(self, loop: _Loop, values: dict[str, Tensor]) -> None:
+        state = {r.outputs[0]: values[r.inputs[0]] for r in loop.recurrences}
+        iterations = 0
+        while True:
+            values.update(state)
+            done = False
+            for limit in loop.trip_limits:
+                value = values[limit.inputs[0]]
+                kind = limit.layer.kind.name
+                if kind == "COUNT":
+                    done |= iterations >= int(value)
+                elif kind == "WHILE":
+                    if limit.inputs[0] not in state:
+                        raise NotImplementedLayer(f"layer {limit.layer.name!r}: a WHILE trip limit on a "
+                                                  "value other than a recurrence's is not implemented")
+                    done |= not bool(value)
+                else:
+                    raise NotImplementedLayer(f"layer {limit.layer.name!r}: trip limit {kind} is not "
+                                              "implemented")
+            if done:
+                break
+            for step in loop.body:
+                self._step(step, values)
+            state = {r.outputs[0]: values[r.inputs[1]] for r in loop.recurrences}
+            iterations += 1
+        for out in loop.outputs:
+            if out.layer.kind.name != "LAST_VALUE":
+                raise NotImplementedLayer(f"layer {out.layer.name!r}: loop output {out.layer.kind.name} is "
+                                          "not implemented")
+            if out.inputs[0] not in values:
+                raise UserError(f"layer {out.layer.name!r}: the loop ran no iteration, so {out.inputs[0]!r} "
+                                "has no last value")
+            values[out.outputs[0]] = values[out.inputs[0]]
 
     def _input(self, tensor: Any, value: Any) -> Tensor:
         value = torch.as_tensor(value)
