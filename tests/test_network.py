@@ -100,6 +100,8 @@ CASES = [
     *[(f"elementwise-{op}-int64", "ELEMENTWISE", op, {"a": ints, "b": int_divisors}, {}, {})
       for op in ("Add", "Mul", "Sub", "Max", "Min", "Div")],
     ("elementwise-Less-int64", "ELEMENTWISE", "Less", {"a": ints, "b": int_divisors}, {}, {}),
+    ("elementwise-Equal-int64", "ELEMENTWISE", "Equal", {"a": ints, "b": np.array([[7], [5]], np.int64)}, {},
+     {}),
     # ONNX Mod (sign of the divisor) -> FLOOR_DIV, PROD, SUB
     ("elementwise-FLOOR_DIV-int64", "ELEMENTWISE", "Mod", {"a": ints, "b": int_divisors}, {}, {}),
     *[(f"unary-{op}", "UNARY", op, {"x": np.abs(x3) + 0.1 if op in ("Sqrt", "Log") else x3 * 2}, {}, {})
@@ -136,6 +138,7 @@ CASES = [
       "steps": np.array([-2], np.int64)}, {}),
     ("slice-dynamic", "SLICE", "Slice", {"x": randn(4, 10), "starts": np.array([1, 2], np.int64),
                                          "ends": np.array([3, 9], np.int64)}, {}, {}),
+    ("gather-scalar", "GATHER", "Gather", {"x": randn(7, 3)}, {"i": np.array(5, np.int64)}, {}),
     ("gather", "GATHER", "Gather", {"x": randn(7, 3), "i": np.array([[0, 6], [2, 2]], np.int64)}, {}, {}),
     ("gather-axis1", "GATHER", "Gather", {"x": x3, "i": np.array([4, 0, 3], np.int64)}, {}, {"axis": 1}),
     ("gather-elements", "GATHER", "GatherElements",
@@ -269,8 +272,37 @@ def test_latent_mla_plugin_matches_its_onnx_function(tmp_path: Path) -> None:
     assert_matches_onnxruntime(path, feeds, "PLUGIN_V3")
 
 
+def test_loop_matches_onnxruntime(tmp_path: Path) -> None:
+    """ONNX Loop (as the inlined RoutedExperts function has it: a trip count, a condition carried
+    through Identity, a loop-carried sum) -> TRIP_LIMIT COUNT and WHILE, RECURRENCE, LOOP_OUTPUT."""
+    body = helper.make_graph(
+        [helper.make_node("Gather", ["x", "i"], ["row"], axis=0),
+         helper.make_node("Mul", ["row", "row"], ["square"]),
+         helper.make_node("Add", ["s_in", "square"], ["s_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body", [helper.make_tensor_value_info("i", I64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("s_in", F32, None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("s_out", F32, None)])
+    true = helper.make_tensor("t", TensorProto.BOOL, [], [True])
+    nodes = [helper.make_node("Constant", [], ["true"], value=true),
+             helper.make_node("Loop", ["count", "true", "s0"], ["s"], body=body)]
+    inputs = [helper.make_tensor_value_info("count", I64, []),
+              helper.make_tensor_value_info("x", F32, ["n", 4]),
+              helper.make_tensor_value_info("s0", F32, [4])]
+    graph = helper.make_graph(nodes, "loop", inputs, [helper.make_tensor_value_info("s", F32, [4])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)]), tmp_path / "m.onnx")
+    net = parse_network(tmp_path / "m.onnx")
+    types = {net.network.get_layer(i).type.name for i in range(net.network.num_layers)}
+    assert {"TRIP_LIMIT", "RECURRENCE", "LOOP_OUTPUT", "IDENTITY"} <= types
+    for count in (3, 1):
+        feeds = {"count": np.array(count, np.int64), "x": randn(5, 4), "s0": randn(4)}
+        assert_matches_onnxruntime(tmp_path / "m.onnx", feeds, "LOOP_OUTPUT")
+
+
 def test_every_implemented_layer_type_is_tested() -> None:
-    tested = {c[1] for c in CASES} | {"KV_CACHE_UPDATE", "PLUGIN_V3"}
+    tested = {c[1] for c in CASES} | {"KV_CACHE_UPDATE", "PLUGIN_V3", "IDENTITY"}  # IDENTITY: in the loop
     assert tested == set(LAYERS)
 
 
