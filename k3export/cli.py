@@ -109,7 +109,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exporting to {out.path} (torch.export, then ONNX translation; minutes for large models)")
     with out.staged() as stage:
         manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins,
-                                capacity=args.capacity, last_logits=args.last_logits)
+                                capacity=args.capacity, last_logits=args.last_logits, taps=args.taps)
     nodes = manifest["custom_nodes"]
     size = sum(record["bytes"] for record in out.manifest["files"].values())
     held = "no weights (they are graph inputs)" if args.no_weights else "with weights"
@@ -128,11 +128,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.network:
         from k3export.engine.network import run_network_check
     run = run_network_check if args.network else run_check
+    extra = {"taps": True} if args.taps else {}
     report = run(args.network or args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
-                 prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print)
+                 prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print, **extra)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
+        if args.taps:
+            from k3export.taps import summary_lines
+            print("\n".join(summary_lines(report["taps"])))
         print(_check_verdict(report, network=args.network))
         if not args.network:
             print(f"replay the prefill comparison: {report['polygraphy_command']}")
@@ -275,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens the MLA cache holds per sequence (a static dimension of the graph)")
     export.add_argument("--last-logits", action="store_true",
                         help="logits [batch, vocab] at each row's last valid token instead of every position")
+    export.add_argument("--taps", action="store_true",
+                        help="add each layer's mixer and FFN outputs and AttnRes partial after it as outputs "
+                        "taps.{layer}.{mixer,ffn,partial}, for `check --taps` to localise a divergence")
     export.set_defaults(run=cmd_export)
 
     check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")
@@ -289,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--batch", type=int, default=2)
     check.add_argument("--prompt-len", type=int, default=70)
     check.add_argument("--json", action="store_true")
+    check.add_argument("--taps", action="store_true",
+                       help="compare an `export --taps` export's per-layer taps too: per layer the relative "
+                       "error and cosine of the mixer and FFN outputs and the AttnRes partial, and the first "
+                       "layer and sublayer whose error leaves its envelope")
     check.set_defaults(run=cmd_check)
 
     from k3export.engine.build import TARGETS, Limits

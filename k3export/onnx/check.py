@@ -58,6 +58,7 @@ from k3export.parity import (
     top1_agreement,
     verdict,
 )
+from k3export.taps import compare_taps, first_divergent, parse_tap
 
 # Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
 CHECK_DIR, CHECK_MANIFEST = "check", "check.json"
@@ -83,6 +84,9 @@ class Signature:
         self.capacity: int = manifest["capacity"]
         self.feeds = [s for s in self.inputs if not s.name.startswith(PAST)]
         self.caches = [s for s in self.inputs if s.name.startswith(PAST)]
+        # Taps (export --taps) are compared on their own, for localisation, not for the verdict.
+        self.taps = [s for s in self.outputs if parse_tap(s.name)]
+        self.compared = [s for s in self.outputs if not parse_tap(s.name)]
 
     def sizes(self, feed: dict[str, np.ndarray]) -> dict[str, int]:
         """batch, seq and capacity of a feed, read from the fed tensors' named dims."""
@@ -291,13 +295,16 @@ def last_tokens(logits: np.ndarray, input_lengths: list[int]) -> np.ndarray:
 
 
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
-              prompt_len: int = 70, log: Any = print) -> dict[str, Any]:
+              prompt_len: int = 70, log: Any = print, taps: bool = False) -> dict[str, Any]:
     """A prefill of `batch` prompts of different lengths (the longest `prompt_len`), right-padded,
     then `steps` decode steps; returns the report (see "passed"). The replay files and the report
-    go to DIR/check (a folder of check's own, replaced each run)."""
+    go to DIR/check (a folder of check's own, replaced each run). `taps`: also compare the export's
+    taps (export --taps) and name the first divergent layer (report["taps"])."""
     onnx_dir = Path(onnx_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
     manifest, config = read_export(onnx_dir)
+    if taps:
+        require_taps(manifest, onnx_dir)
     if manifest["weights"].get("stripped"):
         raise UserError(f"{onnx_dir}: exported with --no-weights, so there are no numbers to check; "
                         "it is checked structurally (onnx.checker full_check)")
@@ -312,30 +319,47 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, capacity)
     out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check")
     with out.staged() as stage:
-        report = _run_check(onnx_dir, manifest, config, stage, steps, seed, lengths, log)
+        report = _run_check(onnx_dir, manifest, config, stage, steps, seed, lengths, log, taps)
         write_json(stage / CHECK_MANIFEST, {"passed": report["passed"], "report": "report.json"})
     return report
 
 
+def require_taps(manifest: dict[str, Any], folder: Path) -> None:
+    if "taps" not in manifest:
+        raise UserError(f"--taps: {folder / MANIFEST_FILE} lists no taps outputs; expected an export "
+                        f"written with `k3export export --taps`")
+
+
+def tap_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]], lengths_after: np.ndarray,
+             input_lengths: np.ndarray, tolerance: Tolerance) -> dict[str, Any]:
+    """One step's taps compared (k3export.taps.compare_taps): outs as _compare_step's."""
+    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.taps}
+             for out in outs]
+    return {"step": label, "taps": compare_taps(valid[0], valid[1], valid[2] if len(outs) > 2 else None,
+                                                tolerance)}
+
+
 def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage: Path, steps: int,
-               seed: int, lengths: list[int], log: Any) -> dict[str, Any]:
+               seed: int, lengths: list[int], log: Any, taps: bool = False) -> dict[str, Any]:
     """run_check's comparison, writing its files into `stage` (DIR/check once committed)."""
     dtype = manifest["dtype"]
     tolerance = TOLERANCES[dtype]
     layers = range(*manifest["layers"])
     last_logits = manifest.get("last_logits", False)
     signature = Signature(manifest)
+    tapped = "taps" in manifest  # the graph gives them, compared or not
     log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}; "
         f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
     model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
     nonfinite_weights = nonfinite_tensors(model.named_parameters())
     runners: list[BaseRunner] = [
-        EagerRunner(ExportGraph(model, layers, last_logits), "eager", signature),
+        EagerRunner(ExportGraph(model, layers, last_logits, tapped), "eager", signature),
         BoundOnnxrtRunner(onnx_dir / GRAPH_FILE, signature),
     ]
     if dtype != "float32":
         model32 = build_model(config, torch.float32, manifest["weights"], layers)
-        runners.append(EagerRunner(ExportGraph(model32, layers, last_logits), "eager-float32", signature))
+        runners.append(EagerRunner(ExportGraph(model32, layers, last_logits, tapped), "eager-float32",
+                                   signature))
     gen = torch.Generator().manual_seed(seed)
     batch, prompt_len = len(lengths), max(lengths)
     feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
@@ -345,6 +369,7 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
 
     report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
                               "capacity": signature.capacity, "steps": []}
+    tap_steps: list[dict[str, Any]] = []
     streams: list[list[list[int]]] = [[], []]
     cache_lengths = np.zeros(batch, np.int64)
     with contextlib.ExitStack() as active:
@@ -361,6 +386,8 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
             cache_lengths = cache_lengths + input_lengths
             report["steps"].append(_compare_step(label, signature, outs, cache_lengths, input_lengths,
                                                  tolerance, log))
+            if taps:
+                tap_steps.append(tap_step(label, signature, outs, cache_lengths, input_lengths, tolerance))
             tokens = None
             if "logits" in outs[0]:
                 for stream, out in zip(streams, outs, strict=False):
@@ -371,6 +398,8 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
         report["aliased"] = dict(runners[1].aliased)
     report.update(verdict(report["steps"], nonfinite_weights))
     report["greedy_streams_identical"] = streams[0] == streams[1]
+    if taps:
+        report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
     atol, rtol = POLYGRAPHY_TOLERANCES[dtype]
     # Elementwise replay tolerance: at least what the prefill comparison itself accepted.
     atol = max(atol, 2 * max(c["max_abs"] for c in report["steps"][0]["outputs"]))
@@ -400,7 +429,7 @@ def _compare_step(label: str, signature: Signature, outs: list[dict[str, np.ndar
                   log: Any) -> dict[str, Any]:
     """outs: the eager reference, ONNX Runtime, and for half precision the eager float32 model;
     compared on their valid entries only."""
-    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.outputs}
+    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.compared}
              for out in outs]
     reference, actual = valid[0], valid[1]
     bound, margin = tolerance, tolerance.margin

@@ -40,6 +40,9 @@ from k3export.model import K3ForCausalLM, KDACache, MLACache
 from k3export.model.cache import LayerCache
 from k3export.model.k3 import last_positions
 from k3export.onnx.ops import export_onnx
+from k3export.taps import MEANINGS as TAP_MEANINGS
+from k3export.taps import SUBLAYERS as TAP_SUBLAYERS
+from k3export.taps import recording, tap_name, tap_names
 
 GRAPH_FILE = "model.onnx"
 MANIFEST_FILE = "export.json"
@@ -120,8 +123,9 @@ LENGTH_SPECS = [
 ]
 
 
-def graph_signature(config: K3Config, layers: range, dtype: torch.dtype,
-                    last_logits: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def graph_signature(config: K3Config, layers: range, dtype: torch.dtype, last_logits: bool = False,
+                    taps: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs in graph order; `taps` appends k3export.taps' per-layer outputs last."""
     D, name = config.hidden_size, _dtype_name(dtype)
 
     def boundary(at: int) -> list[TensorSpec]:
@@ -146,17 +150,29 @@ def graph_signature(config: K3Config, layers: range, dtype: torch.dtype,
     for layer in layers:
         inputs += cache_specs(config, layer, "past", dtype)
         outputs += cache_specs(config, layer, "present", dtype)
+    if taps:
+        outputs += [TensorSpec(tap_name(i, s), name, ["batch", "seq", D], TAP_MEANINGS[s].format(i=i))
+                    for i in layers for s in TAP_SUBLAYERS]
     return inputs, outputs
 
 
 class ExportGraph(nn.Module):
-    """The model over `layers` with flat tensors in and out, in graph_signature's order."""
+    """The model over `layers` with flat tensors in and out, in graph_signature's order. With `taps`
+    the layers' taps follow, recorded by forward hooks for the call (k3export.taps)."""
 
-    def __init__(self, model: K3ForCausalLM, layers: range, last_logits: bool = False) -> None:
+    def __init__(self, model: K3ForCausalLM, layers: range, last_logits: bool = False,
+                 taps: bool = False) -> None:
         super().__init__()
-        self.model, self.layers, self.last_logits = model, layers, last_logits
+        self.model, self.layers, self.last_logits, self.taps = model, layers, last_logits, taps
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        if not self.taps:
+            return self._forward(*inputs)
+        with recording(self.model, self.layers) as taps:
+            outputs = self._forward(*inputs)
+        return (*outputs, *(taps[name] for name in tap_names(self.layers)))
+
+    def _forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         model, layers = self.model, self.layers
         if layers.start == 0:
             bank, partial, rest = [], model.model.embed_tokens(inputs[0]), list(inputs[1:])
@@ -224,27 +240,29 @@ def moe_cost_note(config: K3Config) -> str:
 
 def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None = None,
                  weights: dict[str, Any] | None = None, aot_plugins: bool = False,
-                 capacity: int = DEFAULT_CAPACITY, last_logits: bool = False) -> dict[str, Any]:
+                 capacity: int = DEFAULT_CAPACITY, last_logits: bool = False,
+                 taps: bool = False) -> dict[str, Any]:
     """Writes model.onnx (+ model.onnx.data), config.json and export.json into out_dir.
 
     `weights` records where the weights came from ({"seed": N} or {"checkpoint": DIR}), so that
     `k3export check` can rebuild the same eager reference. `aot_plugins` marks the k3 nodes `aot = 1`
     for full TensorRT's AOT plugins (export_onnx). `capacity` is the MLA cache's static row count;
     `last_logits` gives logits only at each row's last valid token (a range that does not end at
-    the last layer has no logits and ignores it). Returns the manifest."""
+    the last layer has no logits and ignores it). `taps` adds each layer's taps as outputs
+    (k3export.taps; the graph is otherwise the same). Returns the manifest."""
     if capacity < 8:
         raise UserError(f"--capacity {capacity}: expected at least 8 cached tokens per sequence")
     out_dir = Path(out_dir)
     config, dtype = model.config, model.dtype
     layers = layers or range(config.num_hidden_layers)
-    inputs, outputs = graph_signature(config, layers, dtype, last_logits)
+    inputs, outputs = graph_signature(config, layers, dtype, last_logits, taps)
     # Example sizes above 1, pairwise different and below the capacity, so no axis is specialised
     # or confused. On the weights' device: cpu, or meta for --no-weights (a range's unused parts
     # are meta too).
     device = "cpu" if any(p.device.type != "meta" for p in model.parameters()) else "meta"
     example = example_inputs(config, layers, dtype, batch=2, seq=3, capacity=capacity, device=device)
     with torch.no_grad():
-        export_onnx(ExportGraph(model, layers, last_logits).eval(), example, out_dir / GRAPH_FILE,
+        export_onnx(ExportGraph(model, layers, last_logits, taps).eval(), example, out_dir / GRAPH_FILE,
                     dynamic_shapes=(dynamic_shapes(inputs),),  # forward(*inputs): one parameter
                     opset_version=OPSET, input_names=[s.name for s in inputs],
                     output_names=[s.name for s in outputs], aot_plugins=aot_plugins)
@@ -272,5 +290,9 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__,
                      "onnxscript": onnxscript.__version__, "python": platform.python_version()},
     }
+    if taps:  # absent without --taps, so that such a manifest is what it always was
+        manifest["taps"] = {"names": "taps.{layer}.{sublayer}", "sublayers": list(TAP_SUBLAYERS),
+                            "meaning": {s: m.format(i="{layer}") for s, m in TAP_MEANINGS.items()},
+                            "valid": "each row's first input_lengths[b] positions along seq"}
     write_atomic(out_dir / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest

@@ -1,0 +1,147 @@
+"""Taps and localisation: `export --taps` adds per-layer outputs (k3export.taps), the eager model
+gives the same tensors through hooks, and `check --taps` names the layer whose weights were changed
+in the exported files as the first divergent one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import pytest
+import torch
+
+from k3export.artifacts import file_record
+from k3export.cli import main
+from k3export.errors import UserError
+from k3export.onnx.check import run_check
+from k3export.onnx.export import ExportGraph, example_inputs, graph_signature
+from k3export.taps import SUBLAYERS, first_divergent, tap_names
+
+
+@pytest.fixture(scope="module")
+def taps_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("taps") / "tiny"
+    assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--taps", "--out", str(folder)]) == 0
+    return folder
+
+
+def test_taps_are_existing_values_and_the_graph_is_otherwise_unchanged(taps_export, tiny_export):
+    """The taps are values the graph computes anyway: the same weights byte for byte, the same
+    nodes; only the outputs differ, and only by the taps, which come last."""
+    tapped = onnx.load(taps_export / "model.onnx", load_external_data=False)
+    plain = onnx.load(tiny_export / "model.onnx", load_external_data=False)
+    assert (taps_export / "model.onnx.data").read_bytes() == (tiny_export / "model.onnx.data").read_bytes()
+    assert sorted(n.op_type for n in tapped.graph.node) == sorted(n.op_type for n in plain.graph.node)
+    plain_outputs = [o.name for o in plain.graph.output]
+    assert not any(name.startswith("taps.") for name in plain_outputs)
+    assert [o.name for o in tapped.graph.output] == plain_outputs + tap_names(range(9))
+    manifest = json.loads((taps_export / "export.json").read_text())
+    assert manifest["taps"]["sublayers"] == list(SUBLAYERS)
+    assert "taps" not in json.loads((tiny_export / "export.json").read_text())
+    spec = next(s for s in manifest["outputs"] if s["name"] == "taps.4.ffn")
+    assert spec["shape"] == ["batch", "seq", 64] and spec["dtype"] == "float32"
+
+
+def test_eager_taps_compose_into_the_attn_res_state(tiny_config, tiny_model):
+    """Independent of how they are recorded, the taps must obey the model's residual algebra: a
+    layer starting an AttnRes block has partial = mixer + ffn, any other partial = previous partial
+    + mixer + ffn; and the logits are the head applied to the bank built from the partials. The hooks
+    are gone after the call."""
+    layers = range(tiny_config.num_hidden_layers)
+    graph = ExportGraph(tiny_model, layers, taps=True)
+    inputs = list(example_inputs(tiny_config, layers, torch.float32, batch=2, seq=5, capacity=16))
+    inputs[0] = torch.randint(0, tiny_config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    inputs[2] = torch.tensor([5, 3])  # input_lengths
+    with torch.no_grad():
+        outputs = graph(*inputs)
+    names = [s.name for s in graph_signature(tiny_config, layers, torch.float32, taps=True)[1]]
+    assert len(outputs) == len(names)
+    out = dict(zip(names, outputs, strict=True))
+    block = tiny_config.attn_res_block_size
+    embed = tiny_model.model.embed_tokens(inputs[0])
+    bank = []
+    for i in layers:
+        step = out[f"taps.{i}.mixer"] + out[f"taps.{i}.ffn"]
+        if i % block == 0:
+            bank.append(embed if i == 0 else out[f"taps.{i - 1}.partial"])
+            expected = step
+        else:
+            expected = out[f"taps.{i - 1}.partial"] + step
+        torch.testing.assert_close(out[f"taps.{i}.partial"], expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        logits = tiny_model.head(bank, out[f"taps.{layers[-1]}.partial"])
+    torch.testing.assert_close(out["logits"], logits, rtol=1e-5, atol=1e-5)
+    assert all(not m._forward_hooks for m in tiny_model.modules())
+
+
+def test_check_taps_refuses_an_export_without_taps(tiny_export):
+    with pytest.raises(UserError, match="export --taps"):
+        run_check(tiny_export, steps=1, taps=True, log=lambda _: None)
+
+
+def corrupt(export: Path, folder: Path, suffix: str, factor: float = 1.5) -> Path:
+    """A copy of `export` with the float32 initializer named ...`suffix` scaled by `factor` where it
+    is stored (the external data, or inline in model.onnx for small tensors), the changed file's
+    sha256 re-recorded in export.json so that the folder still verifies."""
+    shutil.copytree(export, folder)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    target = next(t for t in model.graph.initializer if t.name.endswith(suffix))
+    where = {e.key: e.value for e in target.external_data}
+    if "offset" in where:
+        changed = "model.onnx.data"
+        data = bytearray((folder / changed).read_bytes())
+        offset, length = int(where["offset"]), int(where["length"])
+        values = np.frombuffer(data, np.float32, count=length // 4, offset=offset) * np.float32(factor)
+        data[offset:offset + length] = values.astype(np.float32).tobytes()
+        (folder / changed).write_bytes(bytes(data))
+    else:
+        changed = "model.onnx"
+        values = onnx.numpy_helper.to_array(target) * np.float32(factor)
+        target.CopyFrom(onnx.numpy_helper.from_array(values.astype(np.float32), target.name))
+        onnx.save(model, folder / changed)
+    manifest = json.loads((folder / "export.json").read_text())
+    manifest["files"][changed] = file_record(folder / changed)
+    (folder / "export.json").write_text(json.dumps(manifest))
+    return folder
+
+
+# (weight, layer, sublayer): a KDA layer's mixer, an MLA layer's mixer, a MoE layer's FFN, the last
+# layer (MLA + MoE) through its FFN.
+CORRUPTIONS = [
+    ("layers.2.self_attn.q_conv1d.weight", 2, "mixer"),
+    ("layers.3.self_attn.q_a_layernorm.weight", 3, "mixer"),
+    ("layers.5.block_sparse_moe.routed_expert_up_proj.weight", 5, "ffn"),
+    ("layers.8.block_sparse_moe.routed_expert_down_proj.weight", 8, "ffn"),
+]
+
+
+@pytest.mark.parametrize(("weight", "layer", "sublayer"), CORRUPTIONS)
+def test_check_taps_names_the_corrupted_layer(taps_export, tmp_path, capsys, weight, layer, sublayer):
+    broken = corrupt(taps_export, tmp_path / "broken", weight)
+    assert main(["check", "--onnx", str(broken), "--taps", "--steps", "2", "--prompt-len", "12"]) == 1
+    report = json.loads((broken / "check" / "report.json").read_text())
+    first = report["taps"]["first_divergent"]
+    assert (first["layer"], first["sublayer"]) == (layer, sublayer)
+    # Every tap before it is within the tolerance at every step, and the named one leaves it.
+    for step in report["taps"]["steps"]:
+        before = [t for t in step["taps"] if (t["layer"], SUBLAYERS.index(t["sublayer"]))
+                  < (layer, SUBLAYERS.index(sublayer))]
+        assert before and all(t["rel"] <= 1e-4 for t in before)
+    assert first["rel"] > 1e-4
+    assert f"first divergent: layer {layer} {sublayer}" in capsys.readouterr().out
+
+
+def test_first_divergent_takes_the_earliest_tap_of_any_step():
+    def tap(layer, sublayer, passed):
+        return {"name": f"taps.{layer}.{sublayer}", "layer": layer, "sublayer": sublayer, "rel": 0.0,
+                "cosine": 1.0, "bound": 1e-4, "passed": passed}
+
+    steps = [{"step": "prefill", "taps": [tap(0, "mixer", True), tap(0, "ffn", True), tap(1, "ffn", False)]},
+             {"step": "decode 1", "taps": [tap(0, "mixer", True), tap(0, "ffn", False)]}]
+    first = first_divergent(steps)
+    assert (first["layer"], first["sublayer"], first["step"]) == (0, "ffn", "decode 1")
+    assert first_divergent(steps[:0]) is None
