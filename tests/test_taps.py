@@ -4,6 +4,7 @@ in the exported files as the first divergent one."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -83,6 +84,14 @@ def test_check_taps_refuses_an_export_without_taps(tiny_export):
         run_check(tiny_export, steps=1, taps=True, log=lambda _: None)
 
 
+def test_check_taps_prints_the_table_and_passes_on_the_export(taps_export, capsys):
+    assert main(["check", "--onnx", str(taps_export), "--taps", "--steps", "1", "--prompt-len", "12"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(9))
+    assert "first divergent: none" in out
+
+
 def corrupt(export: Path, folder: Path, suffix: str, factor: float = 1.5) -> Path:
     """A copy of `export` with the float32 initializer named ...`suffix` scaled by `factor` where it
     is stored (the external data, or inline in model.onnx for small tensors), the changed file's
@@ -119,11 +128,18 @@ CORRUPTIONS = [
 ]
 
 
+NETWORK = pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None,
+                             reason="check --network needs TensorRT-RTX (the engine extra)")
+
+
+@pytest.mark.parametrize("artifact", ["--onnx", pytest.param("--network", marks=NETWORK)])
 @pytest.mark.parametrize(("weight", "layer", "sublayer"), CORRUPTIONS)
-def test_check_taps_names_the_corrupted_layer(taps_export, tmp_path, capsys, weight, layer, sublayer):
+def test_check_taps_names_the_corrupted_layer(taps_export, tmp_path, capsys, artifact, weight, layer,
+                                              sublayer):
     broken = corrupt(taps_export, tmp_path / "broken", weight)
-    assert main(["check", "--onnx", str(broken), "--taps", "--steps", "2", "--prompt-len", "12"]) == 1
-    report = json.loads((broken / "check" / "report.json").read_text())
+    args = ["--taps", "--steps", "2", "--prompt-len", "12", "--json"]
+    assert main(["check", artifact, str(broken), *args]) == 1
+    report = json.loads(capsys.readouterr().out)
     first = report["taps"]["first_divergent"]
     assert (first["layer"], first["sublayer"]) == (layer, sublayer)
     # Every tap before it is within the tolerance at every step, and the named one leaves it.
@@ -132,7 +148,6 @@ def test_check_taps_names_the_corrupted_layer(taps_export, tmp_path, capsys, wei
                   < (layer, SUBLAYERS.index(sublayer))]
         assert before and all(t["rel"] <= 1e-4 for t in before)
     assert first["rel"] > 1e-4
-    assert f"first divergent: layer {layer} {sublayer}" in capsys.readouterr().out
 
 
 def test_first_divergent_takes_the_earliest_tap_of_any_step():

@@ -59,10 +59,13 @@ from k3export.onnx.check import (
     prompt_lengths,
     read_export,
     request,
+    require_taps,
+    tap_step,
     valid_entries,
 )
 from k3export.onnx.export import GRAPH_FILE, ExportGraph, TensorSpec, resolve_shape
 from k3export.parity import TOLERANCES, Tolerance, compare, top1_agreement
+from k3export.taps import first_divergent
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
                  "INT32": torch.int32, "INT64": torch.int64, "INT8": torch.int8, "UINT8": torch.uint8,
@@ -755,7 +758,7 @@ def _compare_outputs(label: str, signature: Signature, outs: list[dict[str, np.n
     half-vs-float32 spread at this step: for the caches of `unrouted` layers i, which no router
     reaches, the largest spread of layers 0..i (tight: a wrong weight there fails); for every other
     output, the largest spread of the step (loose with random weights)."""
-    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.outputs}
+    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.compared}
              for out in outs]
     reference, actual = valid[0], valid[1]
     bounds = {name: tolerance for name in reference}
@@ -788,15 +791,19 @@ def _compare_outputs(label: str, signature: Signature, outs: list[dict[str, np.n
 
 def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, batch: int = 2,
                       prompt_len: int = 70, log: Any = print,
-                      net: ParsedNetwork | None = None) -> dict[str, Any]:
+                      net: ParsedNetwork | None = None, taps: bool = False) -> dict[str, Any]:
     """The parsed network against the eager model, driven as `k3export check --onnx` drives ONNX
     Runtime: a prefill of `batch` right-padded prompts of different lengths (the longest
     `prompt_len`), then `steps` greedy decode steps in which each side keeps its own caches and
     both take the eager model's token; valid entries compared. Returns a report shaped like
-    run_check's (see "passed"). `net`: an already parsed network (tests alter one after parsing)."""
+    run_check's (see "passed"). `net`: an already parsed network (tests alter one after parsing).
+    `taps`: also compare the export's taps and name the first divergent layer (report["taps"])."""
     export_dir = Path(export_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
     manifest, config = read_export(export_dir)
+    if taps:
+        require_taps(manifest, export_dir)
+    tapped = "taps" in manifest  # the network gives them, compared or not
     if manifest["weights"].get("stripped"):
         raise UserError(f"{export_dir}: exported with --no-weights, so there are no numbers to check")
     lengths = prompt_lengths(batch, prompt_len)
@@ -815,13 +822,14 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     net = net or parse_network(export_dir / GRAPH_FILE)
     log(f"network: {net.network.num_layers} layers parsed by TensorRT-RTX, evaluated on CPU")
     runners: list[BaseRunner] = [
-        EagerRunner(_Float32Boundary(ExportGraph(model, layers, last_logits), signature.inputs), "eager",
-                    carried),
+        EagerRunner(_Float32Boundary(ExportGraph(model, layers, last_logits, tapped), signature.inputs),
+                    "eager", carried),
         NetworkRunner(net, carried),
     ]
     if dtype != "float32":
         model32 = build_model(config, torch.float32, manifest["weights"], layers)
-        runners.append(EagerRunner(ExportGraph(model32, layers, last_logits), "eager-float32", carried))
+        runners.append(EagerRunner(ExportGraph(model32, layers, last_logits, tapped), "eager-float32",
+                                   carried))
     gen = torch.Generator().manual_seed(seed)
     feed = request(carried, None, [0] * batch, lengths, config.vocab_size, gen)
     if "input_ids" in feed:  # padding tokens, as a server would send: none is read
@@ -829,6 +837,7 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
                               "capacity": signature.capacity, "steps": []}
     streams: list[list[list[int]]] = [[], []]
+    tap_steps: list[dict[str, Any]] = []
     cache_lengths = np.zeros(batch, np.int64)
     network_seconds = 0.0
     with contextlib.ExitStack() as active:
@@ -843,6 +852,9 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
             report["steps"].append(_compare_outputs("prefill" if step == 0 else f"decode {step}", signature,
                                                     outs, cache_lengths, input_lengths, tolerance, unrouted,
                                                     log))
+            if taps:
+                tap_steps.append(tap_step(report["steps"][-1]["step"], carried, outs, cache_lengths,
+                                          input_lengths, tolerance))
             tokens = None
             if "logits" in outs[0]:
                 for stream, out in zip(streams, outs, strict=False):
@@ -855,6 +867,8 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     report["token_mismatches"] = sum(s.get("tokens", {}).get("mismatches", 0) for s in report["steps"])
     report["greedy_streams_identical"] = streams[0] == streams[1]
     report["passed"] = not failed and report["token_mismatches"] == 0
+    if taps:
+        report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
     report["network"] = {"layers": net.network.num_layers, "seconds": network_seconds,
                          "seconds_by_layer_type": runners[1].evaluator.layer_seconds}
     report["seconds"] = time.perf_counter() - start
