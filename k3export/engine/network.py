@@ -16,6 +16,8 @@ arithmetic, the plugin fields and bindings. It does not cover the optimizer, its
   definition's order, then its fields as the parsed plugin holds them.
 - Where TensorRT leaves an order unspecified, the ONNX rule we export with is followed: TopK breaks
   ties to the lower index.
+- Loops (an inlined ONNX Loop, e.g. the RoutedExperts function until a MoE plugin exists) run their
+  body once per iteration, with TensorRT's trip-limit, recurrence and loop-output semantics.
 - A layer type or mode that is not implemented raises an error naming it; nothing is skipped.
   Every result is held to the dtype and the static dims TensorRT declared for that tensor.
 
