@@ -128,18 +128,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.network:
         from k3export.engine.network import run_network_check
     run = run_network_check if args.network else run_check
+    if args.report:
+        from k3export.report import report_dir, write_report
+        out = report_dir(args.report)  # refused before the check runs, not after
     extra = {"taps": True} if args.taps else {}
     report = run(args.network or args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
                  prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print, **extra)
+    verdict = _check_verdict(report, network=args.network)
+    if args.report:
+        artifact = f"--network {args.network}" if args.network else f"--onnx {args.onnx}"
+        write_report(report, out, verdict, artifact)
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        if args.taps:
-            from k3export.taps import summary_lines
-            print("\n".join(summary_lines(report["taps"])))
-        print(_check_verdict(report, network=args.network))
-        if not args.network:
-            print(f"replay the prefill comparison: {report['polygraphy_command']}")
+        return 0 if report["passed"] else 1
+    if args.taps:
+        from k3export.taps import summary_lines
+        print("\n".join(summary_lines(report["taps"])))
+    print(verdict)
+    if args.report:
+        print(f"report: {out.path / 'report.md'}, plots layers.png and steps.png beside it")
+    if not args.network:
+        print(f"replay the prefill comparison: {report['polygraphy_command']}")
     return 0 if report["passed"] else 1
 
 
@@ -296,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--batch", type=int, default=2)
     check.add_argument("--prompt-len", type=int, default=70)
     check.add_argument("--json", action="store_true")
+    check.add_argument("--report", metavar="DIR", help="write report.json (every number), report.md (the "
+                       "verdict, worst outputs, first divergent layer, token agreement) and plots of the "
+                       "error per layer and per step into DIR")
     check.add_argument("--taps", action="store_true",
                        help="compare an `export --taps` export's per-layer taps too: per layer the relative "
                        "error and cosine of the mixer and FFN outputs and the AttnRes partial, and the first "

@@ -35,3 +35,10 @@ def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def aot_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same export with `--aot-plugins`: every k3 node marked aot = 1."""
     return _export_tiny(tmp_path_factory.mktemp("export") / "tiny_aot", "--aot-plugins")
+
+
+@pytest.fixture(scope="session")
+def taps_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same export with `--taps` (per-layer outputs for localisation), shared by test_taps and
+    test_report."""
+    return _export_tiny(tmp_path_factory.mktemp("export") / "tiny_taps", "--taps")

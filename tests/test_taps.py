@@ -23,13 +23,6 @@ from k3export.onnx.export import ExportGraph, example_inputs, graph_signature
 from k3export.taps import SUBLAYERS, first_divergent, tap_names
 
 
-@pytest.fixture(scope="module")
-def taps_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("taps") / "tiny"
-    assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--taps", "--out", str(folder)]) == 0
-    return folder
-
-
 def test_taps_are_existing_values_and_the_graph_is_otherwise_unchanged(taps_export, tiny_export):
     """The taps are values the graph computes anyway: the same weights byte for byte, the same
     nodes; only the outputs differ, and only by the taps, which come last."""
