@@ -163,9 +163,11 @@ def _owned(folder: Path) -> set[str]:
 
 
 def _files(folder: Path) -> set[str]:
-    """Every file below `folder` (relative posix paths), our staging folders left out."""
+    """Every file below `folder` (relative posix paths), our staging folders, journals and stat
+    caches left out at any depth (nested output folders have their own)."""
     names = (p.relative_to(folder) for p in folder.rglob("*") if p.is_file() or p.is_symlink())
-    return {name.as_posix() for name in names if not name.parts[0].startswith(_STAGE_PREFIX)}
+    return {name.as_posix() for name in names
+            if name.name not in _OURS and not any(part.startswith(_STAGE_PREFIX) for part in name.parts)}
 
 
 def _listing(names: set[str], most: int = 5) -> str:

@@ -173,10 +173,14 @@ def _check_verdict(report: dict, network: bool = False) -> str:
         spread = (f"{HALF_SPREAD_FACTOR:g}x the eager float32 spread up to each layer" if network
                   else "2x the eager float32 spread")
         bound = f"min({max(bound, HALF_REL_CAP)}, max({bound}, {spread}))"
+    held = ""
+    if report.get("held_routing"):
+        held = (f"; eager held to the graph's expert choices, {report['routing_flips']} token-layer choices "
+                "of its own differed")
     return (("PASSED" if report["passed"] else "FAILED: " + "; ".join(reasons))
             + f" ({report['dtype']}, relative error <= {bound}; greedy streams identical: "
             f"{report['greedy_streams_identical']}; token mismatches {report['token_mismatches']}, ties "
-            f"{report.get('token_ties', '-')} of {report.get('token_positions', '-')} positions)")
+            f"{report.get('token_ties', '-')} of {report.get('token_positions', '-')} positions{held})")
 
 
 def cmd_build(args: argparse.Namespace) -> int:

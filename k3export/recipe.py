@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError

@@ -112,6 +112,18 @@ def test_float16_export(tmp_path):
     assert all(c["rel"] <= 2e-2 for s in report["steps"] for c in s["outputs"])
 
 
+def test_float16_check_holds_the_graphs_routing(tmp_path):
+    """Seeded float16 weights whose routers have near-ties (seed 3: the eager float16 model picks
+    other experts than ONNX Runtime for some tokens, which once made the check compare chaos at
+    relative error 0.8): with the eager models held to the graph's choices the comparison measures
+    rounding alone, within the fixed float16 bound, and the flips are counted."""
+    export(tmp_path / "onnx", "--preset", "k3-tiny", "--dtype", "float16", "--seed", "3")
+    report = run_check(tmp_path / "onnx", steps=8, log=lambda _: None)
+    assert report["held_routing"] and report["routing_flips"] > 0
+    assert report["passed"], report["failed_outputs"]
+    assert all(c["rel"] <= 2e-2 for s in report["steps"] for c in s["outputs"])
+
+
 def test_bfloat16_is_valid_onnx_that_onnxruntime_cpu_cannot_run(bf16_export):
     """ONNX Runtime's CPU provider has no bfloat16 MatMul: the bf16 graph is checked structurally
     (census and full checker above); the k3 function bodies themselves run in bf16 there."""

@@ -29,11 +29,16 @@ class Router(nn.Module):
         The bias only ranks; the weights are the plain sigmoid scores. Ties go to the lowest
         expert index (a stable descending sort), the same rule every backend follows."""
         scores = torch.sigmoid(x.float() @ self.weight.float().T)
-        ranking = scores + self.e_score_correction_bias
-        experts = torch.sort(ranking, dim=-1, descending=True, stable=True).indices[..., :self.top_k]
+        experts = self.choose(scores)
         weights = scores.gather(-1, experts)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scaling
         return experts, weights
+
+    def choose(self, scores: Tensor) -> Tensor:
+        """The top-k experts [N, k] by score plus correction bias (k3export.routing holds them to
+        another backend's choices in half-precision checks)."""
+        ranking = scores + self.e_score_correction_bias
+        return torch.sort(ranking, dim=-1, descending=True, stable=True).indices[..., :self.top_k]
 
 
 class RoutedExperts(nn.Module):

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 from polygraphy.backend.base import BaseRunner
@@ -58,6 +59,7 @@ from k3export.parity import (
     top1_agreement,
     verdict,
 )
+from k3export.routing import held_routing, routing_outputs
 from k3export.taps import compare_taps, first_divergent, parse_tap
 
 # Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
@@ -166,13 +168,21 @@ class EagerRunner(BaseRunner):
         return OrderedDict((s.name, o.numpy()) for s, o in zip(self.signature.outputs, outputs, strict=True))
 
 
-def onnxrt_session(path: Path, threads: int | None = None) -> ort.InferenceSession:
+def onnxrt_session(path: Path, threads: int | None = None,
+                   extra_outputs: list[str] | None = None) -> ort.InferenceSession:
+    """A CPU session of the graph at `path`; `extra_outputs` names intermediate tensors to output too
+    (the graph is then loaded from memory, its weights from beside `path`)."""
     options = ort.SessionOptions()
     # Spinning worker threads would slow the eager model running beside them in this process.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    if not extra_outputs:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    model = onnx.load(path, load_external_data=False)
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra_outputs)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 class BoundOnnxrtRunner(BaseRunner):
@@ -181,17 +191,20 @@ class BoundOnnxrtRunner(BaseRunner):
     written by TensorScatter) is bound to that input's OrtValue, so ONNX Runtime writes the call's
     rows in place and copies no cache. The other present outputs (KDA state and conv tails, which
     a Scan and a Concat rewrite whole) are double-buffered: written into a spare buffer that becomes
-    the next call's past. Returned caches are those buffers, valid until the next call."""
+    the next call's past. Returned caches are those buffers, valid until the next call.
+    `extra_outputs`: graph outputs beyond the signature's (a copy's exposed routing), returned too."""
 
-    def __init__(self, path: Path, signature: Signature, name: str = "onnxrt", threads: int | None = None):
+    def __init__(self, path: Path, signature: Signature, name: str = "onnxrt", threads: int | None = None,
+                 extra_outputs: list[str] | None = None):
         super().__init__(name=name)
         self.path, self.signature, self.threads = path, signature, threads
+        self.extra_outputs = extra_outputs or []
         self.caches: dict[str, np.ndarray] = {}
         self.spares: dict[str, np.ndarray] = {}
         self.aliased: dict[str, bool] = {}  # after a call: did each aliased output keep past's buffer?
 
     def activate_impl(self) -> None:
-        self.session = onnxrt_session(self.path, self.threads)
+        self.session = onnxrt_session(self.path, self.threads, self.extra_outputs)
 
     def deactivate_impl(self) -> None:
         del self.session
@@ -225,11 +238,17 @@ class BoundOnnxrtRunner(BaseRunner):
                 binding.bind_ortvalue_output(spec.name, spare)
             else:
                 binding.bind_output(spec.name, "cpu")
+        for name in self.extra_outputs:
+            binding.bind_output(name, "cpu")
         start = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.inference_time = time.perf_counter() - start
         results = OrderedDict()
-        for spec, value in zip(self.signature.outputs, binding.get_outputs(), strict=True):
+        values_out = binding.get_outputs()
+        count = len(self.signature.outputs)
+        for name, value in zip(self.extra_outputs, values_out[count:], strict=True):
+            results[name] = value.numpy()
+        for spec, value in zip(self.signature.outputs, values_out[:count], strict=True):
             if spec.aliases:
                 self.aliased[spec.name] = value.data_ptr() == values[spec.aliases].data_ptr()
                 results[spec.name] = self.caches[spec.aliases]
@@ -352,34 +371,46 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
         f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
     model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
     nonfinite_weights = nonfinite_tensors(model.named_parameters())
-    runners: list[BaseRunner] = [
-        EagerRunner(ExportGraph(model, layers, last_logits, tapped), "eager", signature),
-        BoundOnnxrtRunner(onnx_dir / GRAPH_FILE, signature),
-    ]
-    if dtype != "float32":
-        model32 = build_model(config, torch.float32, manifest["weights"], layers)
-        runners.append(EagerRunner(ExportGraph(model32, layers, last_logits, tapped), "eager-float32",
-                                   signature))
-    gen = torch.Generator().manual_seed(seed)
-    batch, prompt_len = len(lengths), max(lengths)
-    feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
-    # Pad with token 0, as a server would: any value works, none is read.
-    if "input_ids" in feed:
-        feed["input_ids"][np.arange(prompt_len) >= np.array(lengths)[:, None]] = 0
+    with contextlib.ExitStack() as running:
+        models = [model]
+        # Half precision holds the eager models to the graph's expert choices (k3export.routing),
+        # which the session outputs too.
+        graph = onnx_dir / GRAPH_FILE
+        routing = routing_outputs(graph) if dtype != "float32" else []
+        runners: list[BaseRunner] = [
+            EagerRunner(ExportGraph(model, layers, last_logits, tapped), "eager", signature),
+            BoundOnnxrtRunner(graph, signature, extra_outputs=routing),
+        ]
+        if dtype != "float32":
+            models.append(build_model(config, torch.float32, manifest["weights"], layers))
+            runners.append(EagerRunner(ExportGraph(models[1], layers, last_logits, tapped), "eager-float32",
+                                       signature))
+        gen = torch.Generator().manual_seed(seed)
+        batch, prompt_len = len(lengths), max(lengths)
+        feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
+        # Pad with token 0, as a server would: any value works, none is read.
+        if "input_ids" in feed:
+            feed["input_ids"][np.arange(prompt_len) >= np.array(lengths)[:, None]] = 0
 
-    report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
-                              "capacity": signature.capacity, "steps": []}
-    tap_steps: list[dict[str, Any]] = []
-    streams: list[list[list[int]]] = [[], []]
-    cache_lengths = np.zeros(batch, np.int64)
-    with contextlib.ExitStack() as active:
+        report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
+                                  "capacity": signature.capacity, "held_routing": bool(routing), "steps": []}
+        tap_steps: list[dict[str, Any]] = []
+        streams: list[list[list[int]]] = [[], []]
+        cache_lengths = np.zeros(batch, np.int64)
         for runner in runners:
-            active.enter_context(runner)
+            running.enter_context(runner)
             runner.reset(batch)
         for step in range(steps + 1):
             label = "prefill" if step == 0 else f"decode {step}"
-            # The float32 model takes the graph's half-precision feeds, unlike its metadata says.
-            outs = [runner.infer(feed, check_inputs=runner.name != "eager-float32") for runner in runners]
+            graph_out = runners[1].infer(feed)
+            choices = [graph_out[name] for name in routing]
+            eager_outs, flips = [], {}
+            for runner, held in zip([runners[0], *runners[2:]], models, strict=True):
+                with held_routing(held, choices) if routing else contextlib.nullcontext([]) as flipped:
+                    # The float32 model takes the graph's half-precision feeds, unlike its metadata says.
+                    eager_outs.append(runner.infer(feed, check_inputs=runner.name != "eager-float32"))
+                flips[runner.name] = sum(flipped)
+            outs = [eager_outs[0], graph_out, *eager_outs[1:]]
             if step == 0:
                 _save_replay(stage, signature, feed, outs[0], batch)
             input_lengths = feed["input_lengths"]
@@ -388,6 +419,9 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
                                                  tolerance, log))
             if taps:
                 tap_steps.append(tap_step(label, signature, outs, cache_lengths, input_lengths, tolerance))
+            if routing:
+                # Token-layer choices where each eager model would have picked other experts.
+                report["steps"][-1]["routing_flips"] = flips
             tokens = None
             if "logits" in outs[0]:
                 for stream, out in zip(streams, outs, strict=False):
@@ -397,6 +431,7 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
             feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
         report["aliased"] = dict(runners[1].aliased)
     report.update(verdict(report["steps"], nonfinite_weights))
+    report["routing_flips"] = sum(s.get("routing_flips", {}).get("eager", 0) for s in report["steps"])
     report["greedy_streams_identical"] = streams[0] == streams[1]
     if taps:
         report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
