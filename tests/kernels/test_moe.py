@@ -1,0 +1,141 @@
+"""The routed-experts Triton kernels (k3plugins.moe) against the eager ops `torch.ops.k3.routed_experts`
+and `routed_experts_mxfp4`, run in float64 on the same (rounded) inputs: float32 and float16
+activations, float and MXFP4 experts, both tile sets (decode: 16-row blocks, prefill: 64), random
+routing, k = 1, experts that receive no token, every token on one expert. bfloat16 is not tested: the
+interpreter's bf16 arithmetic is silently wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import rel_error
+from torch import Tensor
+
+import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3export import mxfp4
+from k3plugins import moe
+
+BETA, LINEAR_BETA = 4.0, 25.0
+# float16: z and the weights are rounded before both sides see them; the kernel rounds h to float16
+# (as the eager op does) and the products' inputs are float16 with float32 accumulation, each
+# relative 2^-11 (5e-4) per element: 2e-3 leaves room for their sum.
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def routing(case: str, N: int, E: int, k: int, gen: torch.Generator) -> Tensor:
+    """experts [N, k]: distinct experts per token, as the router's top-k gives them."""
+    if case == "one_expert":  # every token on expert 2 (k = 1)
+        return torch.full((N, 1), 2, dtype=torch.int64)
+    if case == "unused":  # only the even experts receive tokens
+        choice = [torch.randperm(E // 2, generator=gen)[:k] * 2 for _ in range(N)]
+    else:
+        choice = [torch.randperm(E, generator=gen)[:k] for _ in range(N)]
+    return torch.stack(choice)
+
+
+def inputs(N: int, L: int, I: int, E: int, k: int, case: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, L, generator=gen)
+    experts = routing(case, N, E, k, gen)
+    weights = torch.rand(experts.shape, generator=gen)
+    weights = weights / weights.sum(1, keepdim=True)
+    w1 = torch.randn(E, I, L, generator=gen) * L**-0.5
+    w3 = torch.randn(E, I, L, generator=gen) * L**-0.5
+    w2 = torch.randn(E, L, I, generator=gen) * I**-0.5
+    return z, experts, weights, (w1, w3, w2)
+
+
+def doubles(tensors):
+    return [t.double() if t.is_floating_point() else t for t in tensors]
+
+
+CASES = [  # N, L, I, E, k, routing
+    (13, 64, 96, 6, 2, "random"),
+    (9, 32, 32, 8, 1, "random"),  # k = 1 (the tiny widths)
+    (11, 64, 64, 8, 3, "unused"),  # half the experts receive no token
+    (40, 32, 64, 4, 1, "one_expert"),  # one expert, several M blocks
+]
+
+
+@pytest.mark.parametrize("tiles", [moe.DECODE, moe.PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}_L{c[1]}_I{c[2]}_E{c[3]}_k{c[4]}_{c[5]}")
+def test_routed_experts(case, dtype: torch.dtype, tiles: moe.Tiles) -> None:
+    z, experts, weights, (w1, w3, w2) = inputs(*case)
+    z, w1, w3, w2 = (t.to(dtype) for t in (z, w1, w3, w2))
+    u = moe.routed_experts(z, experts, weights, w1, w3, w2, BETA, LINEAR_BETA, tiles=tiles)
+    expected = torch.ops.k3.routed_experts(*doubles([z, experts, weights, w1, w3, w2]), BETA, LINEAR_BETA)
+    assert u.dtype == torch.float32 and u.shape == z.shape
+    assert rel_error(u, expected) < TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("tiles", [moe.DECODE, moe.PREFILL], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}_L{c[1]}_I{c[2]}_E{c[3]}_k{c[4]}_{c[5]}")
+def test_routed_experts_mxfp4(case, dtype: torch.dtype, tiles: moe.Tiles) -> None:
+    z, experts, weights, dense = inputs(*case)
+    packed = [part for w in dense for part in mxfp4.quantize(w)]
+    z = z.to(dtype)
+    u = moe.routed_experts_mxfp4(z, experts, weights, *packed, BETA, LINEAR_BETA, tiles=tiles)
+    expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *packed, BETA,
+                                                 LINEAR_BETA)
+    assert rel_error(u, expected) < TOLERANCES[dtype]
+
+
+def test_mxfp4_decodes_every_code_and_scale() -> None:
+    """Every byte value in the gate and up weights, and a scale byte per down-projection row from 40
+    to 219 (float32): each output column, scaled by its row's 2^(s - 127), against the eager op. Scale
+    bytes 0 and 1 decode to 0 (documented); below 40 the float32 products turn subnormal."""
+    E, I, L = 1, 64, 256
+    gen = torch.Generator().manual_seed(3)
+    gate_up = [torch.arange(256, dtype=torch.uint8).repeat(I * L // 512).view(E, I, L // 2)
+               for _ in range(2)]
+    # Scales near 127 keep the SiTU-GLU out of saturation.
+    gate_up_scales = [torch.randint(122, 131, (E, I, L // 32), generator=gen, dtype=torch.uint8)
+                      for _ in range(2)]
+    down = torch.randint(0, 256, (E, L, I // 2), generator=gen, dtype=torch.uint8)
+    down_scales = (40 + torch.arange(L) * 180 // L).to(torch.uint8)[None, :, None].expand(E, L, I // 32)
+    args = [gate_up[0], gate_up_scales[0], gate_up[1], gate_up_scales[1], down, down_scales.contiguous()]
+    z = torch.randn(4, L, generator=gen) * 0.05
+    experts = torch.zeros(4, 1, dtype=torch.int64)
+    weights = torch.ones(4, 1)
+    u = moe.routed_experts_mxfp4(z, experts, weights, *args, BETA, LINEAR_BETA)
+    expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *args, BETA,
+                                                 LINEAR_BETA)
+    column_error = (u.double() - expected).norm(dim=0) / expected.norm(dim=0)
+    assert column_error.max() < 1e-5
+
+
+def test_alignment() -> None:
+    """Each block holds pairs of one expert in token order, every pair exactly once, the padding
+    rows the sentinel N * k, and the blocks past the last used one the expert -1."""
+    gen = torch.Generator().manual_seed(1)
+    E, N, k, block_m = 8, 21, 3, 16
+    experts = routing("unused", N, E, k, gen)
+    pair_ids, block_experts = moe.align(experts, E, block_m)
+    assert block_experts.numel() == moe.max_blocks(N * k, E, block_m) == 4 + 8
+    flat = experts.flatten()
+    seen = []
+    for b, e in enumerate(block_experts.tolist()):
+        rows = pair_ids[b * block_m:(b + 1) * block_m].tolist()
+        real = [p for p in rows if p != N * k]
+        if e < 0:
+            assert not real
+            continue
+        assert real and all(flat[p] == e for p in real) and real == sorted(real)
+        assert rows == real + [N * k] * (block_m - len(real))  # padding at the end of a block
+        seen += real
+    assert sorted(seen) == list(range(N * k))
+    # Decode: k pairs of one token use at most k + 1 blocks, not one per expert.
+    assert moe.max_blocks(16, 896, 16) == 17
+
+
+def test_no_tokens_and_out_buffer() -> None:
+    z, experts, weights, (w1, w3, w2) = inputs(5, 32, 32, 4, 2, "random")
+    empty = moe.routed_experts(z[:0], experts[:0], weights[:0], w1, w3, w2, BETA, LINEAR_BETA)
+    assert empty.shape == (0, 32)
+    out = torch.full((5, 32), float("nan"))
+    assert moe.routed_experts(z, experts, weights, w1, w3, w2, BETA, LINEAR_BETA, out=out) is out
+    expected = torch.ops.k3.routed_experts(*doubles([z, experts, weights, w1, w3, w2]), BETA, LINEAR_BETA)
+    assert rel_error(out, expected) < 1e-5
+
