@@ -35,8 +35,8 @@ class KernelStats(NamedTuple):
 def compile_variant(variant: KernelVariant) -> triton.compiler.CompiledKernel:
     # Pointers are assumed 16-byte aligned (torch and TensorRT allocate at 256 bytes), which lets
     # Triton vectorise loads; a launcher must not hand these kernels unaligned views.
-    attrs = {(i,): [["tt.divisibility", 16]]
-             for i, ty in enumerate(variant.signature.values()) if ty.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(variant.signature.items())
+             if ty.startswith("*") or name in variant.divisible_by_16}
     source = ASTSource(variant.fn, variant.signature, variant.constexprs, attrs)
     return triton.compile(source, target=TARGET,
                           options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,

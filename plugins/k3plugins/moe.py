@@ -21,7 +21,9 @@ run in z's dtype with float32 accumulation. A scale byte of 0 or 1 decodes as 0 
 
 NOT PROVEN here (no GPU on the machines this was written on): the speed, and the plugin's enqueue
 under TensorRT. The numerics are tested under Triton's interpreter (tests/kernels/test_moe.py) and
-every variant compiles for sm_90 without spills (tests/test_aot.py); tools/gpu_check.py times it.
+every variant compiles for sm_90 without spills (tests/test_aot.py) for L and I multiples of 16 (every
+preset; Triton's JIT specialises such widths, other widths get a general build not checked for spills);
+tools/gpu_check.py times it.
 The float32 atomics make the sum over the k slots order-dependent on a GPU (not bitwise repeatable).
 """
 
@@ -36,23 +38,38 @@ from torch import Tensor
 
 from k3plugins.variants import DTYPES, KernelVariant, pointer
 
-MXFP4_GROUP = 32
+MXFP4_GROUP = 32  # inputs per E8M0 scale
 
 
 class Tiles(NamedTuple):
     block_m: int  # (token, slot) pairs per program, all of one expert
     block_n: int  # output columns per program
-    block_k: int  # reduction step (a multiple of 32 for MXFP4: whole scale groups)
+    block_k: int  # reduction step (even, for MXFP4's two values a byte)
     num_warps: int
     num_stages: int
 
 
 # Decode: few pairs per expert, so the smallest M block tl.dot takes and deep K steps (the weights'
-# bytes are the cost). Prefill: tensor-core sized tiles. Sized so that no variant spills on sm_90.
+# bytes are the cost). Prefill: tensor-core sized tiles. float32 runs "ieee" FMA dots, whose operands
+# sit in registers: short K steps. Sized so that no variant spills on sm_90 (tests/test_aot.py).
 DECODE = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 PREFILL = Tiles(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+DECODE_FP32 = Tiles(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=3)
+PREFILL_FP32 = Tiles(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=3)
 # Decode tiles while the pairs average fewer than this per expert (decode and short prompts).
 DECODE_PAIRS_PER_EXPERT = 16
+
+
+def tile_choices(dtype: torch.dtype) -> dict[str, Tiles]:
+    """The decode and prefill tiles for activations of `dtype`."""
+    if dtype == torch.float32:
+        return {"decode": DECODE_FP32, "prefill": PREFILL_FP32}
+    return {"decode": DECODE, "prefill": PREFILL}
+
+
+def pick_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> Tiles:
+    mode = "decode" if num_pairs < DECODE_PAIRS_PER_EXPERT * num_experts else "prefill"
+    return tile_choices(dtype)[mode]
 
 
 @triton.jit
@@ -83,8 +100,8 @@ def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         mask = mask_n[:, None] & (offs_b < K // 2)[None, :]
         byte = tl.load(w + rows[:, None] * (K // 2) + offs_b[None, :], mask=mask, other=0).to(tl.int32)
-        # One scale per 16 bytes; the repeated addresses are served from cache.
-        scale = tl.load(w_scale + rows[:, None] * (K // MXFP4_GROUP) + (offs_b // 16)[None, :], mask=mask,
+        # One scale per 32 inputs (16 bytes); the repeated addresses are served from cache.
+        scale = tl.load(w_scale + rows[:, None] * (K // 32) + (offs_b // 16)[None, :], mask=mask,
                         other=0).to(tl.int32)
         # 2^(s - 128) from its float32 bits (exact for s >= 2), which halves _e2m1_twice's values.
         factor = tl.where(scale > 1, (tl.maximum(scale - 1, 0) << 23).to(tl.float32, bitcast=True), 0.0)
@@ -187,10 +204,6 @@ def align(experts: Tensor, num_experts: int, block_m: int) -> Alignment:
     return Alignment(pair_ids, block_experts)
 
 
-def pick_tiles(num_pairs: int, num_experts: int) -> Tiles:
-    return DECODE if num_pairs < DECODE_PAIRS_PER_EXPERT * num_experts else PREFILL
-
-
 Weight = tuple[Tensor, Tensor | None]  # (weight, None) or (packed, scale)
 
 
@@ -210,7 +223,7 @@ def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3
     u.zero_()
     if num_pairs == 0:
         return u
-    tiles = tiles or pick_tiles(num_pairs, num_experts)
+    tiles = tiles or pick_tiles(num_pairs, num_experts, z.dtype)
     z = z.contiguous()
     # A no-op for the exports (the experts are in the model dtype); other float weights are copied
     # whole here, which keeps the compiled variants one per activation dtype.
@@ -265,12 +278,13 @@ def routed_experts_mxfp4(z: Tensor, experts: Tensor, weights: Tensor, w1_packed:
 def kernel_variants() -> list[KernelVariant]:
     """Every (kernel, activation dtype, weight form, tiles) combination the launchers can pick."""
     variants = []
+    torch_dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     for dtype in DTYPES:
         for packed in (False, True):
             weight = "*u8" if packed else pointer(dtype)
             scale = "*u8" if packed else "constexpr"
             form = "mxfp4" if packed else dtype
-            for mode, tiles in (("decode", DECODE), ("prefill", PREFILL)):
+            for mode, tiles in tile_choices(torch_dtypes[dtype]).items():
                 blocks = {"PACKED": packed, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                           "BLOCK_K": tiles.block_k}
                 scales = {} if packed else {"w1_scale": None, "w3_scale": None, "w2_scale": None}
@@ -286,6 +300,9 @@ def kernel_variants() -> list[KernelVariant]:
                 for name, (fn, types) in kernels.items():
                     constexprs = {**blocks, **{k: v for k, v in scales.items() if k in fn.arg_names}}
                     signature = {arg: types.get(arg, "constexpr") for arg in fn.arg_names}
+                    # L and I as Triton's JIT specialises them when multiples of 16 (every preset):
+                    # without that, no load vectorises and the address registers spill.
                     variants.append(KernelVariant(f"moe_{name}_{mode}_{dtype}_w{form}", fn, signature,
-                                                  constexprs, tiles.num_warps, tiles.num_stages))
+                                                  constexprs, tiles.num_warps, tiles.num_stages,
+                                                  divisible_by_16=("L", "I")))
     return variants
