@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.helper
 import onnx.numpy_helper
 import pytest
 import torch
@@ -86,24 +87,25 @@ def test_check_taps_prints_the_table_and_passes_on_the_export(taps_export, capsy
 
 
 def corrupt(export: Path, folder: Path, suffix: str, factor: float = 1.5) -> Path:
-    """A copy of `export` with the float32 initializer named ...`suffix` scaled by `factor` where it
-    is stored (the external data, or inline in model.onnx for small tensors), the changed file's
-    sha256 re-recorded in export.json so that the folder still verifies."""
+    """A copy of `export` with the float32 or float16 initializer named ...`suffix` scaled by
+    `factor` where it is stored (the external data, or inline in model.onnx for small tensors), the
+    changed file's sha256 re-recorded in export.json so that the folder still verifies."""
     shutil.copytree(export, folder)
     model = onnx.load(folder / "model.onnx", load_external_data=False)
     target = next(t for t in model.graph.initializer if t.name.endswith(suffix))
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(target.data_type)
     where = {e.key: e.value for e in target.external_data}
     if "offset" in where:
         changed = "model.onnx.data"
         data = bytearray((folder / changed).read_bytes())
         offset, length = int(where["offset"]), int(where["length"])
-        values = np.frombuffer(data, np.float32, count=length // 4, offset=offset) * np.float32(factor)
-        data[offset:offset + length] = values.astype(np.float32).tobytes()
+        values = np.frombuffer(data, dtype, count=length // dtype.itemsize, offset=offset).astype(np.float32)
+        data[offset:offset + length] = (values * factor).astype(dtype).tobytes()
         (folder / changed).write_bytes(bytes(data))
     else:
         changed = "model.onnx"
-        values = onnx.numpy_helper.to_array(target) * np.float32(factor)
-        target.CopyFrom(onnx.numpy_helper.from_array(values.astype(np.float32), target.name))
+        values = onnx.numpy_helper.to_array(target).astype(np.float32) * factor
+        target.CopyFrom(onnx.numpy_helper.from_array(values.astype(dtype), target.name))
         onnx.save(model, folder / changed)
     manifest = json.loads((folder / "export.json").read_text())
     manifest["files"][changed] = file_record(folder / changed)
@@ -153,3 +155,24 @@ def test_first_divergent_takes_the_earliest_tap_of_any_step():
     first = first_divergent(steps)
     assert (first["layer"], first["sublayer"], first["step"]) == (0, "ffn", "decode 1")
     assert first_divergent(steps[:0]) is None
+
+
+@pytest.fixture(scope="module")
+def float16_taps_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("taps16") / "tiny"
+    assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--dtype", "float16", "--taps",
+                 "--out", str(folder)]) == 0
+    return folder
+
+
+def test_half_precision_envelope_passes_the_export_and_names_a_corrupted_layer(float16_taps_export, tmp_path):
+    """float16: the clean export has no divergent tap (each within half_precision_tolerance of the
+    eager float16-vs-float32 spread so far), and a MoE layer's corrupted weight is named."""
+    clean = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None)
+    assert clean["taps"]["first_divergent"] is None
+    bounds = [t["bound"] for t in clean["taps"]["steps"][0]["taps"]]
+    assert all(0.02 <= b <= 0.1 for b in bounds)  # float16's fixed bound .. HALF_REL_CAP
+    broken = corrupt(float16_taps_export, tmp_path / "broken", CORRUPTIONS[2][0])
+    report = run_check(broken, steps=2, prompt_len=12, taps=True, log=lambda _: None)
+    first = report["taps"]["first_divergent"]
+    assert (first["layer"], first["sublayer"]) == CORRUPTIONS[2][1:]
