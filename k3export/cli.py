@@ -88,6 +88,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from k3export.artifacts import OutputDir
     from k3export.checkpoint import build_model
     from k3export.onnx.export import MANIFEST_FILE, export_model, parse_layers
+    from k3export.progress import spinner
 
     out = OutputDir(args.out, MANIFEST_FILE, "export", overwrite=args.overwrite)
     config = _config(args)
@@ -107,7 +108,7 @@ def cmd_export(args: argparse.Namespace) -> int:
           f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
     model = build_model(config, getattr(torch, dtype_name), weights, layers, log=print)
     print(f"exporting to {out.path} (torch.export, then ONNX translation; minutes for large models)")
-    with out.staged() as stage:
+    with out.staged() as stage, spinner("export: torch.export, then the ONNX translation"):
         manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins,
                                 capacity=args.capacity, last_logits=args.last_logits, taps=args.taps)
     nodes = manifest["custom_nodes"]
@@ -256,6 +257,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (they are shown only when stderr is a terminal anyway)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3export", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="print the traceback of input errors too")
@@ -295,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--taps", action="store_true",
                         help="add each layer's mixer and FFN outputs and AttnRes partial after it as outputs "
                         "taps.{layer}.{mixer,ffn,partial}, for `check --taps` to localise a divergence")
+    _add_quiet(export)
     export.set_defaults(run=cmd_export)
 
     check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")
@@ -316,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compare an `export --taps` export's per-layer taps too: per layer the relative "
                        "error and cosine of the mixer and FFN outputs and the AttnRes partial, and the first "
                        "layer and sublayer whose error leaves its envelope")
+    _add_quiet(check)
     check.set_defaults(run=cmd_check)
 
     from k3export.engine.build import TARGETS, Limits
@@ -330,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--max-seq", type=int, default=Limits.seq, help="prefill tokens per call")
     from k3export.stages import add_build_arguments
     add_build_arguments(build)
+    _add_quiet(build)
     build.set_defaults(run=cmd_build)
 
     from k3export.plan import add_parser as add_plan_parser
@@ -363,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (a check passed), 1 a check failed, 2 bad input (one message naming the
     culprit; --debug adds the traceback), 3 an internal error (a bug: its traceback is printed)."""
     args = build_parser().parse_args(argv)
+    from k3export.progress import set_quiet
+    set_quiet(getattr(args, "quiet", False))
     if not logging.getLogger("k3export").handlers:
         logging.getLogger("k3export").addHandler(_StderrHandler())
     started = time.perf_counter()

@@ -30,6 +30,7 @@ from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest
 from k3export.checkpoint import build_model
 from k3export.errors import UserError
 from k3export.plan import Plan, plan_recipe
+from k3export.progress import track
 from k3export.recipe import BACKENDS, Recipe, load_recipe
 
 MANIFEST = "manifest.json"
@@ -153,7 +154,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
                      "decode": {"batch": recipe.decode_batch}},
         "versions": _versions(backend), "stages": [], "files": {},
     }
-    for i, stage in enumerate(plan.stages):
+    for i, stage in track(enumerate(plan.stages), "build: stages", total=len(plan.stages)):
         layers = [stage.layers.start, stage.layers.stop]
         entry = next((e for e in previous if e.get("index") == i and e.get("layers") == layers), None)
         problem = _intact(out, entry) if entry else "not built"

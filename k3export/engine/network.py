@@ -67,6 +67,7 @@ from k3export.onnx.check import (
 )
 from k3export.onnx.export import GRAPH_FILE, ExportGraph, TensorSpec, resolve_shape
 from k3export.parity import TOLERANCES, Tolerance, compare, top1_agreement
+from k3export.progress import track
 from k3export.taps import first_divergent
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
@@ -581,7 +582,7 @@ class NetworkEvaluator:
                                 f"(fed: {', '.join(sorted(feeds)) or 'nothing'})")
             values[name] = self._input(tensor, feeds[name])
         self.layer_seconds = {}
-        for item in self.sequence:
+        for item in track(self.sequence, "network: layers evaluated"):
             if isinstance(item, _Loop):
                 self._loop(item, values)
             else:
@@ -846,7 +847,7 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
         for runner in runners:
             active.enter_context(runner)
             runner.reset(batch)
-        for step in range(steps + 1):
+        for step in track(range(steps + 1), "check --network: prefill and decode steps"):
             outs = [runner.infer(feed, check_inputs=False) for runner in runners]
             network_seconds += runners[1].last_inference_time()
             input_lengths = feed["input_lengths"]

@@ -59,6 +59,7 @@ from k3export.parity import (
     top1_agreement,
     verdict,
 )
+from k3export.progress import track
 from k3export.routing import held_routing, routing_outputs
 from k3export.taps import compare_taps, first_divergent, parse_tap
 
@@ -400,7 +401,7 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
         for runner in runners:
             running.enter_context(runner)
             runner.reset(batch)
-        for step in range(steps + 1):
+        for step in track(range(steps + 1), "check: prefill and decode steps"):
             label = "prefill" if step == 0 else f"decode {step}"
             graph_out = runners[1].infer(feed)
             choices = [graph_out[name] for name in routing]
