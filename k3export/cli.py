@@ -123,21 +123,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     from k3export.onnx.check import run_check
 
     if args.build:
+        if args.taps or args.report:
+            raise UserError("check --build: --taps and --report are not supported for sharded builds yet; "
+                            "check a stage's export folder (DIR/stage-N) with --onnx or --network")
         from k3export.runtime.check import cmd_check_build
         return cmd_check_build(args)
 
     if args.network:
         from k3export.engine.network import run_network_check
-    run = run_network_check if args.network else run_check
+        run = run_network_check
+    elif args.engine:
+        from k3export.engine.engine_check import run_engine_check
+        run = run_engine_check
+    else:
+        run = run_check
     if args.report:
         from k3export.report import report_dir, write_report
         out = report_dir(args.report)  # refused before the check runs, not after
     extra = {"taps": True} if args.taps else {}
-    report = run(args.network or args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
+    report = run(args.network or args.engine or args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
                  prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print, **extra)
     verdict = _check_verdict(report, network=args.network)
     if args.report:
-        artifact = f"--network {args.network}" if args.network else f"--onnx {args.onnx}"
+        kind = next(a for a in ("network", "engine", "onnx") if getattr(args, a))
+        artifact = f"--{kind} {getattr(args, kind)}"
         write_report(report, out, verdict, artifact)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -309,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     artifact.add_argument("--onnx", metavar="DIR", help="a `k3export export` folder, in ONNX Runtime")
     artifact.add_argument("--network", metavar="DIR", help="a `k3export export` folder, parsed by "
                           "TensorRT-RTX (k3 plugins registered) and the network evaluated on CPU")
+    artifact.add_argument("--engine", metavar="FILE", help="an engine `k3export build` wrote (or a `build "
+                          "RECIPE` folder: every stage's engine), through Polygraphy's TensorRT runner; "
+                          "needs an NVIDIA GPU and TensorRT, so it cannot run on CPU-only machines")
     artifact.add_argument("--build", metavar="DIR", help="a `k3export build RECIPE` folder: its stages "
                           "chained in ONNX Runtime, each against the eager model over its layers")
     check.add_argument("--steps", type=int, default=16, help="greedy decode steps after the prefill")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -315,11 +316,13 @@ def last_tokens(logits: np.ndarray, input_lengths: list[int]) -> np.ndarray:
 
 
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
-              prompt_len: int = 70, log: Any = print, taps: bool = False) -> dict[str, Any]:
+              prompt_len: int = 70, log: Any = print, taps: bool = False,
+              graph_runner: Callable[[Signature, list[str]], BaseRunner] | None = None) -> dict[str, Any]:
     """A prefill of `batch` prompts of different lengths (the longest `prompt_len`), right-padded,
     then `steps` decode steps; returns the report (see "passed"). The replay files and the report
     go to DIR/check (a folder of check's own, replaced each run). `taps`: also compare the export's
-    taps (export --taps) and name the first divergent layer (report["taps"])."""
+    taps (export --taps) and name the first divergent layer (report["taps"]). `graph_runner(signature,
+    extra outputs)`: the runner of the artifact in place of ONNX Runtime (check --engine)."""
     onnx_dir = Path(onnx_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
     manifest, config = read_export(onnx_dir)
@@ -339,7 +342,7 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, capacity)
     out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check")
     with out.staged() as stage:
-        report = _run_check(onnx_dir, manifest, config, stage, steps, seed, lengths, log, taps)
+        report = _run_check(onnx_dir, manifest, config, stage, steps, seed, lengths, log, taps, graph_runner)
         write_json(stage / CHECK_MANIFEST, {"passed": report["passed"], "report": "report.json"})
     return report
 
@@ -360,7 +363,8 @@ def tap_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]]
 
 
 def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage: Path, steps: int,
-               seed: int, lengths: list[int], log: Any, taps: bool = False) -> dict[str, Any]:
+               seed: int, lengths: list[int], log: Any, taps: bool = False,
+               graph_runner: Callable[[Signature, list[str]], BaseRunner] | None = None) -> dict[str, Any]:
     """run_check's comparison, writing its files into `stage` (DIR/check once committed)."""
     dtype = manifest["dtype"]
     tolerance = TOLERANCES[dtype]
@@ -380,7 +384,8 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
         routing = routing_outputs(graph) if dtype != "float32" else []
         runners: list[BaseRunner] = [
             EagerRunner(ExportGraph(model, layers, last_logits, tapped), "eager", signature),
-            BoundOnnxrtRunner(graph, signature, extra_outputs=routing),
+            (graph_runner(signature, routing) if graph_runner
+             else BoundOnnxrtRunner(graph, signature, extra_outputs=routing)),
         ]
         if dtype != "float32":
             models.append(build_model(config, torch.float32, manifest["weights"], layers))

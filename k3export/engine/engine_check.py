@@ -1,0 +1,144 @@
+"""`k3export check --engine FILE`: a TensorRT engine against the eager model, on a machine with an
+NVIDIA GPU and TensorRT (full TensorRT, or TensorRT-RTX through Polygraphy's USE_TENSORRT_RTX).
+
+NOT RUN HERE: no machine this project tests on has a GPU, and engines cannot be deserialized
+without one, so this module is written thin and only its argument handling and refusals are tested.
+It reuses check --onnx's driver (k3export.onnx.check.run_check: prefill of right-padded prompts,
+greedy decode steps, valid entries, taps, verdict) and swaps ONNX Runtime for `EngineRunner`, a
+stateful wrapper of Polygraphy's TrtRunner that carries the caches from call to call.
+
+FILE is an engine `k3export build --onnx DIR --out FILE` wrote (its record FILE.json names the
+export DIR, whose export.json gives the eager reference), or a `k3export build RECIPE` folder, whose
+every stage engine is checked alone against the eager model over the stage's layers (a stage not
+starting at layer 0 takes random AttnRes boundary tensors, as check --onnx does for a range).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+
+from k3export.errors import UserError
+from k3export.onnx.check import PRESENT, Signature, _zero_rows, present_to_past, run_check
+
+
+def engine_targets(path: str | Path) -> list[tuple[Path, Path]]:
+    """(engine file, export folder) pairs: one for an engine with its record FILE.json, one per
+    stage for a sharded build folder (manifest.json)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "manifest.json").is_file():
+            raise UserError(f"--engine {path}: a folder without manifest.json; expected an engine file or "
+                            "a `k3export build RECIPE` folder")
+        stages = json.loads((path / "manifest.json").read_text()).get("stages") or []
+        targets = [(engine, path / s["folder"]) for s in stages
+                   for engine in sorted((path / s["folder"]).glob("*.engine"))]
+        if not targets:
+            raise UserError(f"--engine {path}: its stages hold no engines (built with --backend onnx?); "
+                            "build them with --backend tensorrt-rtx, or check the stage graphs with --build")
+        return targets
+    if not path.is_file():
+        raise UserError(f"--engine {path}: no such file")
+    record = path.with_name(f"{path.name}.json")
+    try:
+        export = json.loads(record.read_text())["export"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"--engine {path}: its record {record} is missing or names no 'export'; expected "
+                        "an engine that `k3export build --onnx DIR --out FILE` wrote") from None
+    return [(path, Path(export))]
+
+
+def require_engine_runtime() -> None:
+    """Refuses, naming what is missing, unless a GPU and TensorRT (either flavour) are present."""
+    import torch
+
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append("an NVIDIA GPU (torch.cuda.is_available() is False)")
+    flavours = [m for m in ("tensorrt", "tensorrt_rtx") if importlib.util.find_spec(m)]
+    if not flavours:
+        missing.append("TensorRT (neither tensorrt nor tensorrt_rtx is installed)")
+    if missing:
+        raise UserError("check --engine runs the engine through Polygraphy's TensorRT runner and needs "
+                        f"{' and '.join(missing)}; on this machine check the network the builder receives "
+                        "instead: `k3export check --network DIR` (CPU)")
+
+
+class EngineRunner(BaseRunner):
+    """A TensorRT engine as a check runner that holds its caches between calls (numpy, copied in and
+    out by Polygraphy's TrtRunner), like check's other runners: `reset`, then `infer(feeds)`."""
+
+    def __init__(self, engine: Path, signature: Signature, name: str = "engine") -> None:
+        super().__init__(name=name)
+        self.engine, self.signature = engine, signature
+        self.caches: dict[str, np.ndarray] = {}
+        self.aliased: dict[str, bool] = {}  # Polygraphy copies caches; nothing is bound in place
+
+    def activate_impl(self) -> None:
+        from polygraphy import config
+
+        if importlib.util.find_spec("tensorrt") is None:
+            config.USE_TENSORRT_RTX = True  # polygraphy then imports tensorrt_rtx as trt
+        from polygraphy.backend.common import BytesFromPath
+        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+        from polygraphy.mod.trt_importer import lazy_import_trt
+
+        import k3plugins.trt
+
+        k3plugins.trt.register(lazy_import_trt())  # the k3 plugins the engine was built with
+        self.runner = TrtRunner(EngineFromBytes(BytesFromPath(str(self.engine))))
+        self.runner.activate()
+
+    def deactivate_impl(self) -> None:
+        self.runner.deactivate()
+
+    def reset(self, batch: int, rows: list[int] | None = None) -> None:
+        if rows is None:
+            self.caches = self.signature.empty_caches(batch)
+        else:
+            _zero_rows(self.caches, rows)
+
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        return self.signature.metadata()
+
+    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        self.signature.check(feed_dict)
+        outputs = self.runner.infer({**feed_dict, **self.caches}, check_inputs=False)
+        results = OrderedDict((s.name, np.array(outputs[s.name])) for s in self.signature.outputs)
+        for name, value in results.items():
+            if name.startswith(PRESENT):
+                self.caches[present_to_past(name)] = value
+        self.inference_time = self.runner.last_inference_time()
+        return results
+
+
+def run_engine_check(path: str | Path, log: Any = print, **options: Any) -> dict[str, Any]:
+    """Every engine of `path` through check's driver; the report of the first that fails, or of the
+    last (all passed), with "engines": each engine's verdict."""
+    targets = engine_targets(path)
+    require_engine_runtime()
+    reports = []
+    for engine, export in targets:
+        log(f"engine {engine} (export {export})")
+
+        def runner(signature: Signature, extra_outputs: list[str], engine: Path = engine) -> BaseRunner:
+            if extra_outputs:
+                raise UserError(f"--engine {engine}: a half-precision check holds the eager model to the "
+                                "graph's expert choices, which an engine does not output; check the export "
+                                "with --onnx or --network, or a float32 engine")
+            return EngineRunner(engine, signature)
+
+        reports.append(run_check(export, log=log, graph_runner=runner, **options))
+        reports[-1]["engine"] = str(engine)
+        if not reports[-1]["passed"]:
+            break
+    report = reports[-1]
+    report["engines"] = [{"engine": r["engine"], "passed": r["passed"]} for r in reports]
+    return report

@@ -1,0 +1,74 @@
+"""check --engine: argument handling and refusals (no GPU here), and EngineRunner's cache handling
+through check's driver with Polygraphy's ONNX Runtime runner standing in for its TrtRunner (the two
+share Polygraphy's runner interface)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+from k3export.cli import main
+from k3export.engine import engine_check
+from k3export.engine.engine_check import EngineRunner, engine_targets
+from k3export.errors import UserError
+from k3export.onnx.check import run_check
+
+
+def test_check_takes_exactly_one_artifact(tiny_export, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "--engine", "x.engine", "--onnx", str(tiny_export)])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["check", "--taps"])
+
+
+def test_engine_arguments_are_refused_naming_the_culprit(tiny_export, tmp_path, capsys):
+    assert main(["check", "--engine", str(tmp_path / "none.engine")]) == 2
+    assert "none.engine: no such file" in capsys.readouterr().err
+    stray = tmp_path / "stray.engine"
+    stray.write_bytes(b"not ours")
+    assert main(["check", "--engine", str(stray)]) == 2
+    assert "stray.engine.json is missing or names no 'export'" in capsys.readouterr().err
+    build = tmp_path / "build"
+    (build / "stage-0").mkdir(parents=True)
+    (build / "manifest.json").write_text(json.dumps({"stages": [{"folder": "stage-0"}]}))
+    assert main(["check", "--engine", str(build)]) == 2
+    assert "stages hold no engines" in capsys.readouterr().err
+
+
+def test_no_gpu_is_refused_with_what_is_missing(tiny_export, tmp_path, capsys, monkeypatch):
+    engine = tmp_path / "tiny.engine"
+    engine.write_bytes(b"\0" * 16)
+    (tmp_path / "tiny.engine.json").write_text(json.dumps({"export": str(tiny_export)}))
+    assert engine_targets(engine) == [(engine, tiny_export)]
+    assert main(["check", "--engine", str(engine), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs an NVIDIA GPU (torch.cuda.is_available() is False)" in err
+    assert "k3export check --network DIR" in err
+    monkeypatch.setattr(engine_check.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match="and TensorRT \\(neither tensorrt nor tensorrt_rtx"):
+        engine_check.require_engine_runtime()
+
+
+class OnnxrtBackedEngineRunner(EngineRunner):
+    """EngineRunner with Polygraphy's ONNX Runtime runner in place of its TrtRunner."""
+
+    def activate_impl(self) -> None:
+        self.runner = OnnxrtRunner(SessionFromOnnx(str(self.engine)))
+        self.runner.activate()
+
+
+def test_engine_runner_carries_its_caches_through_the_check(tiny_export):
+    made = []
+
+    def runner(signature, extra_outputs):
+        made.append(OnnxrtBackedEngineRunner(tiny_export / "model.onnx", signature))
+        return made[-1]
+
+    report = run_check(tiny_export, steps=3, prompt_len=10, log=lambda _: None, graph_runner=runner)
+    assert len(made) == 1 and report["passed"] and report["greedy_streams_identical"]
+    # Decode steps compare the caches the runner carried: all within float32's bound.
+    assert all(c["rel"] < 1e-4 for s in report["steps"] for c in s["outputs"])
+
