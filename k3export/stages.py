@@ -83,6 +83,24 @@ def _previous(out: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
     return manifest.get("stages") or []
 
 
+def _release_exporter_graph() -> None:
+    """Drops the last exported graph, which otherwise outlives the export with every weight of the
+    stage: onnxscript's rewrite rules (torch.onnx's optimizer) keep their matcher's last graph, and
+    that onnx_ir graph wraps the model's parameters (k3-small, a 259 MB stage: 252 MB held through
+    the TensorRT-RTX build)."""
+    gc.collect()
+    try:
+        from onnxscript.rewriter._matcher import SimplePatternMatcher
+    except ImportError:  # another onnxscript: nothing known to clear
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, SimplePatternMatcher):
+            for attr in ("_graph", "_match", "_current_node", "_tracer"):
+                if hasattr(obj, attr):
+                    setattr(obj, attr, None)
+    gc.collect()
+
+
 def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str, no_weights: bool,
                  overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
     """Exports stage `index` (and builds its engine) into DIR/stage-{index}; returns its manifest entry."""
@@ -100,12 +118,12 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
         export = export_model(model, staged, layers, weights, capacity=recipe.capacity)
         # Free the stage's weights before the engine build: the parser holds its own copy.
         del model
-        gc.collect()
+        _release_exporter_graph()
         if backend == "tensorrt-rtx":
             engine = staged / f"{name}.{recipe.target}.engine"
             # One batch range serves both profiles; the cache capacity is the export's.
             limits = Limits(batch=max(recipe.prefill_batch, recipe.decode_batch), seq=recipe.prefill_seq)
-            result = build_engine(staged, engine, target=recipe.target, limits=limits)
+            result = build_engine(staged, engine, target=recipe.target, limits=limits, manifest=export)
     files = {f"{name}/{f}": record for f, record in folder.manifest["files"].items()}
     files[f"{name}/{MANIFEST_FILE}"] = file_record(out / name / MANIFEST_FILE)
     return {

@@ -187,16 +187,20 @@ def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, l
 
 
 def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89",
-                 limits: Limits | None = None, trt: ModuleType | None = None) -> BuildResult:
+                 limits: Limits | None = None, trt: ModuleType | None = None,
+                 manifest: dict[str, Any] | None = None) -> BuildResult:
     """Parses export_dir/model.onnx with the k3 plugins registered and writes an engine to `out`
-    (through a temporary name) for `target`, with the prefill and decode profiles."""
+    (through a temporary name) for `target`, with the prefill and decode profiles. The folder is
+    verified against its export.json first, unless the caller passes the `manifest` export_model
+    just returned (a stage build's staged folder, whose file list is written when it completes)."""
     import k3plugins.trt
 
     if target not in TARGETS:
         raise UserError(f"--target {target!r}: expected one of {', '.join(TARGETS)}")
     start = time.perf_counter()
     export_dir, out = Path(export_dir), Path(out)
-    manifest = verify(export_dir, MANIFEST_FILE)
+    if manifest is None:
+        manifest = verify(export_dir, MANIFEST_FILE)
     require(manifest, export_dir / MANIFEST_FILE, "inputs")
     profiles = profile_shapes(manifest, limits or Limits())
     trt = trt or load_tensorrt_rtx()
@@ -219,10 +223,36 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
         for name, (lo, opt, hi) in shapes.items():
             profile.set_shape(name, lo, opt, hi)
         config.add_optimization_profile(profile)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise UserError(f"{export_dir / GRAPH_FILE}: TensorRT-RTX could not build an engine for "
-                        f"{target} (see the log above)")
-    with atomic_path(out) as tmp:
-        tmp.write_bytes(serialized)
+    # Streamed to the file as the builder serializes it: build_serialized_network would hold the
+    # whole engine (about the weights' size) in an IHostMemory on top of the builder's own copies.
+    with atomic_path(out) as tmp, open(tmp, "wb") as f:
+        writer = _file_writer(trt, f)
+        built = builder.build_serialized_network_to_stream(network, config, writer)
+        if writer.error is not None:
+            raise UserError(f"{out}: writing the engine failed: {writer.error}") from writer.error
+        if not built:
+            raise UserError(f"{export_dir / GRAPH_FILE}: TensorRT-RTX could not build an engine for "
+                            f"{target} (see the log above)")
     return BuildResult(str(out), target, profiles, out.stat().st_size, time.perf_counter() - start, summary)
+
+
+def _file_writer(trt: ModuleType, f: Any) -> Any:
+    """A trt.IStreamWriter writing the serialized engine to the open file `f` chunk by chunk. An
+    exception in write() is kept in .error (raising through the C++ caller is not safe) and the
+    write reports 0 bytes, which fails the build."""
+
+    class FileWriter(trt.IStreamWriter):
+        def __init__(self) -> None:
+            trt.IStreamWriter.__init__(self)
+            self.error: BaseException | None = None
+
+        def write(self, data: bytes) -> int:
+            if self.error is not None:
+                return 0
+            try:
+                return f.write(data)
+            except BaseException as e:  # reported by build_engine
+                self.error = e
+                return 0
+
+    return FileWriter()
