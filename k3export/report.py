@@ -104,13 +104,13 @@ def plot_layers(report: dict[str, Any], path: Path, title: str) -> dict[str, Any
         for name, values in layer_series(report, phase).items():
             style = {"linestyle": "--", "color": "black"} if name == "envelope" else {"marker": "o"}
             ax.plot(list(values), list(values.values()), label=name, **style)
+        heading = "prefill" if phase == "prefill" else "decode (worst step)"
         if first is not None and (first["step"] == "prefill") == (phase == "prefill"):
             ax.axvline(first["layer"], color="red", alpha=0.5)
-            ax.annotate(f"first divergent: layer {first['layer']} {first['sublayer']}",
-                        (first["layer"], first["rel"]), color="red", fontsize=8)
+            heading += f": first divergent layer {first['layer']} {first['sublayer']} (red)"
         ax.set_yscale("log")
         ax.set_xlabel("layer")
-        ax.set_title("prefill" if phase == "prefill" else "decode (worst step)")
+        ax.set_title(heading, fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=8)
@@ -201,7 +201,9 @@ def report_dir(folder: str | Path) -> OutputDir:
 def write_report(report: dict[str, Any], out: OutputDir, verdict: str, artifact: str) -> dict[str, Any]:
     """Writes the report folder (see the module docstring; `out` from report_dir); returns
     report.json's content."""
-    title = f"{artifact} ({report['dtype']}): {verdict.split(' (')[0][:80]}"
+    # PASSED or FAILED and the artifact's folder name (the reasons are in report.md).
+    kind, where = artifact.split(" ", 1)
+    title = f"check {kind} {Path(where).name} ({report['dtype']}): {verdict.split(':')[0].split(' (')[0]}"
     with out.staged() as stage:
         plots = {"layers": plot_layers(report, stage / "layers.png", title),
                  "steps": plot_steps(report, stage / "steps.png", title)}
