@@ -240,24 +240,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The eager model, then the pipeline on it: export, check, build (when TensorRT-RTX is there)."""
+    """The eager model, then the pipeline on it: export (with taps), check in ONNX Runtime with a
+    report, and when TensorRT-RTX is there check the parsed network and build."""
     import importlib.util
 
     from k3export.demo import run_demo
 
     code = run_demo(args.seed, args.prompt_len, args.steps)
     # Each command's output where a rerun expects it: the export folder holds only the export (and
-    # check's own check/), the engine and its record sit beside it.
+    # check's own check/), the report, the engine and its record sit beside it.
     out = Path(args.out)
     export = out / "export"
-    stages = [["export", "--preset", "k3-tiny", "--seed", str(args.seed), "--out", str(export)],
-              ["check", "--onnx", str(export), "--steps", str(args.steps)]]
+    stages = [["export", "--preset", "k3-tiny", "--seed", str(args.seed), "--taps", "--out", str(export)],
+              ["check", "--onnx", str(export), "--steps", str(args.steps), "--taps",
+               "--report", str(out / "report")]]
     if importlib.util.find_spec("tensorrt_rtx"):
-        stages.append(["build", "--onnx", str(export), "--out", str(out / "k3-tiny.sm89.engine"),
-                       "--max-seq", "128"])
+        # The network evaluator is slower than ONNX Runtime: fewer steps keep the demo short.
+        stages += [["check", "--network", str(export), "--steps", str(min(args.steps, 4))],
+                   ["build", "--onnx", str(export), "--out", str(out / "k3-tiny.sm89.engine"),
+                    "--max-seq", "128"]]
     else:
         print("(TensorRT-RTX is not installed: `pip install -c constraints.txt -e '.[engine]'` "
-              "adds the build stage)")
+              "adds the network check and the build)")
     for stage in stages:
         if code:
             break
@@ -362,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("dir", metavar="DIR")
     verify.set_defaults(run=cmd_verify)
 
-    demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then "
-                                       "export, check and build")
+    demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then export, "
+                                       "check (ONNX Runtime with a report, the parsed network) and build")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--prompt-len", type=int, default=80)
     demo.add_argument("--steps", type=int, default=8)

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import subprocess
 import sys
@@ -36,3 +37,8 @@ def test_demo_runs_the_pipeline(tmp_path):
     assert "relative error" in result.stdout and "(ok)" in result.stdout
     assert "6 KDA and 3 LatentMLA nodes" in result.stdout and "PASSED (float32" in result.stdout
     assert (tmp_path / "demo" / "export" / "model.onnx").exists()
+    report = tmp_path / "demo" / "report"
+    assert (report / "report.md").read_text().startswith("# k3export check --onnx")
+    assert (report / "layers.png").exists() and "first divergent: none" in result.stdout
+    if importlib.util.find_spec("tensorrt_rtx"):
+        assert f"$ k3export check --network {tmp_path / 'demo' / 'export'}" in result.stdout
