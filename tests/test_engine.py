@@ -61,7 +61,7 @@ def run(mode: str, export_dir: Path, *args: str, register: bool = True) -> dict[
 
 
 def k3_nodes(export_dir: Path) -> list[onnx.NodeProto]:
-    """The k3 nodes that a plugin replaces (the routed experts' functions are inlined)."""
+    """The k3 nodes that a plugin replaces (all of them since the MoE plugin)."""
     model = onnx.load(export_dir / "model.onnx", load_external_data=False)
     return [n for n in model.graph.node if n.domain == "k3" and n.op_type not in FUNCTION_ONLY_OPS]
 
@@ -158,10 +158,16 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
 
     plugins = [p.split(": ", 1)[1] for p in summary["plugin_layers"]]
     mixers = [layer["mixer"] for layer in manifest["schedule"]]
-    assert plugins == [{"KDA": "k3::KDA v1", "MLA": "k3::LatentMLA v1"}[m] for m in mixers]
+    expected = []  # per layer its mixer, then a MoE layer's routed experts
+    for layer in manifest["schedule"]:
+        expected.append({"KDA": "k3::KDA v1", "MLA": "k3::LatentMLA v1"}[layer["mixer"]])
+        if layer["ffn"] == "moe":
+            expected.append("k3::RoutedExperts v1")
+    assert plugins == expected
     assert summary["layer_types"]["PLUGIN_V3"] == len(k3_nodes(tiny_export))
-    # The MoE layers' functions are inlined Loops; a KDA function body would add a Scan's iterators.
+    # A KDA function body would add a Scan's iterators, an inlined RoutedExperts function a Loop.
     assert "ITERATOR" not in summary["layer_types"], "a KDA function body was inlined"
+    assert not LOOP_LAYERS & set(summary["layer_types"]), "a RoutedExperts function body was inlined"
     # Each MLA cache is written in place by one KV_CACHE_UPDATE layer and copied by no Concat.
     updates = [u.split(": ", 1)[1] for u in summary["kv_cache_updates"]]
     assert updates == [f"past.{layer['layer']}.mla_latent -> present.{layer['layer']}.mla_latent"
@@ -179,6 +185,84 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
     assert fields["KDA"] == [{}] * mixers.count("KDA")
     assert [f["v_dim"] for f in fields["LatentMLA"]] == [e["v_dim"] for e in expected]
     assert [f["scale"] for f in fields["LatentMLA"]] == pytest.approx([e["scale"] for e in expected])
+    betas = [{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
+              if a.name in ("situ_beta", "situ_linear_beta")}
+             for node in k3_nodes(tiny_export) if node.op_type == "RoutedExperts"]
+    assert fields["RoutedExperts"] == betas and len(betas) == expected_moe_layers(manifest)
+
+
+def expected_moe_layers(manifest: dict[str, Any]) -> int:
+    return sum(layer["ffn"] == "moe" for layer in manifest["schedule"])
+
+
+@pytest.fixture(scope="module")
+def packed_export(tiny_model, tmp_path_factory) -> Path:
+    """`export --packed-experts` of the tiny model's published checkpoint with MXFP4 experts."""
+    from k3export.cli import main
+    from k3export.published import write_published
+
+    folder = tmp_path_factory.mktemp("packed")
+    write_published(tiny_model, folder / "checkpoint", experts="mxfp4")
+    assert main(["export", "--checkpoint", str(folder / "checkpoint"), "--packed-experts",
+                 "--out", str(folder / "export")]) == 0
+    return folder / "export"
+
+
+def initializer_bytes(export_dir: Path) -> dict[str, int]:
+    """Bytes of the export's weights by kind: the packed experts (uint8) and everything else."""
+    model = onnx.load(export_dir / "model.onnx")
+    sizes = {"packed": 0, "other": 0}
+    for tensor in model.graph.initializer:
+        array = onnx.numpy_helper.to_array(tensor)
+        sizes["packed" if tensor.data_type == TensorProto.UINT8 else "other"] += array.nbytes
+    return sizes
+
+
+# Prints, as JSON, the input dtypes and shapes of each RoutedExpertsMXFP4 plugin layer.
+MOE_INPUTS_SCRIPT = """
+import json, sys
+import k3plugins.trt
+from k3export.engine import build
+trt = build.load_tensorrt_rtx()
+k3plugins.trt.register(trt)
+_, network, _ = build.parse(sys.argv[1], trt, trt.Logger(trt.Logger.ERROR))
+layers = [network.get_layer(i) for i in range(network.num_layers)]
+print(json.dumps([[(t.dtype.name, list(t.shape)) for t in (l.get_input(j) for j in range(l.num_inputs))]
+                  for l in layers if l.type.name == "PLUGIN_V3" and l.num_inputs == 9]))
+"""
+
+
+def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None:
+    """One RoutedExpertsMXFP4 plugin layer per MoE layer (8 in k3-tiny) and no Loop; the plugin reads
+    the packed codes and scales ([E, O, I/2] and [E, O, I/32], never dequantised in the network).
+    TensorRT-RTX 1.7's parser widens the UINT8 constants to INT32, one byte value per int32, so the
+    engine holds 4 bytes per packed byte (about the size of the experts in bfloat16): printed with
+    the weights' bytes, not asserted (README, MoE plugin)."""
+    manifest = json.loads((packed_export / "export.json").read_text())
+    summary = run("strict", packed_export)
+    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v1")]
+    assert len(moe) == expected_moe_layers(manifest) == 8
+    assert not LOOP_LAYERS & set(summary["layer_types"]), "a RoutedExperts function body was inlined"
+    betas = {"situ_beta": 4.0, "situ_linear_beta": 25.0}
+    assert summary["plugin_fields"]["RoutedExpertsMXFP4"] == [betas] * 8
+
+    proc = subprocess.run([sys.executable, "-c", MOE_INPUTS_SCRIPT, str(packed_export / "model.onnx")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layers = json.loads(proc.stdout.strip().splitlines()[-1])
+    E, I, L = 8, 32, 32  # k3-tiny: num_experts, moe_intermediate_size, routed_expert_hidden_size
+    packed_shapes = [[E, I, L // 2], [E, I, L // 32], [E, I, L // 2], [E, I, L // 32], [E, L, I // 2],
+                     [E, L, I // 32]]
+    assert len(layers) == 8
+    for inputs in layers:
+        assert [shape for _, shape in inputs[3:]] == packed_shapes
+        assert {dtype for dtype, _ in inputs[3:]} == {"INT32"}  # the parser's widening of UINT8
+
+    report = run("build", packed_export, str(tmp_path / "packed.sm89.engine"), "sm89")
+    weights = initializer_bytes(packed_export)
+    print(f"engine {report['bytes']} B; weights {weights['other'] + weights['packed']} B, of which the "
+          f"packed experts {weights['packed']} B (uint8; {4 * weights['packed']} B as the parser's int32)")
+    assert report["bytes"] > 0
 
 
 @pytest.mark.parametrize("target", ["sm89", "sm120"])
@@ -212,7 +296,8 @@ def test_aot_attribute_is_ignored(tiny_export: Path, aot_export: Path, tmp_path:
 def test_wrong_plugin_version_is_refused(version2_export: Path) -> None:
     error = run("strict", version2_export)["error"]
     assert "asks for plugin k3::KDA version '2', which is not registered" in error
-    assert "registered k3 plugins: k3::KDA v1, k3::LatentMLA v1" in error
+    assert ("registered k3 plugins: k3::KDA v1, k3::LatentMLA v1, k3::RoutedExperts v1, "
+            "k3::RoutedExpertsMXFP4 v1") in error
 
     # What the check guards against: the parser itself reports nothing and inlines the functions.
     summary = run("lenient", version2_export)

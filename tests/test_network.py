@@ -272,6 +272,29 @@ def test_latent_mla_plugin_matches_its_onnx_function(tmp_path: Path) -> None:
     assert_matches_onnxruntime(path, feeds, "PLUGIN_V3")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["float", "mxfp4"])
+def test_routed_experts_plugin_matches_its_onnx_function(packed: bool, tmp_path: Path) -> None:
+    """A PLUGIN_V3 layer runs torch.ops.k3.routed_experts(_mxfp4) (the packed constants as the parser
+    widens them, int32); ONNX Runtime runs the node's function body (a Loop over the used experts)."""
+    from k3export import mxfp4
+
+    gen = torch.Generator().manual_seed(7)
+    E, I, L, N = 4, 32, 32, 5
+    experts = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(N)])
+    feeds = {"z": randn(N, L), "experts": experts.numpy(), "weights": np.full((N, 2), 0.5, np.float32)}
+    dense = {"w1": torch.randn(E, I, L, generator=gen) / 6, "w3": torch.randn(E, I, L, generator=gen) / 6,
+             "w2": torch.randn(E, L, I, generator=gen) / 6}
+    if packed:
+        constants = {f"{w}_{part}": t.numpy() for w, tensor in dense.items()
+                     for part, t in zip(("packed", "scale"), mxfp4.quantize(tensor), strict=True)}
+    else:
+        constants = {w: t.numpy() for w, t in dense.items()}
+    op = "RoutedExpertsMXFP4" if packed else "RoutedExperts"
+    path = one_node(tmp_path, op, feeds, ["u"], constants, domain="k3", plugin_namespace="k3",
+                    plugin_version="1", situ_beta=4.0, situ_linear_beta=25.0)
+    assert_matches_onnxruntime(path, feeds, "PLUGIN_V3")
+
+
 def test_loop_matches_onnxruntime(tmp_path: Path) -> None:
     """ONNX Loop (as the inlined RoutedExperts function has it: a trip count, a condition carried
     through Identity, a loop-carried sum) -> TRIP_LIMIT COUNT and WHILE, RECURRENCE, LOOP_OUTPUT."""

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from k3plugins.aot import SM90_MAX_SHARED_BYTES, compile_variant, kernel_stats
-from k3plugins.definitions import DEFINITIONS, KDA, LATENT_MLA
+from k3plugins.definitions import DEFINITIONS, KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
 from k3plugins.trt_aot import (
     kda_aot_kernel,
     kda_aot_launch,
@@ -28,8 +28,9 @@ KDA_DIMS = [[2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3
 
 
 def test_lookup_keys_match_the_export() -> None:
-    assert [(d.name, d.namespace, d.version) for d in DEFINITIONS] == [("KDA", "k3", "1"),
-                                                                         ("LatentMLA", "k3", "1")]
+    assert [(d.name, d.namespace, d.version) for d in DEFINITIONS] == [
+        ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("RoutedExperts", "k3", "1"),
+        ("RoutedExpertsMXFP4", "k3", "1")]
 
 
 def test_output_shapes() -> None:
@@ -64,6 +65,24 @@ def test_supported_dtypes() -> None:
     assert not LATENT_MLA.supports(["float32", "float32", "int32"])  # lengths are int64
     assert not LATENT_MLA.supports(["float32", "float32", "int64", "float16"])  # o is q's dtype
 
+
+
+def test_routed_experts_definitions() -> None:
+    """k3.RoutedExperts(MXFP4) as k3export/onnx/moe.py writes it: u [N, L] float32 like z; the fields are
+    the node's SiTU betas; float experts of any float dtype, packed ones uint8."""
+    z, experts = [5, 64], [5, 2]
+    plain = [z, experts, experts, [8, 32, 64], [8, 32, 64], [8, 64, 32]]
+    assert ROUTED_EXPERTS.output_shapes(plain, {}, int) == [[5, 64]]
+    assert [a.name for a in ROUTED_EXPERTS_MXFP4.inputs] == [
+        "z", "experts", "weights", "w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale"]
+    assert ROUTED_EXPERTS.output_dtypes(["bfloat16", "int64", "float32", *["bfloat16"] * 3]) == ["float32"]
+    assert ROUTED_EXPERTS.supports(["float16", "int64", *["float32"] * 5])  # experts of another dtype
+    assert not ROUTED_EXPERTS.supports(["float16", "int64", "float16"])  # routing weights are float32
+    assert ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", *["uint8"] * 6, "float32"])
+    assert not ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", "float16"])
+    fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0}
+    assert ROUTED_EXPERTS_MXFP4.parse_fields(fields) == fields
+    assert ROUTED_EXPERTS.aliased_input(0) == -1
 
 
 def test_fields() -> None:

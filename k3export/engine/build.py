@@ -77,8 +77,9 @@ def load_tensorrt_rtx() -> ModuleType:
     return tensorrt_rtx
 
 
-# k3 ops with no plugin yet: the parser inlines their ONNX function (k3export/onnx/moe.py).
-FUNCTION_ONLY_OPS = frozenset({"RoutedExperts", "RoutedExpertsMXFP4"})
+# k3 ops with no plugin, whose ONNX function the parser inlines: none since k3plugins.moe (the routed
+# experts were, until then).
+FUNCTION_ONLY_OPS: frozenset[str] = frozenset()
 
 
 def check_plugins(model_path: Path, trt: ModuleType) -> None:

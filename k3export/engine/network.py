@@ -16,7 +16,7 @@ arithmetic, the plugin fields and bindings. It does not cover the optimizer, its
   definition's order, then its fields as the parsed plugin holds them.
 - Where TensorRT leaves an order unspecified, the ONNX rule we export with is followed: TopK breaks
   ties to the lower index.
-- Loops (an inlined ONNX Loop, e.g. the RoutedExperts function until a MoE plugin exists) run their
+- Loops (an inlined ONNX Loop, e.g. a RoutedExperts function parsed without the plugins) run their
   body once per iteration, with TensorRT's trip-limit, recurrence and loop-output semantics.
 - A layer type or mode that is not implemented raises an error naming it; nothing is skipped.
   Every result is held to the dtype and the static dims TensorRT declared for that tensor.
@@ -101,6 +101,8 @@ class ParsedNetwork:
     keep_alive: tuple[Any, ...]
     constants: dict[int, Tensor] = field(default_factory=dict)  # layer index -> value, read once
     _initializers: dict[str, onnx.TensorProto] | None = None
+    kernels: bool = False  # plugin layers launch their Triton kernels (under the interpreter)
+    kernel_launches: int = 0
 
     def initializer(self, name: str) -> Tensor:
         """An initializer of the ONNX file by name (external data read from beside the file)."""
@@ -366,10 +368,25 @@ def _plugin(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
     if definition is None:
         raise NotImplementedLayer(f"layer {layer.name!r}: plugin {plugin.plugin_namespace}::"
                                   f"{plugin.plugin_name} is not a k3 plugin; it is not implemented")
+    if net.kernels:
+        return _launch(net, definition, plugin, x)
     op_name = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", definition.name).lower()  # LatentMLA -> latent_mla
     op = getattr(getattr(torch.ops, definition.namespace), op_name)
     result = op(*x, *(plugin.fields[f.name] for f in definition.fields))
     return list(result) if isinstance(result, tuple | list) else [result]
+
+
+def _launch(net: ParsedNetwork, definition: Any, plugin: Any, x: list[Tensor]) -> list[Tensor]:
+    """check --network --kernels: the definition's launch (its Triton kernels, under the interpreter
+    on CPU) into outputs of the definition's shapes and dtypes, as the engine would run it."""
+    fields = {f.name: plugin.fields[f.name] for f in definition.fields}
+    shapes = definition.output_shapes([list(t.shape) for t in x], fields, lambda n: n)
+    dtypes = definition.output_dtypes([str(t.dtype).removeprefix("torch.") for t in x])
+    outputs = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in zip(shapes, dtypes,
+                                                                                          strict=True)]
+    definition.launch([t.contiguous() for t in x], outputs, fields)
+    net.kernel_launches += 1
+    return outputs
 
 
 def _kv_cache_update(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
@@ -794,13 +811,16 @@ def _compare_outputs(label: str, signature: Signature, outs: list[dict[str, np.n
 
 def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, batch: int = 2,
                       prompt_len: int = 70, log: Any = print,
-                      net: ParsedNetwork | None = None, taps: bool = False) -> dict[str, Any]:
+                      net: ParsedNetwork | None = None, taps: bool = False,
+                      kernels: bool = False) -> dict[str, Any]:
     """The parsed network against the eager model, driven as `k3export check --onnx` drives ONNX
     Runtime: a prefill of `batch` right-padded prompts of different lengths (the longest
     `prompt_len`), then `steps` greedy decode steps in which each side keeps its own caches and
     both take the eager model's token; valid entries compared. Returns a report shaped like
     run_check's (see "passed"). `net`: an already parsed network (tests alter one after parsing).
-    `taps`: also compare the export's taps and name the first divergent layer (report["taps"])."""
+    `taps`: also compare the export's taps and name the first divergent layer (report["taps"]).
+    `kernels`: plugin layers launch their Triton kernels (TRITON_INTERPRET=1 must be set before
+    triton is first imported; cli does it) instead of the reference ops."""
     export_dir = Path(export_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
     manifest, config = read_export(export_dir)
@@ -823,6 +843,7 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
         f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
     model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
     net = net or parse_network(export_dir / GRAPH_FILE)
+    net.kernels = kernels
     log(f"network: {net.network.num_layers} layers parsed by TensorRT-RTX, evaluated on CPU")
     runners: list[BaseRunner] = [
         EagerRunner(_Float32Boundary(ExportGraph(model, layers, last_logits, tapped), signature.inputs),
@@ -873,6 +894,8 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     if taps:
         report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
     report["network"] = {"layers": net.network.num_layers, "seconds": network_seconds,
-                         "seconds_by_layer_type": runners[1].evaluator.layer_seconds}
+                         "seconds_by_layer_type": runners[1].evaluator.layer_seconds,
+                         "plugins": "triton kernels" if net.kernels else "reference ops",
+                         "kernel_launches": net.kernel_launches}
     report["seconds"] = time.perf_counter() - start
     return report

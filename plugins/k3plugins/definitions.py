@@ -5,9 +5,9 @@ version), its fields (the ONNX node's attributes that reach the plugin), output 
 of the input dims, dtypes, formats, and the launch. The adapters in `k3plugins.trt` and
 `k3plugins.trt_aot` present it to a builder; nothing here needs a GPU except `launch` itself.
 
-Dtypes are torch's names ("float32", "float16", "bfloat16", "int64"). Tensors whose `group` is the
-same must share one dtype (the ONNX schema's type constraints in k3export/onnx/ops.py); every tensor
-is linear (dense, row-major). An output may alias an input (`aliases`): TensorRT then hands the
+Dtypes are torch's names ("float32", "float16", "bfloat16", "int64", "int32", "uint8"). Tensors whose
+`group` is the same must share one dtype (the ONNX schema's type constraints in k3export/onnx/ops.py);
+every tensor is linear (dense, row-major). An output may alias an input (`aliases`): TensorRT then hands the
 plugin one buffer for both, and the launch must be safe in place (KDA's state is).
 """
 
@@ -21,6 +21,7 @@ from torch import Tensor
 
 from k3plugins.kda import chunk_kda, recurrent_kda
 from k3plugins.mla import latent_mla
+from k3plugins.moe import routed_experts, routed_experts_mxfp4
 
 NAMESPACE = "k3"
 VERSION = "1"
@@ -137,4 +138,33 @@ LATENT_MLA = PluginDefinition(
     launch=_launch_latent_mla,
 )
 
-DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA)
+def _launch_routed_experts(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
+                           fields: Mapping[str, Any]) -> None:
+    # The MXFP4 form has the same leading inputs and fields, then six packed tensors, not three.
+    launch = routed_experts if len(inputs) == 6 else routed_experts_mxfp4
+    launch(*inputs, fields["situ_beta"], fields["situ_linear_beta"], out=outputs[0])
+
+
+def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[str, ...]) -> PluginDefinition:
+    """k3.RoutedExperts / k3.RoutedExpertsMXFP4 (k3export/onnx/moe.py): z [N, L] in the model dtype,
+    experts [N, k] int64, weights [N, k] float32, the experts' tensors; u [N, L] float32."""
+    return PluginDefinition(
+        name=name,
+        fields=(Field("situ_beta", float), Field("situ_linear_beta", float)),
+        inputs=(TensorArg("z", "T"), TensorArg("experts", "TI"), TensorArg("weights", "TR"),
+                *(TensorArg(w, "TW") for w in weights)),
+        outputs=(TensorArg("u", "TU"),),
+        groups={"T": FLOATS, "TI": ("int64",), "TR": ("float32",), "TW": weight_dtypes, "TU": ("float32",)},
+        output_shapes=lambda dims, fields, constant: [list(dims[0])],
+        launch=_launch_routed_experts,
+    )
+
+
+ROUTED_EXPERTS = _routed_experts("RoutedExperts", ("w1", "w3", "w2"), FLOATS)
+# TensorRT-RTX 1.7's ONNX parser widens UINT8 initializers to INT32 (one byte value per int32), so the
+# packed tensors arrive as int32 from a file that holds them as constants; the kernels read either.
+ROUTED_EXPERTS_MXFP4 = _routed_experts(
+    "RoutedExpertsMXFP4", tuple(f"{w}_{part}" for w in ("w1", "w3", "w2") for part in ("packed", "scale")),
+    ("uint8", "int32"))
+
+DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4)

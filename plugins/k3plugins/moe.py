@@ -17,7 +17,8 @@ In the style of fused-MoE kernels (vLLM / SGLang `fused_moe`), three steps:
 Weights are the model's float tensors or MXFP4 (packed uint8 [E, O, K/2], low nibble first, E2M1
 codes; E8M0 scales [E, O, K/32], 2^(s - 127)) dequantised in registers, weight-only: the products
 run in z's dtype with float32 accumulation. A scale byte of 0 or 1 decodes as 0 instead of 2^-127 or
-2^-126 (values below 1e-37; the export refuses 255, NaN).
+2^-126 (values below 1e-37; the export refuses 255, NaN). The packed tensors may also be int32 holding
+the byte values: TensorRT-RTX 1.7's ONNX parser widens UINT8 constants so (4 bytes read per byte).
 
 NOT PROVEN here (no GPU on the machines this was written on): the speed, and the plugin's enqueue
 under TensorRT. The numerics are tested under Triton's interpreter (tests/kernels/test_moe.py) and
@@ -259,16 +260,18 @@ def routed_experts_mxfp4(z: Tensor, experts: Tensor, weights: Tensor, w1_packed:
                          w3_packed: Tensor, w3_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
                          situ_beta: float, situ_linear_beta: float, out: Tensor | None = None,
                          tiles: Tiles | None = None) -> Tensor:
-    """As `routed_experts`, the experts MXFP4: packed [E, O, K/2] uint8 and scales [E, O, K/32]."""
+    """As `routed_experts`, the experts MXFP4: packed [E, O, K/2] uint8 and scales [E, O, K/32]; int32
+    tensors holding the byte values are read as they are (TensorRT-RTX's parser widens uint8 constants
+    to int32; converting them here would copy every expert on every call)."""
     E, I, half_L = w1_packed.shape
     L = 2 * half_L
     shapes = {"w1_packed": (w1_packed, (E, I, L // 2)), "w1_scale": (w1_scale, (E, I, L // 32)),
               "w3_packed": (w3_packed, (E, I, L // 2)), "w3_scale": (w3_scale, (E, I, L // 32)),
               "w2_packed": (w2_packed, (E, L, I // 2)), "w2_scale": (w2_scale, (E, L, I // 32))}
     for name, (tensor, shape) in shapes.items():
-        if tuple(tensor.shape) != shape or tensor.dtype != torch.uint8:
+        if tuple(tensor.shape) != shape or tensor.dtype not in (torch.uint8, torch.int32):
             raise ValueError(f"routed_experts_mxfp4: {name} is {tensor.dtype} {list(tensor.shape)}; "
-                             f"expected torch.uint8 {list(shape)}")
+                             f"expected torch.uint8 (or int32 holding bytes) {list(shape)}")
     if z.shape[-1] != L:
         raise ValueError(f"routed_experts_mxfp4: z {list(z.shape)} does not end in L={L}")
     return _grouped_experts(z, experts, weights, (w1_packed, w1_scale), (w3_packed, w3_scale),
@@ -280,10 +283,11 @@ def kernel_variants() -> list[KernelVariant]:
     variants = []
     torch_dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     for dtype in DTYPES:
-        for packed in (False, True):
-            weight = "*u8" if packed else pointer(dtype)
-            scale = "*u8" if packed else "constexpr"
-            form = "mxfp4" if packed else dtype
+        # Packed bytes as uint8, or widened to int32 by TensorRT-RTX's parser.
+        for packed, storage in ((False, None), (True, "u8"), (True, "i32")):
+            weight = f"*{storage}" if packed else pointer(dtype)
+            scale = f"*{storage}" if packed else "constexpr"
+            form = {None: dtype, "u8": "mxfp4", "i32": "mxfp4i32"}[storage]
             for mode, tiles in tile_choices(torch_dtypes[dtype]).items():
                 blocks = {"PACKED": packed, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                           "BLOCK_K": tiles.block_k}

@@ -30,12 +30,12 @@ import torch
 from k3plugins.definitions import DEFINITIONS, PluginDefinition
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                 "int64": torch.int64}
+                 "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 
 
 def _dtype_names(trt: ModuleType) -> dict[Any, str]:
     return {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16", trt.DataType.BF16: "bfloat16",
-            trt.DataType.INT64: "int64"}
+            trt.DataType.INT64: "int64", trt.DataType.INT32: "int32", trt.DataType.UINT8: "uint8"}
 
 
 def _field_types(trt: ModuleType) -> dict[type, tuple[Any, Any]]:

@@ -14,6 +14,7 @@ from torch import Tensor
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3export import mxfp4
 from k3plugins import moe
+from k3plugins.definitions import ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
 
 BETA, LINEAR_BETA = 4.0, 25.0
 # float16: z and the weights are rounded before both sides see them; the kernel rounds h to float16
@@ -108,6 +109,16 @@ def test_mxfp4_decodes_every_code_and_scale() -> None:
     assert column_error.max() < 1e-5
 
 
+def test_mxfp4_bytes_widened_to_int32() -> None:
+    """The packed tensors as TensorRT-RTX's parser hands them over (one byte value per int32)."""
+    z, experts, weights, dense = inputs(13, 64, 96, 6, 2, "random")
+    packed = [part for w in dense for part in mxfp4.quantize(w)]
+    u = moe.routed_experts_mxfp4(z, experts, weights, *(t.to(torch.int32) for t in packed), BETA, LINEAR_BETA)
+    expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *packed, BETA,
+                                                 LINEAR_BETA)
+    assert rel_error(u, expected) < 1e-5
+
+
 def test_alignment() -> None:
     """Each block holds pairs of one expert in token order, every pair exactly once, the padding
     rows the sentinel N * k, and the blocks past the last used one the expert -1."""
@@ -141,3 +152,18 @@ def test_no_tokens_and_out_buffer() -> None:
     expected = torch.ops.k3.routed_experts(*doubles([z, experts, weights, w1, w3, w2]), BETA, LINEAR_BETA)
     assert rel_error(out, expected) < 1e-5
 
+
+def test_plugin_launches() -> None:
+    """The definitions' launches, as the adapters call them: into a given output buffer."""
+    z, experts, weights, dense = inputs(7, 64, 32, 4, 2, "random")
+    fields = {"situ_beta": BETA, "situ_linear_beta": LINEAR_BETA}
+    u = torch.full((7, 64), float("nan"))
+    ROUTED_EXPERTS.launch([z, experts, weights, *dense], [u], fields)
+    expected = torch.ops.k3.routed_experts(*doubles([z, experts, weights, *dense]), BETA, LINEAR_BETA)
+    assert rel_error(u, expected) < 1e-5
+    packed = [part for w in dense for part in mxfp4.quantize(w)]
+    u = torch.full((7, 64), float("nan"))
+    ROUTED_EXPERTS_MXFP4.launch([z, experts, weights, *packed], [u], fields)
+    expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *packed, BETA,
+                                                 LINEAR_BETA)
+    assert rel_error(u, expected) < 1e-5
