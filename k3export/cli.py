@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -129,6 +130,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         from k3export.runtime.check import cmd_check_build
         return cmd_check_build(args)
 
+    extra = {"taps": True} if args.taps else {}
+    if args.kernels:
+        if not args.network:
+            raise UserError("--kernels: expected --network DIR (the parsed network's plugin layers then "
+                            "launch their Triton kernels under the interpreter)")
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise UserError("--kernels: triton was imported before TRITON_INTERPRET=1 could be set; "
+                            "run with TRITON_INTERPRET=1 in the environment")
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported (parse_network)
+        extra["kernels"] = True
     if args.network:
         from k3export.engine.network import run_network_check
         run = run_network_check
@@ -140,7 +151,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.report:
         from k3export.report import report_dir, write_report
         out = report_dir(args.report)  # refused before the check runs, not after
-    extra = {"taps": True} if args.taps else {}
     report = run(args.network or args.engine or args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
                  prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print, **extra)
     verdict = _check_verdict(report, network=args.network)
@@ -332,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--batch", type=int, default=2)
     check.add_argument("--prompt-len", type=int, default=70)
     check.add_argument("--json", action="store_true")
+    check.add_argument("--kernels", action="store_true", help="with --network: plugin layers launch their "
+                       "Triton kernels under the interpreter (slow) instead of the reference ops")
     check.add_argument("--report", metavar="DIR", help="write report.json (every number), report.md (the "
                        "verdict, worst outputs, first divergent layer, token agreement) and plots of the "
                        "error per layer and per step into DIR")
