@@ -35,7 +35,16 @@ seconds, default 360, and no row at all after --budget + 90):
    copy bandwidth and FLOPs over the matrix rate that applies (`floor_ms`). So decode rows are
    mostly measured against the copy bandwidth and prefill rows against the matrix rate; the column
    `ceil` says which.
-5. The anchor: where flash-linear-attention's `fla` imports, or its wheel (fla_core-*.whl, pure
+5. The routed experts (k3plugins.moe) at the published widths (L=3584, I=3072, k=16; MXFP4 experts
+   with all E=896 in memory, float experts with E=128 to bound memory, 59 GB in bf16 at 896): decode
+   (N = 1, 4, 16 tokens) and prefill-sized batches (N = 512, 8192), against the eager op in float64,
+   and the RoutedExpertsMXFP4 plugin's enqueue body at decode (plugin:MoE_MXFP4). The routing is a
+   fixed draw per row (distinct experts per token), so the bytes are exact: the chosen experts'
+   weights (each distinct expert read once) plus z, u and the routing. Decode rows are bound by
+   reading those weights; their %ceil is the fraction of the measured copy bandwidth, and a note
+   line gives it against the H200's nominal 4.8 TB/s too. NOT YET RUN on a GPU (written where none
+   is): the MoE rows' timings will be the first measurement of the kernel's speed.
+6. The anchor: where flash-linear-attention's `fla` imports, or its wheel (fla_core-*.whl, pure
    Python) can be installed from tools/wheels, shared/wheels, .whl or --wheels (pip --no-index
    --no-deps into a temporary folder), times fla.ops.kda.chunk_kda on the same inputs (the same
    [B, T, H, K] layout and natural-log per-channel gate; our q is already scaled, so scale=1.0) at
@@ -71,7 +80,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # where inputs are drawn (a CPU smoke test of the glue may set "cpu")
 DTYPES = ("float32", "float16", "bfloat16")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-NAMES = {**{v: k for k, v in TORCH_DTYPES.items()}, torch.int64: "int64"}
+NAMES = {**{v: k for k, v in TORCH_DTYPES.items()}, torch.int64: "int64", torch.uint8: "uint8"}
 SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Relative-error bounds against the float64 reference on the same (rounded) inputs. Every product in
 # the kernels is a float32 FMA ("ieee") dot or a half-precision tensor-core dot with float32
@@ -84,6 +93,10 @@ KDA_H, KDA_K, KDA_V = 96, 128, 128
 CHUNK = 64  # chunk_kda's chunk length
 MLA_H, MLA_D, MLA_VDIM = 96, 576, 512
 MLA_SCALE = 192 ** -0.5
+MOE_L, MOE_I, MOE_K = 3584, 3072, 16  # routed_expert_hidden_size, moe_intermediate_size, top-k
+MOE_E = {"moe_mxfp4": 896, "moe": 128}  # experts in memory: all 896 packed; 128 of them as floats
+H200_NOMINAL_GBS = 4800.0  # HBM3e, the data sheet's figure
+MOE_BETAS = (4.0, 25.0)  # SiTU-GLU's beta and linear beta
 
 # Leads for the dry run's planned bound (an H200's nominal copy bandwidth and dense bf16 rate; fp32 a
 # guess): the GPU run measures them.
@@ -100,10 +113,10 @@ WHEEL_DIRS = ("tools/wheels", "shared/wheels", ".whl")
 class Case:
     """One row: a kernel at one shape and dtype."""
 
-    kernel: str  # recurrent_kda | chunk_kda | mla_decode | mla_prefill | plugin:KDA |
-    #              plugin:LatentMLA | aot:recurrent_kda | aot:latent_mla
+    kernel: str  # recurrent_kda | chunk_kda | mla_decode | mla_prefill | moe | moe_mxfp4 | plugin:KDA |
+    #              plugin:LatentMLA | plugin:MoE_MXFP4 | aot:recurrent_kda | aot:latent_mla
     dtype: str  # of q, k, v (KDA) or q, kv (MLA)
-    B: int
+    B: int  # batch; for the MoE rows the tokens N
     T: int
     S: int = 0  # MLA cache rows of the longest row, the T new ones included; 0 for KDA
     gate_dtype: str | None = None  # KDA g and beta; None: the row's dtype
@@ -111,7 +124,21 @@ class Case:
 
     @property
     def shape(self) -> str:
+        if self.is_moe:
+            return f"N{self.B} E{self.experts}"
         return f"B{self.B} T{self.T}" + (f" S{self.S}" if self.S else "")
+
+    @property
+    def is_moe(self) -> bool:
+        return "moe" in self.kernel.lower()
+
+    @property
+    def packed(self) -> bool:
+        return "mxfp4" in self.kernel.lower()
+
+    @property
+    def experts(self) -> int:
+        return MOE_E["moe_mxfp4" if self.packed else "moe"]
 
     @property
     def is_kda(self) -> bool:
@@ -155,6 +182,10 @@ def plan(dtypes: Sequence[str]) -> list[Case]:
     add("plugin:KDA", 2, 200, gate="float32")
     add("plugin:LatentMLA", 4, 1, 2048)
     add("plugin:LatentMLA", 1, 256, 256)
+    for kernel in ("moe", "moe_mxfp4"):
+        for N in (1, 4, 16, 512, 8192):  # decode, then prefill-sized batches
+            add(kernel, N, 1, big=N == 8192)
+    add("plugin:MoE_MXFP4", 4, 1)
     add("aot:recurrent_kda", 8, 16, gate="float32")  # the AOT kernel takes float32 g and beta
     add("aot:latent_mla", 4, 1, 2048)  # decode without split-KV: one launch, no combine
     add("aot:latent_mla", 1, 256, 256)
@@ -175,6 +206,8 @@ def cost(c: Case) -> tuple[float, float]:
     """(bytes, FLOPs) of one call. Bytes are the fewest a call must move: each input read once,
     each output written once, no intermediates. FLOPs count a multiply-add as two."""
     e = TORCH_DTYPES[c.dtype].itemsize
+    if c.is_moe:
+        return moe_weight_bytes(c) + c.B * (MOE_L * (e + 4) + MOE_K * 12), 2 * c.B * MOE_K * 3 * MOE_I * MOE_L
     if c.is_kda:
         H, K, V = KDA_H, KDA_K, KDA_V
         eg = TORCH_DTYPES[c.gate_dtype or c.dtype].itemsize
@@ -199,6 +232,19 @@ def cost(c: Case) -> tuple[float, float]:
     pairs = sum(c.T * n + c.T * (c.T + 1) // 2 for n in lengths)
     flops = 2 * MLA_H * pairs * (MLA_D + MLA_VDIM)  # causal Q K^T over D, then P V over v_dim
     return nbytes, flops
+
+
+def moe_routing(c: Case) -> Tensor:
+    """experts [N, k] (CPU): distinct experts per token, a fixed draw per row so that `cost` counts
+    the experts actually read."""
+    gen = torch.Generator().manual_seed(c.B)
+    return torch.rand(c.B, c.experts, generator=gen).topk(MOE_K, dim=1).indices
+
+
+def moe_weight_bytes(c: Case) -> int:
+    """The chosen experts' weights: w1, w3 and w2 of each distinct expert, read once."""
+    per_weight = MOE_I * MOE_L * (17 / 32 if c.packed else TORCH_DTYPES[c.dtype].itemsize)  # MXFP4: 4.25 bits
+    return int(moe_routing(c).unique().numel() * 3 * per_weight)
 
 
 def mla_lengths(c: Case) -> list[int]:
@@ -264,6 +310,38 @@ def mla_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
     return [q.to(dtype), kv, torch.tensor(lengths, dtype=torch.int64, device=gen.device)]
 
 
+def moe_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
+    """z, experts, weights (renormalised), then w1, w3, w2 (float) or their packed and scale tensors
+    (random bytes; scales 2^-8 .. 2^-5 keep the products in range). Weights are scaled by 1/sqrt(fan-in)."""
+    dtype = TORCH_DTYPES[c.dtype]
+    E, I, L = c.experts, MOE_I, MOE_L
+    z = torch.randn(c.B, L, device=gen.device, generator=gen).to(dtype)
+    experts = moe_routing(c).to(gen.device)
+    weights = torch.rand(c.B, MOE_K, device=gen.device, generator=gen)
+    weights = weights / weights.sum(1, keepdim=True)
+    tensors = []
+    for out_dim, in_dim in ((I, L), (I, L), (L, I)):
+        if c.packed:
+            tensors.append(torch.randint(0, 256, (E, out_dim, in_dim // 2), device=gen.device, generator=gen,
+                                         dtype=torch.uint8))
+            tensors.append(torch.randint(119, 123, (E, out_dim, in_dim // 32), device=gen.device,
+                                         generator=gen, dtype=torch.uint8))
+        else:
+            w = torch.empty(E, out_dim, in_dim, device=gen.device, dtype=dtype)
+            for e in range(E):  # one expert at a time: no float32 copy of the whole stack
+                w[e] = torch.randn(out_dim, in_dim, device=gen.device, generator=gen) * in_dim ** -0.5
+            tensors.append(w)
+    return [z, experts, weights, *tensors]
+
+
+def moe_reference(c: Case, inputs: Sequence[Tensor]) -> list[Tensor]:
+    # A float64 z makes the eager op run in float64, one used expert at a time (its weights cast
+    # or dequantised per expert, never the whole stack).
+    op = torch.ops.k3.routed_experts_mxfp4 if c.packed else torch.ops.k3.routed_experts
+    z, experts, weights, *tensors = inputs
+    return [op(z.double(), experts, weights.double(), *tensors, *MOE_BETAS)]
+
+
 def mla_reference(q: Tensor, kv: Tensor, cache_lengths: Tensor) -> list[Tensor]:
     """torch.ops.k3.latent_mla in float64, one row at a time on its own valid rows (the op reads up
     to the longest row, and the rows past a row's length are NaN), a group of heads at a time so
@@ -285,6 +363,17 @@ def native_trial(c: Case, gen: torch.Generator, fla_chunk_kda: Callable[..., Any
     import k3plugins
     from k3export import ops
 
+    if c.is_moe:
+        from k3plugins import moe
+
+        inputs = moe_inputs(c, gen)
+        reference = moe_reference(c, inputs)
+        launch = moe.routed_experts_mxfp4 if c.packed else moe.routed_experts
+
+        def run_moe() -> Sequence[Tensor]:
+            return (launch(*inputs, *MOE_BETAS),)
+
+        return Trial(run_moe, run_moe, reference, None, sum(t.nbytes for t in inputs))
     if c.is_kda:
         inputs = kda_inputs(c, gen)
         launcher, op = ((k3plugins.chunk_kda, ops.chunk_kda) if c.kernel == "chunk_kda"
@@ -323,10 +412,16 @@ def plugin_trial(c: Case, gen: torch.Generator) -> Trial:
     so that an unwritten element shows, checked on a side stream as TensorRT's own."""
     import numpy as np
 
-    from k3plugins.definitions import KDA, LATENT_MLA
+    from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS_MXFP4
     from k3plugins.trt import launch_from_pointers
 
-    if c.is_kda:
+    if c.is_moe:
+        definition = ROUTED_EXPERTS_MXFP4
+        fields = definition.parse_fields({"situ_beta": np.array([MOE_BETAS[0]], dtype=np.float32),
+                                          "situ_linear_beta": np.array([MOE_BETAS[1]], dtype=np.float32)})
+        inputs = moe_inputs(c, gen)
+        reference = moe_reference(c, inputs)
+    elif c.is_kda:
         definition, fields = KDA, {}
         inputs = kda_inputs(c, gen)
         reference = kda_reference(torch.ops.k3.kda, inputs)
@@ -669,6 +764,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors = f"err {r.err:.3e} max abs {r.max_abs:.3e} " if r.err is not None else ""
         row = f"{r.case.kernel} {r.case.shape} {SHORT[r.case.dtype]}"
         lines.append(f"{r.status}: {row}: {errors}{r.note}"[:160])
+    for r in results.values():
+        if r.case.is_moe and r.ms and r.case.B <= 16:
+            weights_gbs = moe_weight_bytes(r.case) / r.ms / 1e6
+            lines.append(f"{r.case.kernel} {r.case.shape} {SHORT[r.case.dtype]}: chosen experts' weights "
+                         f"{moe_weight_bytes(r.case) / 1e6:.0f} MB at {weights_gbs:.0f} GB/s: "
+                         f"{100 * weights_gbs / ceilings['copy']:.0f}% of the measured copy bandwidth, "
+                         f"{100 * weights_gbs / H200_NOMINAL_GBS:.0f}% of the H200's nominal 4.8 TB/s")
     fla_errs = [r.fla_err for r in results.values() if r.fla_err is not None]
     if fla_errs:
         lines.append(f"fla's own rel err against the reference (information): {min(fla_errs):.1e} "
@@ -676,6 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines += [f"{device}: copy {ceilings['copy']:.0f} GB/s, bf16 {ceilings['bf16']:.0f} TFLOP/s, "
               f"fp32 {ceilings['fp32']:.1f} TFLOP/s (measured); anchor {fla_status}"[:300],
               f"KDA H={KDA_H} K=V={KDA_K}; MLA H={MLA_H} D={MLA_D} v_dim={MLA_VDIM} scale=192^-0.5; "
+              f"MoE L={MOE_L} I={MOE_I} k={MOE_K}, N tokens, E experts in memory; "
               f"%ceil: floor / ms, the floor set by copy or the matrix rate (ceil); ours/fla: ms / fla ms",
               HEADER, "-" * len(HEADER)]
     lines += [table_row(results[c], ceilings) for c in cases]
