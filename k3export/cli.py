@@ -153,7 +153,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         out = report_dir(args.report)  # refused before the check runs, not after
     report = run(args.network or args.engine or args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
                  prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print, **extra)
-    verdict = _check_verdict(report, network=args.network)
+    verdict = _check_verdict(report)
     if args.report:
         kind = next(a for a in ("network", "engine", "onnx") if getattr(args, a))
         artifact = f"--{kind} {getattr(args, kind)}"
@@ -172,9 +172,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
-def _check_verdict(report: dict, network: bool = False) -> str:
+def _check_verdict(report: dict) -> str:
     """PASSED or FAILED with every reason, then the bound and the token agreement."""
-    from k3export.engine.network import HALF_SPREAD_FACTOR
     from k3export.parity import HALF_REL_CAP, MAX_TIE_FRACTION
 
     reasons = []
@@ -190,9 +189,7 @@ def _check_verdict(report: dict, network: bool = False) -> str:
                        f"within the tie margin (over {MAX_TIE_FRACTION:.0%}: the comparison says nothing)")
     bound = report["tolerance"]["rel"]
     if report["dtype"] != "float32":
-        spread = (f"{HALF_SPREAD_FACTOR:g}x the eager float32 spread up to each layer" if network
-                  else "2x the eager float32 spread")
-        bound = f"min({max(bound, HALF_REL_CAP)}, max({bound}, {spread}))"
+        bound = f"min({max(bound, HALF_REL_CAP)}, max({bound}, 2x the eager float32 spread))"
     held = ""
     if report.get("held_routing"):
         held = (f"; eager held to the graph's expert choices, {report['routing_flips']} token-layer choices "

@@ -131,7 +131,7 @@ def test_bfloat16_is_valid_onnx_that_onnxruntime_cpu_cannot_run(bf16_export):
 
     with pytest.raises(Exception, match="MatMul"):
         ort.InferenceSession(str(bf16_export / "model.onnx"), providers=["CPUExecutionProvider"])
-    with pytest.raises(UserError, match="checked structurally"):
+    with pytest.raises(UserError, match="k3export check --network"):
         run_check(bf16_export, log=lambda _: None)
 
 

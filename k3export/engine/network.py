@@ -27,7 +27,6 @@ arithmetic, the plugin fields and bindings. It does not cover the optimizer, its
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from collections import OrderedDict
@@ -48,34 +47,22 @@ from polygraphy.logger import G_LOGGER
 from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*, the plugins' reference computations)
-from k3export.checkpoint import build_model
 from k3export.engine.build import load_tensorrt_rtx, parse
 from k3export.errors import UserError
-from k3export.model.cache import check_request
 from k3export.onnx.check import (
+    NUMPY_CARRIER,
     PRESENT,
-    EagerRunner,
     Signature,
-    last_tokens,
+    compare_with_eager,
+    planned,
     present_to_past,
-    prompt_lengths,
-    read_export,
-    request,
-    require_taps,
-    tap_step,
-    valid_entries,
 )
-from k3export.onnx.export import GRAPH_FILE, ExportGraph, TensorSpec, resolve_shape
-from k3export.parity import TOLERANCES, Tolerance, compare, top1_agreement
+from k3export.onnx.export import GRAPH_FILE, resolve_shape
 from k3export.progress import track
-from k3export.taps import first_divergent
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
                  "INT32": torch.int32, "INT64": torch.int64, "INT8": torch.int8, "UINT8": torch.uint8,
                  "BOOL": torch.bool}
-# Numpy has no bfloat16: such tensors cross the numpy boundary as float32 (exact both ways for
-# values that are bfloat16).
-_NUMPY_CARRIER = {torch.bfloat16: torch.float32}
 
 
 class NotImplementedLayer(UserError):
@@ -553,11 +540,13 @@ class NetworkEvaluator:
     is its initial value, then its input 1 of the previous iteration; a LAST_VALUE loop output is its
     input after the last iteration, for a recurrence its final value)."""
 
-    def __init__(self, net: ParsedNetwork) -> None:
+    def __init__(self, net: ParsedNetwork, extra_outputs: list[str] | None = None) -> None:
         self.net = net
         network = net.network
         self.inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
+        # Extra outputs: intermediate tensors to return too (a check's held routing).
         self.outputs = [network.get_output(i).name for i in range(network.num_outputs)]
+        self.outputs += extra_outputs or []
         steps = {}
         for i in range(network.num_layers):
             layer = network.get_layer(i)
@@ -665,7 +654,7 @@ class NetworkEvaluator:
     def _input(self, tensor: Any, value: Any) -> Tensor:
         value = torch.as_tensor(value)
         expected = torch_dtype(tensor.dtype)
-        if value.dtype != expected and value.dtype != _NUMPY_CARRIER.get(expected):
+        if value.dtype != expected and value.dtype != NUMPY_CARRIER.get(expected):
             raise UserError(f"network input {tensor.name!r}: fed {value.dtype}, expected {expected}")
         dims = tuple(tensor.shape)
         if len(dims) != value.dim() or any(d not in (-1, s) for d, s in zip(dims, value.shape, strict=True)):
@@ -676,7 +665,7 @@ class NetworkEvaluator:
 
 def to_numpy(value: Tensor) -> np.ndarray:
     """A tensor as numpy; bfloat16 widens to float32 (exact), as numpy has no bfloat16."""
-    return value.to(_NUMPY_CARRIER.get(value.dtype, value.dtype)).numpy()
+    return value.to(NUMPY_CARRIER.get(value.dtype, value.dtype)).numpy()
 
 
 def evaluate_network(export_dir: str | Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -692,10 +681,12 @@ class NetworkRunner(BaseRunner):
     takes the call's feeds and returns every output. `signature` may declare bfloat16 tensors
     float32 (_carried): they cross numpy as float32 and are cast to the network's dtypes."""
 
-    def __init__(self, net: ParsedNetwork, signature: Signature, name: str = "network") -> None:
+    def __init__(self, net: ParsedNetwork, signature: Signature, name: str = "network",
+                 extra_outputs: list[str] | None = None) -> None:
         super().__init__(name=name)
-        self.evaluator, self.signature = NetworkEvaluator(net), signature
+        self.evaluator, self.signature = NetworkEvaluator(net, extra_outputs), signature
         self.caches: dict[str, Tensor] = {}
+        self.seconds = 0.0  # evaluating, over every call
 
     def reset(self, batch: int, rows: list[int] | None = None) -> None:
         """Empty caches for `batch` rows, or only `rows` made fresh (the rest kept; latent rows need
@@ -718,184 +709,32 @@ class NetworkRunner(BaseRunner):
         with torch.no_grad():
             outputs = self.evaluator.evaluate({**feed_dict, **self.caches})
         self.inference_time = time.perf_counter() - start
+        self.seconds += self.inference_time
         for name, value in outputs.items():
             if name.startswith(PRESENT):
                 self.caches[present_to_past(name)] = value
         return OrderedDict((name, to_numpy(value)) for name, value in outputs.items())
 
 
-class _Float32Boundary:
-    """An ExportGraph whose bfloat16 tensors cross numpy as float32 (exact): inputs are cast to the
-    graph's dtypes, bfloat16 outputs widened, so that EagerRunner serves a bfloat16 model."""
-
-    def __init__(self, graph: ExportGraph, inputs: list[TensorSpec]) -> None:
-        self.graph, self.model, self.layers = graph, graph.model, graph.layers
-        self.dtypes = [getattr(torch, s.dtype) for s in inputs]
-
-    def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
-        outputs = self.graph(*(x.to(d) for x, d in zip(inputs, self.dtypes, strict=True)))
-        return tuple(o.to(_NUMPY_CARRIER.get(o.dtype, o.dtype)) for o in outputs)
-
-
-def _carried(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The manifest with bfloat16 tensors declared float32, as they cross numpy."""
-    def widen(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{**s, "dtype": "float32" if s["dtype"] == "bfloat16" else s["dtype"]} for s in specs]
-
-    return {**manifest, "inputs": widen(manifest["inputs"]), "outputs": widen(manifest["outputs"])}
-
-
-# Measured on k3-tiny float16 and bfloat16 (seeds 0-2, prefill and 4 decode steps): the network's
-# error reaches 0.97 times the spread before any router and 2.7 times it after (random weights: the
-# router's near-ties flip experts, and the flips spread chaotically).
-HALF_SPREAD_FACTOR = 4.0
-
-
-def _layer(name: str) -> float:
-    """The layer a cache output belongs to (present.{i}.*); other outputs come after every layer."""
-    match = re.match(r"present\.(\d+)\.", name)
-    return int(match.group(1)) if match else float("inf")
-
-
-def unrouted_layers(manifest: dict[str, Any]) -> set[int]:
-    """The layers whose caches no router decision reaches: those up to the first MoE layer (a layer's
-    mixer, which writes its caches, runs before its router)."""
-    layers = set()
-    for entry in manifest["schedule"]:
-        layers.add(entry["layer"])
-        if entry["ffn"] == "moe":
-            break
-    return layers
-
-
-def _compare_outputs(label: str, signature: Signature, outs: list[dict[str, np.ndarray]],
-                     lengths_after: np.ndarray, input_lengths: np.ndarray, tolerance: Tolerance,
-                     unrouted: set[int], log: Any) -> dict[str, Any]:
-    """outs: eager, the network, and for half precision eager in float32; compared on their valid
-    entries only. Half precision: rounding error grows layer by layer, and a router's near-tie can
-    flip an expert in one backend and not the other, a jump that then spreads (see check --onnx).
-    So an output is held to the larger of the dtype's bound and HALF_SPREAD_FACTOR times an eager
-    half-vs-float32 spread at this step: for the caches of `unrouted` layers i, which no router
-    reaches, the largest spread of layers 0..i (tight: a wrong weight there fails); for every other
-    output, the largest spread of the step (loose with random weights)."""
-    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.compared}
-             for out in outs]
-    reference, actual = valid[0], valid[1]
-    bounds = {name: tolerance for name in reference}
-    margin = tolerance.margin
-    if len(outs) > 2:
-        spreads = {name: compare(name, ref, valid[2][name], tolerance).rel for name, ref in reference.items()}
-        for name in reference:
-            layer = _layer(name) if _layer(name) in unrouted else float("inf")
-            spread = max(s for other, s in spreads.items() if _layer(other) <= layer)
-            bounds[name] = Tolerance(max(tolerance.rel, HALF_SPREAD_FACTOR * spread), tolerance.margin)
-        if "logits" in reference:
-            diff = np.abs(reference["logits"].astype(np.float64) - valid[2]["logits"]).max()
-            margin = max(tolerance.margin, 2 * float(diff))
-    comparisons = [compare(name, actual[name], ref, bounds[name]) for name, ref in reference.items()]
-    step: dict[str, Any] = {"step": label, "outputs": [c.as_dict() for c in comparisons]}
-    worst = max(comparisons, key=lambda c: c.rel / c.bound)
-    line = f"{label:>10}: worst {worst.name} rel {worst.rel:.2e} (bound {worst.bound:.1e})"
-    if "logits" in reference:
-        vocab = outs[0]["logits"].shape[-1]
-        logits = next(c for c in comparisons if c.name == "logits")
-        tokens = top1_agreement(actual["logits"].reshape(-1, vocab), reference["logits"].reshape(-1, vocab),
-                                margin)
-        step["tokens"] = tokens.as_dict()
-        line += (f"; logits rel {logits.rel:.2e} cos {logits.cosine:.6f}; top-1 {tokens.agree}/"
-                 f"{tokens.positions} (ties {tokens.ties}, mismatches {tokens.mismatches})")
-    failed = [c.name for c in comparisons if not c.passed]
-    log(line + (f"  FAILED: {', '.join(failed)}" if failed else ""))
-    return step
-
-
 def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, batch: int = 2,
                       prompt_len: int = 70, log: Any = print,
-                      net: ParsedNetwork | None = None, taps: bool = False,
-                      kernels: bool = False) -> dict[str, Any]:
-    """The parsed network against the eager model, driven as `k3export check --onnx` drives ONNX
-    Runtime: a prefill of `batch` right-padded prompts of different lengths (the longest
-    `prompt_len`), then `steps` greedy decode steps in which each side keeps its own caches and
-    both take the eager model's token; valid entries compared. Returns a report shaped like
-    run_check's (see "passed"). `net`: an already parsed network (tests alter one after parsing).
-    `taps`: also compare the export's taps and name the first divergent layer (report["taps"]).
-    `kernels`: plugin layers launch their Triton kernels (TRITON_INTERPRET=1 must be set before
-    triton is first imported; cli does it) instead of the reference ops."""
+                      net: ParsedNetwork | None = None, taps: bool = False) -> dict[str, Any]:
+    """The parsed network against the eager model through check's one driver
+    (k3export.onnx.check.compare_with_eager: the same requests, bounds, held routing and verdict as
+    `check --onnx`). Returns the report (see "passed"). `net`: an already parsed network (tests
+    alter one after parsing). `taps`: also compare the export's taps and name the first divergent
+    layer (report["taps"])."""
     export_dir = Path(export_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
-    manifest, config = read_export(export_dir)
-    if taps:
-        require_taps(manifest, export_dir)
-    tapped = "taps" in manifest  # the network gives them, compared or not
-    if manifest["weights"].get("stripped"):
-        raise UserError(f"{export_dir}: exported with --no-weights, so there are no numbers to check")
-    lengths = prompt_lengths(batch, prompt_len)
-    rows = torch.tensor(lengths)
-    check_request(torch.zeros_like(rows), rows, prompt_len, manifest["capacity"])
-    check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, manifest["capacity"])
+    manifest, config, lengths = planned(export_dir, taps, batch, prompt_len, steps)
     start = time.perf_counter()
-    dtype, layers = manifest["dtype"], range(*manifest["layers"])
-    tolerance = TOLERANCES[dtype]
-    last_logits = manifest.get("last_logits", False)
-    signature, carried = Signature(manifest), Signature(_carried(manifest))
-    unrouted = unrouted_layers(manifest)
-    log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}; "
-        f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
-    model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
     net = net or parse_network(export_dir / GRAPH_FILE)
-    net.kernels = kernels
     log(f"network: {net.network.num_layers} layers parsed by TensorRT-RTX, evaluated on CPU")
-    runners: list[BaseRunner] = [
-        EagerRunner(_Float32Boundary(ExportGraph(model, layers, last_logits, tapped), signature.inputs),
-                    "eager", carried),
-        NetworkRunner(net, carried),
-    ]
-    if dtype != "float32":
-        model32 = build_model(config, torch.float32, manifest["weights"], layers)
-        runners.append(EagerRunner(ExportGraph(model32, layers, last_logits, tapped), "eager-float32",
-                                   carried))
-    gen = torch.Generator().manual_seed(seed)
-    feed = request(carried, None, [0] * batch, lengths, config.vocab_size, gen)
-    if "input_ids" in feed:  # padding tokens, as a server would send: none is read
-        feed["input_ids"][np.arange(max(lengths)) >= np.array(lengths)[:, None]] = 0
-    report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
-                              "capacity": signature.capacity, "steps": []}
-    streams: list[list[list[int]]] = [[], []]
-    tap_steps: list[dict[str, Any]] = []
-    cache_lengths = np.zeros(batch, np.int64)
-    network_seconds = 0.0
-    with contextlib.ExitStack() as active:
-        for runner in runners:
-            active.enter_context(runner)
-            runner.reset(batch)
-        for step in track(range(steps + 1), "check --network: prefill and decode steps"):
-            outs = [runner.infer(feed, check_inputs=False) for runner in runners]
-            network_seconds += runners[1].last_inference_time()
-            input_lengths = feed["input_lengths"]
-            cache_lengths = cache_lengths + input_lengths
-            report["steps"].append(_compare_outputs("prefill" if step == 0 else f"decode {step}", signature,
-                                                    outs, cache_lengths, input_lengths, tolerance, unrouted,
-                                                    log))
-            if taps:
-                tap_steps.append(tap_step(report["steps"][-1]["step"], carried, outs, cache_lengths,
-                                          input_lengths, tolerance))
-            tokens = None
-            if "logits" in outs[0]:
-                for stream, out in zip(streams, outs, strict=False):
-                    stream.append(last_tokens(out["logits"], input_lengths.tolist())[:, 0].tolist())
-                # Every side takes the reference's greedy token: a near-tie cannot derail the rest.
-                tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
-            feed = request(carried, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
-    failed = sorted({c["name"] for s in report["steps"] for c in s["outputs"] if not c["passed"]})
-    report["failed_outputs"] = failed
-    report["token_mismatches"] = sum(s.get("tokens", {}).get("mismatches", 0) for s in report["steps"])
-    report["greedy_streams_identical"] = streams[0] == streams[1]
-    report["passed"] = not failed and report["token_mismatches"] == 0
-    if taps:
-        report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
-    report["network"] = {"layers": net.network.num_layers, "seconds": network_seconds,
-                         "seconds_by_layer_type": runners[1].evaluator.layer_seconds,
-                         "plugins": "triton kernels" if net.kernels else "reference ops",
-                         "kernel_launches": net.kernel_launches}
+    report, runner = compare_with_eager(
+        manifest, config, export_dir / GRAPH_FILE,
+        lambda signature, extra: NetworkRunner(net, signature, extra_outputs=extra),
+        steps, seed, lengths, log, taps)
+    report["network"] = {"layers": net.network.num_layers, "seconds": runner.seconds,
+                         "seconds_by_layer_type": runner.evaluator.layer_seconds}
     report["seconds"] = time.perf_counter() - start
     return report

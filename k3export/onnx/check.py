@@ -315,34 +315,56 @@ def last_tokens(logits: np.ndarray, input_lengths: list[int]) -> np.ndarray:
     return np.array([[logits[b, n - 1].argmax()] for b, n in enumerate(input_lengths)])
 
 
+def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
+             steps: int) -> tuple[dict[str, Any], K3Config, list[int]]:
+    """An export folder's manifest and config, verified, and the prompt lengths of a check that is
+    known to fit its cache capacity (the prefill, then the last decode step of the longest row)."""
+    manifest, config = read_export(export_dir)
+    if taps:
+        require_taps(manifest, export_dir)
+    if manifest["weights"].get("stripped"):
+        raise UserError(f"{export_dir}: exported with --no-weights, so there are no numbers to check; "
+                        "it is checked structurally (onnx.checker full_check)")
+    lengths = prompt_lengths(batch, prompt_len)
+    rows = torch.tensor(lengths)
+    check_request(torch.zeros_like(rows), rows, prompt_len, manifest["capacity"])
+    check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, manifest["capacity"])
+    return manifest, config, lengths
+
+
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
               prompt_len: int = 70, log: Any = print, taps: bool = False,
               graph_runner: Callable[[Signature, list[str]], BaseRunner] | None = None) -> dict[str, Any]:
     """A prefill of `batch` prompts of different lengths (the longest `prompt_len`), right-padded,
-    then `steps` decode steps; returns the report (see "passed"). The replay files and the report
-    go to DIR/check (a folder of check's own, replaced each run). `taps`: also compare the export's
-    taps (export --taps) and name the first divergent layer (report["taps"]). `graph_runner(signature,
-    extra outputs)`: the runner of the artifact in place of ONNX Runtime (check --engine)."""
+    then `steps` decode steps, ONNX Runtime against eager; returns the report (see "passed"). The
+    replay files and the report go to DIR/check (a folder of check's own, replaced each run).
+    `taps`: also compare the export's taps (export --taps) and name the first divergent layer.
+    `graph_runner(signature, extra outputs)`: the artifact's runner in place of ONNX Runtime
+    (check --engine)."""
     onnx_dir = Path(onnx_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
-    manifest, config = read_export(onnx_dir)
-    if taps:
-        require_taps(manifest, onnx_dir)
-    if manifest["weights"].get("stripped"):
-        raise UserError(f"{onnx_dir}: exported with --no-weights, so there are no numbers to check; "
-                        "it is checked structurally (onnx.checker full_check)")
+    manifest, config, lengths = planned(onnx_dir, taps, batch, prompt_len, steps)
     if manifest["dtype"] == "bfloat16":
-        raise UserError(f"{onnx_dir}: a bfloat16 export cannot be fed through numpy; "
-                        "it is checked structurally (see the README)")
-    # The whole plan must fit: the prefill, then the last decode step of the longest row.
-    lengths = prompt_lengths(batch, prompt_len)
-    capacity = manifest["capacity"]
-    rows = torch.tensor(lengths)
-    check_request(torch.zeros_like(rows), rows, prompt_len, capacity)
-    check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, capacity)
+        raise UserError(f"{onnx_dir}: ONNX Runtime's CPU provider has no bfloat16 MatMul; check the "
+                        f"bfloat16 graph as TensorRT parses it: k3export check --network {onnx_dir}")
+    graph = onnx_dir / GRAPH_FILE
     out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check")
     with out.staged() as stage:
-        report = _run_check(onnx_dir, manifest, config, stage, steps, seed, lengths, log, taps, graph_runner)
+        signature = Signature(manifest)
+        report, session = compare_with_eager(
+            manifest, config, graph,
+            graph_runner or (lambda sig, extra: BoundOnnxrtRunner(graph, sig, extra_outputs=extra)),
+            steps, seed, lengths, log, taps,
+            on_prefill=lambda feed, golden: _save_replay(stage, signature, feed, golden, len(lengths)))
+        report["aliased"] = dict(getattr(session, "aliased", {}))
+        atol, rtol = POLYGRAPHY_TOLERANCES[manifest["dtype"]]
+        # Elementwise replay tolerance: at least what the prefill comparison itself accepted.
+        atol = max(atol, 2 * max(c["max_abs"] for c in report["steps"][0]["outputs"]))
+        check_dir = onnx_dir / CHECK_DIR
+        report["polygraphy_command"] = (
+            f"polygraphy run {graph} --onnxrt --load-inputs {check_dir / 'inputs.json'} "
+            f"--load-outputs {check_dir / 'golden.json'} --atol {atol:.3g} --rtol {rtol}")
+        save_json(report, str(stage / "report.json"), description="check report")
         write_json(stage / CHECK_MANIFEST, {"passed": report["passed"], "report": "report.json"})
     return report
 
@@ -362,63 +384,93 @@ def tap_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]]
                                                 tolerance)}
 
 
-def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage: Path, steps: int,
-               seed: int, lengths: list[int], log: Any, taps: bool = False,
-               graph_runner: Callable[[Signature, list[str]], BaseRunner] | None = None) -> dict[str, Any]:
-    """run_check's comparison, writing its files into `stage` (DIR/check once committed)."""
+Arrays = dict[str, np.ndarray]
+# numpy has no bfloat16: such tensors cross it as float32, which holds every bfloat16 value exactly.
+NUMPY_CARRIER = {torch.bfloat16: torch.float32}
+
+
+def carried(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with bfloat16 tensors declared float32, as they cross numpy."""
+    def widen(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**s, "dtype": "float32" if s["dtype"] == "bfloat16" else s["dtype"]} for s in specs]
+
+    return {**manifest, "inputs": widen(manifest["inputs"]), "outputs": widen(manifest["outputs"])}
+
+
+class Float32Boundary:
+    """An ExportGraph whose bfloat16 tensors cross numpy as float32 (exact): inputs are cast to the
+    graph's dtypes, bfloat16 outputs widened, so that EagerRunner serves a bfloat16 model."""
+
+    def __init__(self, graph: ExportGraph, inputs: list[TensorSpec]) -> None:
+        self.graph, self.model, self.layers = graph, graph.model, graph.layers
+        self.dtypes = [getattr(torch, s.dtype) for s in inputs]
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = self.graph(*(x.to(d) for x, d in zip(inputs, self.dtypes, strict=True)))
+        return tuple(o.to(NUMPY_CARRIER.get(o.dtype, o.dtype)) for o in outputs)
+
+
+def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path,
+                       graph_runner: Callable[[Signature, list[str]], BaseRunner], steps: int, seed: int,
+                       lengths: list[int], log: Any, taps: bool = False,
+                       on_prefill: Callable[[Arrays, Arrays], None] | None = None,
+                       ) -> tuple[dict[str, Any], BaseRunner]:
+    """The one check driver, for every backend: `graph_runner(signature, extra_outputs)` (ONNX
+    Runtime, the parsed TensorRT network) against the eager model, and for half precision the eager
+    float32 model, all fed the same requests: a prefill of right-padded prompts of `lengths` from
+    empty caches, then `steps` greedy decode steps in which each side keeps its own caches and all
+    take the eager model's token. Half precision holds the eager routers to the graph's expert
+    choices (k3export.routing; `extra_outputs` are those tensors). Valid entries only are compared.
+    Returns the report, verdict included, and the graph's runner."""
     dtype = manifest["dtype"]
     tolerance = TOLERANCES[dtype]
     layers = range(*manifest["layers"])
     last_logits = manifest.get("last_logits", False)
-    signature = Signature(manifest)
+    signature = Signature(carried(manifest))
     tapped = "taps" in manifest  # the graph gives them, compared or not
     log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}; "
         f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
-    model = build_model(config, getattr(torch, dtype), manifest["weights"], layers)
-    nonfinite_weights = nonfinite_tensors(model.named_parameters())
+    models = [build_model(config, getattr(torch, dtype), manifest["weights"], layers)]
+    nonfinite_weights = nonfinite_tensors(models[0].named_parameters())
+    if dtype != "float32":
+        models.append(build_model(config, torch.float32, manifest["weights"], layers))
+    routing = routing_outputs(graph) if dtype != "float32" else []
+    eager = ExportGraph(models[0], layers, last_logits, tapped)
+    if dtype == "bfloat16":
+        eager = Float32Boundary(eager, Signature(manifest).inputs)
+    eager_runners = [EagerRunner(eager, "eager", signature)]
+    if dtype != "float32":
+        eager_runners.append(EagerRunner(ExportGraph(models[1], layers, last_logits, tapped), "eager-float32",
+                                         signature))
+    graph_side = graph_runner(signature, routing)
+    gen = torch.Generator().manual_seed(seed)
+    batch, prompt_len = len(lengths), max(lengths)
+    feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
+    # Pad with token 0, as a server would: any value works, none is read.
+    if "input_ids" in feed:
+        feed["input_ids"][np.arange(prompt_len) >= np.array(lengths)[:, None]] = 0
+    report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
+                              "capacity": signature.capacity, "held_routing": bool(routing), "steps": []}
+    tap_steps: list[dict[str, Any]] = []
+    streams: list[list[list[int]]] = [[], []]
+    cache_lengths = np.zeros(batch, np.int64)
     with contextlib.ExitStack() as running:
-        models = [model]
-        # Half precision holds the eager models to the graph's expert choices (k3export.routing),
-        # which the session outputs too.
-        graph = onnx_dir / GRAPH_FILE
-        routing = routing_outputs(graph) if dtype != "float32" else []
-        runners: list[BaseRunner] = [
-            EagerRunner(ExportGraph(model, layers, last_logits, tapped), "eager", signature),
-            (graph_runner(signature, routing) if graph_runner
-             else BoundOnnxrtRunner(graph, signature, extra_outputs=routing)),
-        ]
-        if dtype != "float32":
-            models.append(build_model(config, torch.float32, manifest["weights"], layers))
-            runners.append(EagerRunner(ExportGraph(models[1], layers, last_logits, tapped), "eager-float32",
-                                       signature))
-        gen = torch.Generator().manual_seed(seed)
-        batch, prompt_len = len(lengths), max(lengths)
-        feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
-        # Pad with token 0, as a server would: any value works, none is read.
-        if "input_ids" in feed:
-            feed["input_ids"][np.arange(prompt_len) >= np.array(lengths)[:, None]] = 0
-
-        report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
-                                  "capacity": signature.capacity, "held_routing": bool(routing), "steps": []}
-        tap_steps: list[dict[str, Any]] = []
-        streams: list[list[list[int]]] = [[], []]
-        cache_lengths = np.zeros(batch, np.int64)
-        for runner in runners:
+        for runner in [graph_side, *eager_runners]:
             running.enter_context(runner)
             runner.reset(batch)
         for step in track(range(steps + 1), "check: prefill and decode steps"):
             label = "prefill" if step == 0 else f"decode {step}"
-            graph_out = runners[1].infer(feed)
+            graph_out = graph_side.infer(feed, check_inputs=False)
             choices = [graph_out[name] for name in routing]
             eager_outs, flips = [], {}
-            for runner, held in zip([runners[0], *runners[2:]], models, strict=True):
-                with held_routing(held, choices) if routing else contextlib.nullcontext([]) as flipped:
+            for runner, model in zip(eager_runners, models, strict=True):
+                with held_routing(model, choices) if routing else contextlib.nullcontext([]) as flipped:
                     # The float32 model takes the graph's half-precision feeds, unlike its metadata says.
-                    eager_outs.append(runner.infer(feed, check_inputs=runner.name != "eager-float32"))
+                    eager_outs.append(runner.infer(feed, check_inputs=False))
                 flips[runner.name] = sum(flipped)
             outs = [eager_outs[0], graph_out, *eager_outs[1:]]
-            if step == 0:
-                _save_replay(stage, signature, feed, outs[0], batch)
+            if step == 0 and on_prefill:
+                on_prefill(feed, outs[0])
             input_lengths = feed["input_lengths"]
             cache_lengths = cache_lengths + input_lengths
             report["steps"].append(_compare_step(label, signature, outs, cache_lengths, input_lengths,
@@ -435,21 +487,12 @@ def _run_check(onnx_dir: Path, manifest: dict[str, Any], config: K3Config, stage
                 # Every side takes the reference's greedy token: a near-tie cannot derail the rest.
                 tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
             feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
-        report["aliased"] = dict(runners[1].aliased)
     report.update(verdict(report["steps"], nonfinite_weights))
     report["routing_flips"] = sum(s.get("routing_flips", {}).get("eager", 0) for s in report["steps"])
     report["greedy_streams_identical"] = streams[0] == streams[1]
     if taps:
         report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
-    atol, rtol = POLYGRAPHY_TOLERANCES[dtype]
-    # Elementwise replay tolerance: at least what the prefill comparison itself accepted.
-    atol = max(atol, 2 * max(c["max_abs"] for c in report["steps"][0]["outputs"]))
-    check_dir = onnx_dir / CHECK_DIR
-    report["polygraphy_command"] = (
-        f"polygraphy run {onnx_dir / GRAPH_FILE} --onnxrt --load-inputs {check_dir / 'inputs.json'} "
-        f"--load-outputs {check_dir / 'golden.json'} --atol {atol:.3g} --rtol {rtol}")
-    save_json(report, str(stage / "report.json"), description="check report")
-    return report
+    return report, graph_side
 
 
 def _save_replay(stage: Path, signature: Signature, feed: dict[str, np.ndarray],
@@ -468,8 +511,8 @@ def _save_replay(stage: Path, signature: Signature, feed: dict[str, np.ndarray],
 def _compare_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]],
                   lengths_after: np.ndarray, input_lengths: np.ndarray, tolerance: Tolerance,
                   log: Any) -> dict[str, Any]:
-    """outs: the eager reference, ONNX Runtime, and for half precision the eager float32 model;
-    compared on their valid entries only."""
+    """outs: the eager reference, the graph's runner, and for half precision the eager float32
+    model; compared on their valid entries only."""
     valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.compared}
              for out in outs]
     reference, actual = valid[0], valid[1]
