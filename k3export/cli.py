@@ -115,8 +115,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     nodes = manifest["custom_nodes"]
     size = sum(record["bytes"] for record in out.manifest["files"].values())
     held = "no weights (they are graph inputs)" if args.no_weights else "with weights"
-    print(f"wrote {out.path / manifest['graph']}: {nodes['KDA']} KDA and {nodes['LatentMLA']} LatentMLA "
-          f"nodes, opset {manifest['opset']}, {_human(size, 'B')} {held}; inputs/outputs in export.json")
+    counts = ", ".join(f"{count} {op}" for op, count in nodes.items())
+    print(f"wrote {out.path / manifest['graph']}: {counts} nodes, opset {manifest['opset']}, "
+          f"{_human(size, 'B')} {held}; inputs/outputs in export.json")
     return 0
 
 

@@ -193,8 +193,7 @@ def layer_working_bytes(config: K3Config, layer: int, elem: int) -> int:
     """Per token, the intermediates one layer holds at once in the served engine: the mixers as k3
     plugins (no attention matrix: MLA queries and latent outputs, KDA's q, k, v, g in float32), and
     the MoE as the grouped routed-experts plugin (issue 11): router scores, the top-k experts' gate,
-    up and output rows and the shared expert's, in float32. `dense_dispatch_bytes` is what today's
-    graph adds to that."""
+    up and output rows and the shared expert's, in float32."""
     c, lac = config, config.linear_attn_config
     mixer = (c.num_attention_heads * (c.latent_dim + c.kv_lora_rank) * 4 if c.is_mla(layer)
              else 4 * lac.num_heads * lac.head_dim * 4)
@@ -204,14 +203,6 @@ def layer_working_bytes(config: K3Config, layer: int, elem: int) -> int:
         routed = c.num_experts_per_token * (2 * c.moe_intermediate_size + c.routed_expert_hidden_size)
         ffn = (c.num_experts + routed + 2 * c.shared_expert_size) * 4
     return max(mixer, ffn) + 4 * c.hidden_size * elem  # plus the layer's input, norm and mix outputs
-
-
-def dense_dispatch_bytes(config: K3Config) -> int:
-    """Per token, what the MoE's dense dispatch in today's graph holds beyond the grouped form: every
-    routed expert's gate and up outputs (E x I each) and its output (E x L), in float32."""
-    c = config
-    return (c.num_experts - c.num_experts_per_token) * (2 * c.moe_intermediate_size
-                                                        + c.routed_expert_hidden_size) * 4
 
 
 def _tensors(specs: list[Any]) -> list[Tensor]:
@@ -296,7 +287,6 @@ def format_plan(plan: Plan) -> str:
             f"{_gb(s.total_bytes):>6}  {'yes' if s.fits_h200 else 'NO'}")
     heavy = max(s.weight_bytes for s in plan.stages)
     light = min(s.weight_bytes for s in plan.stages)
-    dense = dense_dispatch_bytes(c) * plan.prefill_tokens
     lines += [
         "", "GB = 1e9 bytes; ranges are 0-based, inclusive here (--json: [start, stop) with stop exclusive)",
         f"balance: heaviest / lightest stage = {heavy / light:.3f}; heaviest - mean = "
@@ -304,9 +294,8 @@ def format_plan(plan: Plan) -> str:
         f"{_gb(plan.heaviest_layer_bytes)} GB",
         "boundaries: a stage receives the AttnRes bank [rows, batch, seq, hidden] and partial block [batch, "
         "seq, hidden] (the first: token ids) and sends the next stage's (the last: logits)",
-        "activations assume the served engine: k3 mixer plugins and the grouped MoE plugin (issue 11); "
-        f"today's graph runs every expert on every token, {_gb(dense)} GB more at this prefill"
-        + (", and dequantises a layer's packed experts whole" if plan.packed_experts else ""),
+        "activations assume the served engine: the k3 mixer plugins and the grouped routed-experts plugin "
+        "(only the chosen experts run)",
     ]
     return "\n".join(lines)
 

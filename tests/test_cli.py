@@ -35,7 +35,7 @@ def test_demo_runs_the_pipeline(tmp_path):
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
     assert "relative error" in result.stdout and "(ok)" in result.stdout
-    assert "6 KDA and 3 LatentMLA nodes" in result.stdout and "PASSED (float32" in result.stdout
+    assert "6 KDA, 3 LatentMLA, 8 RoutedExperts nodes" in result.stdout and "PASSED (float32" in result.stdout
     assert (tmp_path / "demo" / "export" / "model.onnx").exists()
     report = tmp_path / "demo" / "report"
     assert (report / "report.md").read_text().startswith("# k3export check --onnx")

@@ -54,7 +54,7 @@ def test_census_and_checker(tiny_export, bf16_export):
     for folder in (tiny_export, bf16_export):
         census(folder / "model.onnx")
     manifest = json.loads((tiny_export / "export.json").read_text())
-    assert manifest["custom_nodes"] == {"KDA": 6, "LatentMLA": 3}
+    assert manifest["custom_nodes"] == {"KDA": 6, "LatentMLA": 3, "RoutedExperts": 8}
     names = [s["name"] for s in manifest["inputs"]]
     assert names[:4] == ["input_ids", "cache_lengths", "input_lengths", "past.0.kda_state"]
     assert "past.3.mla_latent" in names and manifest["opset"] == 24
@@ -197,7 +197,7 @@ def test_layer_range_export(tmp_path):
     assert list(inputs)[2:5] == ["cache_lengths", "input_lengths", "past.2.kda_state"]
     assert inputs["past.3.mla_latent"] == ["batch", 1, "capacity", 48] and manifest["capacity"] == 128
     assert [s["name"] for s in manifest["outputs"]][:2] == ["attn_res.6.bank", "attn_res.6.partial"]
-    assert manifest["custom_nodes"] == {"KDA": 3, "LatentMLA": 1}
+    assert manifest["custom_nodes"] == {"KDA": 3, "LatentMLA": 1, "RoutedExperts": 4}
     census(folder / "model.onnx")
     report = run_check(folder, steps=2, batch=2, prompt_len=9, log=lambda _: None)
     assert report["passed"], report["failed_outputs"]

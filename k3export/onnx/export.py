@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from k3export.errors import UserError
 from k3export.model import K3ForCausalLM, KDACache, MLACache
 from k3export.model.cache import LayerCache
 from k3export.model.k3 import last_positions
+from k3export.onnx.functions import DOMAIN
 from k3export.onnx.ops import export_onnx
 from k3export.taps import MEANINGS as TAP_MEANINGS
 from k3export.taps import SUBLAYERS as TAP_SUBLAYERS
@@ -282,8 +284,7 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
         "capacity": capacity,
         "last_logits": last_logits and layers.stop == config.num_hidden_layers,
         "in_place": {s.name: s.aliases for s in outputs if s.aliases},
-        "custom_nodes": {"KDA": sum(n.op_type == "KDA" for n in graph.graph.node),
-                         "LatentMLA": sum(n.op_type == "LatentMLA" for n in graph.graph.node)},
+        "custom_nodes": dict(Counter(n.op_type for n in graph.graph.node if n.domain == DOMAIN)),
         "aot_plugins": aot_plugins,
         "opset": next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")),
         "moe": moe_cost_note(config),
