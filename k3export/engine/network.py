@@ -718,23 +718,28 @@ class NetworkRunner(BaseRunner):
 
 def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, batch: int = 2,
                       prompt_len: int = 70, log: Any = print,
-                      net: ParsedNetwork | None = None, taps: bool = False) -> dict[str, Any]:
+                      net: ParsedNetwork | None = None, taps: bool = False,
+                      kernels: bool = False) -> dict[str, Any]:
     """The parsed network against the eager model through check's one driver
     (k3export.onnx.check.compare_with_eager: the same requests, bounds, held routing and verdict as
     `check --onnx`). Returns the report (see "passed"). `net`: an already parsed network (tests
     alter one after parsing). `taps`: also compare the export's taps and name the first divergent
-    layer (report["taps"])."""
+    layer (report["taps"]). `kernels`: plugin layers launch their Triton kernels (TRITON_INTERPRET=1
+    must be set before triton is first imported; the cli does it) instead of the reference ops."""
     export_dir = Path(export_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
     manifest, config, lengths = planned(export_dir, taps, batch, prompt_len, steps)
     start = time.perf_counter()
     net = net or parse_network(export_dir / GRAPH_FILE)
+    net.kernels = kernels
     log(f"network: {net.network.num_layers} layers parsed by TensorRT-RTX, evaluated on CPU")
     report, runner = compare_with_eager(
         manifest, config, export_dir / GRAPH_FILE,
         lambda signature, extra: NetworkRunner(net, signature, extra_outputs=extra),
         steps, seed, lengths, log, taps)
     report["network"] = {"layers": net.network.num_layers, "seconds": runner.seconds,
-                         "seconds_by_layer_type": runner.evaluator.layer_seconds}
+                         "seconds_by_layer_type": runner.evaluator.layer_seconds,
+                         "plugins": "triton kernels" if net.kernels else "reference ops",
+                         "kernel_launches": net.kernel_launches}
     report["seconds"] = time.perf_counter() - start
     return report
