@@ -98,3 +98,30 @@ def parameter_report(config: K3Config) -> Report:
         report.params[comp] += param.numel()
         report.bytes_by_component[comp] += param.numel() * param.element_size()
     return report
+
+
+def moe_cost_note(config: K3Config) -> str:
+    """The MoE FLOPs per token that the exported graph runs (one multiply-add = 2 FLOPs)."""
+
+    def flops(c: K3Config) -> tuple[float, float, float]:
+        """(chosen experts, every expert, shared expert + router + latent projections) per token
+        per MoE layer."""
+        D, L, I = c.hidden_size, c.routed_expert_hidden_size, c.moe_intermediate_size
+        expert = 2 * 3 * L * I
+        rest = 2 * (3 * D * c.shared_expert_size + c.num_experts * D + 2 * D * L)
+        return c.num_experts_per_token * expert, c.num_experts * expert, rest
+
+    def human(x: float) -> str:
+        return next(f"{x / s:.3g} {p}FLOP" for s, p in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""))
+                    if x >= s or s == 1)
+
+    routed, _, rest = flops(config)
+    published = K3Config.from_preset("kimi-k3")
+    pub_routed, pub_dense, pub_rest = flops(published)
+    return (f"MoE layers run only the chosen experts: one k3.RoutedExperts node per layer (tokens grouped "
+            f"by expert, one SiTU-GLU GEMM triple per expert used; packed MXFP4 experts are dequantised "
+            f"only when used). Per token per MoE layer: {human(routed)} in the top-"
+            f"{config.num_experts_per_token} of {config.num_experts} routed experts + {human(rest)} in "
+            f"the shared expert, router and latent projections. At the published shapes {human(pub_routed)} "
+            f"+ {human(pub_rest)}, where running every expert on every token cost {human(pub_dense)} in "
+            f"routed experts ({published.num_experts // published.num_experts_per_token}x).")

@@ -11,7 +11,7 @@ import time
 import traceback
 from pathlib import Path
 
-from k3export.accounting import COMPONENTS, parameter_report
+from k3export.accounting import COMPONENTS, moe_cost_note, parameter_report
 from k3export.checkpoint import read_layout
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
@@ -80,6 +80,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"decode cache per sequence: KDA state {_human(cache['kda_state_per_sequence'], 'B')} (float32) "
           f"+ conv tails {_human(cache['kda_conv_per_sequence'], 'B')}, fixed; "
           f"{_human(cache['per_sequence_at_context'], 'B')} in all at {args.context} tokens")
+    print(moe_cost_note(config))
     return 0
 
 

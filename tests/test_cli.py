@@ -11,6 +11,8 @@ def test_info_kimi_k3(capsys):
     out = capsys.readouterr().out
     assert "2.7795T total, 104.19B active per token" in out
     assert "(53.3x)" in out
+    # 16 chosen experts x 3 projections x 3584 x 3072 multiply-adds x 2 FLOPs = 1.057e9 per token per layer.
+    assert "1.06 GFLOP in the top-16 of 896 routed experts" in out
 
 
 def test_info_json_from_config_file(tmp_path, capsys, tiny_config):

@@ -34,6 +34,7 @@ import onnxscript
 import torch
 from torch import Tensor, nn
 
+from k3export.accounting import moe_cost_note
 from k3export.artifacts import write_atomic
 from k3export.config import K3Config
 from k3export.errors import UserError
@@ -211,33 +212,6 @@ def example_inputs(config: K3Config, layers: range, dtype: torch.dtype, batch: i
 
 def dynamic_shapes(inputs: list[TensorSpec]) -> tuple[dict[int, str], ...]:
     return tuple({axis: d for axis, d in enumerate(spec.shape) if d in DYNAMIC_AXES} for spec in inputs)
-
-
-def moe_cost_note(config: K3Config) -> str:
-    """The MoE FLOPs per token that the exported graph runs (one multiply-add = 2 FLOPs)."""
-
-    def flops(c: K3Config) -> tuple[float, float, float]:
-        """(chosen experts, every expert, shared expert + router + latent projections) per token
-        per MoE layer."""
-        D, L, I = c.hidden_size, c.routed_expert_hidden_size, c.moe_intermediate_size
-        expert = 2 * 3 * L * I
-        rest = 2 * (3 * D * c.shared_expert_size + c.num_experts * D + 2 * D * L)
-        return c.num_experts_per_token * expert, c.num_experts * expert, rest
-
-    def human(x: float) -> str:
-        return next(f"{x / s:.3g} {p}FLOP" for s, p in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""))
-                    if x >= s or s == 1)
-
-    routed, _, rest = flops(config)
-    published = K3Config.from_preset("kimi-k3")
-    pub_routed, pub_dense, pub_rest = flops(published)
-    return (f"MoE layers run only the chosen experts: one k3.RoutedExperts node per layer (tokens grouped "
-            f"by expert, one SiTU-GLU GEMM triple per expert used; packed MXFP4 experts are dequantised "
-            f"only when used). Per token per MoE layer: {human(routed)} in the top-"
-            f"{config.num_experts_per_token} of {config.num_experts} routed experts + {human(rest)} in "
-            f"the shared expert, router and latent projections. At the published shapes {human(pub_routed)} "
-            f"+ {human(pub_rest)}, where running every expert on every token cost {human(pub_dense)} in "
-            f"routed experts ({published.num_experts // published.num_experts_per_token}x).")
 
 
 def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None = None,
