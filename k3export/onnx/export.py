@@ -258,7 +258,8 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
         "capacity": capacity,
         "last_logits": last_logits and layers.stop == config.num_hidden_layers,
         "in_place": {s.name: s.aliases for s in outputs if s.aliases},
-        "custom_nodes": dict(Counter(n.op_type for n in graph.graph.node if n.domain == DOMAIN)),
+        "custom_nodes": dict(sorted(Counter(n.op_type for n in graph.graph.node
+                                            if n.domain == DOMAIN).items())),
         "aot_plugins": aot_plugins,
         "opset": next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")),
         "moe": moe_cost_note(config),
