@@ -7,6 +7,17 @@ A weight [O, I] is held as `weight_packed` uint8 [O, I/2] and `weight_scale` uin
 Every decoded value is a power of two times an E2M1 value, so float32 and bfloat16 hold it exactly
 unless it overflows (only possible for s >= 253). The functions are pure tensor code, so the
 exported graph can run `dequantize` itself.
+
+Words (the one description of the layout the ONNX file, the plugins and the kernels use): the
+exported file holds each stacked tensor, packed [E, O, I/2] and scale [E, O, I/32], as int32 words
+[E, O*I/8] and [E, O*I/128]: expert e's bytes in the order above (row-major), four at a time read
+as a little-endian int32. The file's bytes are the checkpoint's; only the declared type and shape
+differ (TensorRT-RTX 1.7's parser widens UINT8 initializers to INT32, one int32 per byte, but takes
+INT32 as it is, so the experts reach the plugin at 4.25 bits per weight). Whole experts are
+flattened because a row of scales may be shorter than a word (k3-tiny: I/32 = 1); O*I is a
+multiple of 1024, so both always fit. In a flat expert, input k of row r is code c = r*I + k:
+nibble c % 8 (bits 4*(c % 8) ..) of word c // 8; its scale is byte g = c // 32, bits 8*(g % 4) ..
+of scale word g // 4. `to_words` / `from_words` convert; the eager op keeps the bytes.
 """
 
 from __future__ import annotations
@@ -52,6 +63,22 @@ def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat1
     factor = SCALE_VALUES.to(packed.device)[scale.long()]
     grouped = values.unflatten(-1, (scale.shape[-1], GROUP)) * factor[..., None]
     return grouped.flatten(-2).to(dtype)
+
+
+def to_words(stacked: Tensor) -> Tensor:
+    """packed [E, O, I/2] or scale [E, O, I/32] uint8 -> int32 words [E, O*I/8] or [E, O*I/128]: a
+    view of the same bytes (little-endian; copied only if `stacked` is not contiguous)."""
+    if stacked.dtype != torch.uint8 or stacked.dim() != 3 or stacked[0].numel() % 4:
+        raise ValueError(f"MXFP4 words need uint8 [E, O, n] with O*n a multiple of 4; got {stacked.dtype} "
+                         f"{list(stacked.shape)}")
+    return stacked.contiguous().view(stacked.shape[0], -1).view(torch.int32)
+
+
+def from_words(words: Tensor, rows: int) -> Tensor:
+    """int32 words [E, n] -> the uint8 bytes [E, rows, 4n / rows] they hold (a view)."""
+    if words.dtype != torch.int32 or words.dim() != 2 or (4 * words.shape[1]) % rows:
+        raise ValueError(f"MXFP4 words: {words.dtype} {list(words.shape)} do not hold [E, {rows}, n] bytes")
+    return words.contiguous().view(torch.uint8).view(words.shape[0], rows, -1)
 
 
 def check(packed: Tensor, scale: Tensor, name: str, dtype: torch.dtype = torch.float32) -> None:

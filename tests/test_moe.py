@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -198,6 +199,7 @@ def onnx_tensors(packed: bool, dtype: torch.dtype) -> tuple[Tensor, ...]:
 def onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, torch.dtype], Path]:
     """One export per form (plain, packed) and token dtype, at example shapes other than those tested."""
     from k3export.onnx import export_onnx
+    from k3export.onnx.moe import packed_experts_as_words
 
     folder = tmp_path_factory.mktemp("moe_onnx")
     models = {}
@@ -208,6 +210,7 @@ def onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, to
         export_onnx(RoutedExpertsModule(onnx_tensors(packed, dtype), packed).eval(),
                     (torch.randn(5, L, generator=gen).to(dtype), experts, weights), path,
                     dynamic_shapes=({0: "tokens"}, {0: "tokens", 1: "top_k"}, {0: "tokens", 1: "top_k"}))
+        assert len(packed_experts_as_words(path)) == (6 if packed else 0)  # as export_model does
         models[packed, dtype] = path
     return models
 
@@ -224,10 +227,33 @@ def test_one_routed_experts_node_and_its_function(onnx_models, packed):
     assert attributes == {"plugin_namespace": b"k3", "plugin_version": b"1",
                           "situ_beta": BETA, "situ_linear_beta": LINEAR_BETA}
     assert [(f.domain, f.name) for f in model.functions] == [("k3", op_type)]
-    # The packed experts stay uint8 in the file: no float copy of them anywhere.
+    # The packed experts stay packed in the file, as int32 words: no float copy of them anywhere.
     stored = {t.name: t.data_type for t in model.graph.initializer}
-    expected = onnx.TensorProto.UINT8 if packed else onnx.TensorProto.FLOAT
+    expected = onnx.TensorProto.INT32 if packed else onnx.TensorProto.FLOAT
     assert sorted(stored.values()) == [expected] * (6 if packed else 3)
+
+
+def decode_words(words: np.ndarray, rows: int) -> np.ndarray:
+    """int32 words [E, n] -> bytes [E, rows, 4n / rows], written out: byte 4j + b of an expert is
+    bits 8b .. 8b + 7 of its word j (little-endian), the words taken as unsigned."""
+    unsigned = words.astype(np.int64) % (1 << 32)
+    out = np.zeros((words.shape[0], 4 * words.shape[1]), dtype=np.int64)
+    for b in range(4):
+        out[:, b::4] = (unsigned >> (8 * b)) % 256
+    return out.reshape(words.shape[0], rows, -1).astype(np.uint8)
+
+
+def test_packed_experts_are_stored_as_words_of_their_bytes(onnx_models):
+    """Each packed tensor is int32 [E, O*n/4] whose words hold the checkpoint's bytes in order."""
+    model = onnx.load(onnx_models[True, torch.float32])
+    (node,) = [n for n in model.graph.node if n.domain == "k3"]
+    stored = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    for name, expected in zip(node.input[3:], packed_experts(), strict=True):
+        words = stored[name]
+        assert words.dtype == np.int32 and words.shape == (E, expected[0].numel() // 4)
+        np.testing.assert_array_equal(decode_words(words, expected.shape[1]), expected.numpy())
+    # [E, O*I/8] codes and [E, O*I/128] scales: w1 / w3 [I, L], w2 [L, I].
+    assert [stored[n].shape for n in node.input[3:]] == [(E, I * L // 8), (E, I * L // 128)] * 3
 
 
 @pytest.mark.parametrize(("packed", "dtype"), [(False, torch.float32), (False, torch.float16),
@@ -262,10 +288,11 @@ print(json.dumps([network.get_layer(i).type.name for i in range(network.num_laye
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx is not installed")
 @pytest.mark.parametrize("kind", ["no_weights", "packed_experts"])
 def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, tiny_model, tmp_path):
-    """`export --no-weights` (weights as graph inputs) and `export --packed-experts` (uint8 experts) skip
-    the exporter's constant folding; the shape arithmetic is folded afterwards, so TensorRT-RTX's parser
-    (which wants axes and shapes as build-time constants) takes them: one plugin per mixer and one per
-    MoE layer (k3plugins.moe), no Loop. Parsed in a subprocess: some TensorRT failures abort the process."""
+    """`export --no-weights` (weights as graph inputs) and `export --packed-experts` (experts as int32
+    words) skip the exporter's constant folding; the shape arithmetic is folded afterwards, so
+    TensorRT-RTX's parser (which wants axes and shapes as build-time constants) takes them: one plugin
+    per mixer and one per MoE layer (k3plugins.moe), no Loop. Parsed in a subprocess: some TensorRT
+    failures abort the process."""
     from k3export.cli import main
     from k3export.published import write_published
 
@@ -283,7 +310,7 @@ def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, ti
         assert weights and not any(name.startswith("model.") for name in initializers)
     else:
         packed = [name for name in initializers if name.endswith(("_packed", "_scale"))]
-        assert packed and all(initializers[name] == onnx.TensorProto.UINT8 for name in packed)
+        assert packed and all(initializers[name] == onnx.TensorProto.INT32 for name in packed)  # words
     proc = subprocess.run([sys.executable, "-c", PARSE_SCRIPT, str(path)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,8 @@ arithmetic, the plugin fields and bindings. It does not cover the optimizer, its
   the layer's name (the parser names constant layers after their initializers).
 - A plugin layer runs its plugin definition's reference computation, the eager op of the same name
   in `torch.ops.k3` (k3::KDA -> torch.ops.k3.kda), called with the layer's inputs in the
-  definition's order, then its fields as the parsed plugin holds them.
+  definition's order (as its `reference_arguments` gives them: the MXFP4 experts' int32 words
+  viewed as bytes), then its fields as the parsed plugin holds them.
 - Where TensorRT leaves an order unspecified, the ONNX rule we export with is followed: TopK breaks
   ties to the lower index.
 - Loops (an inlined ONNX Loop, e.g. a RoutedExperts function parsed without the plugins) run their
@@ -349,7 +350,8 @@ def _convolution(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor
 
 
 def _plugin(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
-    """The plugin definition's reference: torch.ops.k3.<op in snake case>(*inputs, *fields)."""
+    """The plugin definition's reference: torch.ops.k3.<op in snake case>(*inputs, *fields), the inputs
+    as the definition's reference_arguments gives them."""
     plugin = layer.plugin.get_capability_interface(net.trt.PluginCapabilityType.CORE)
     definition = getattr(plugin, "definition", None)
     if definition is None:
@@ -359,7 +361,8 @@ def _plugin(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
         return _launch(net, definition, plugin, x)
     op_name = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", definition.name).lower()  # LatentMLA -> latent_mla
     op = getattr(getattr(torch.ops, definition.namespace), op_name)
-    result = op(*x, *(plugin.fields[f.name] for f in definition.fields))
+    # The definition maps the plugin's inputs to the op's (the MXFP4 experts' int32 words to bytes).
+    result = op(*definition.reference_arguments(x), *(plugin.fields[f.name] for f in definition.fields))
     return list(result) if isinstance(result, tuple | list) else [result]
 
 

@@ -7,7 +7,9 @@ dequantising, for the packed form) that one expert's weights and running it as t
 tokens, weighted by their routing weight for it (zero for tokens that did not choose it). Weights are
 read, and dequantised, only for the experts used, and the working set is one expert's weights and a
 [tokens, I] intermediate, not [E, tokens, I]: decode costs what its k experts cost, prefill
-tokens x U experts (at most the dense form's tokens x E). The packed experts stay uint8 in the file.
+tokens x U experts (at most the dense form's tokens x E). The packed experts keep their checkpoint
+bytes in the file, declared as int32 words (k3export/mxfp4.py, "Words"; `packed_experts_as_words`
+rewrites the saved file's headers); the function decodes the words to bytes with int64 arithmetic.
 u is float32, as in eager; the experts run in float32.
 
 Why not gather each expert's tokens: that needs shapes that depend on the data inside the Loop, and
@@ -20,7 +22,9 @@ function when registered.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
@@ -28,6 +32,7 @@ from onnx.defs import OpSchema
 from onnxscript import values
 
 from k3export import mxfp4
+from k3export.artifacts import write_atomic
 from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
@@ -54,7 +59,7 @@ def _schema(name: str, weights: list[tuple[str, str]], weight_types: list[str]) 
 ROUTED_EXPERTS_SCHEMA = _schema("RoutedExperts", [(w, "TW") for w in _PROJECTIONS], _FLOATS)
 ROUTED_EXPERTS_MXFP4_SCHEMA = _schema(
     "RoutedExpertsMXFP4", [(f"{w}_{part}", "TW") for w in _PROJECTIONS for part in ("packed", "scale")],
-    ["tensor(uint8)"])
+    ["tensor(int32)"])  # words: k3export/mxfp4.py
 
 _K3 = values.Opset(DOMAIN, DOMAIN_VERSION)
 _ROUTED_EXPERTS = values.Op(_K3, "RoutedExperts", ROUTED_EXPERTS_SCHEMA)
@@ -92,21 +97,36 @@ def _attribute_float(name: str, attribute: str) -> onnx.NodeProto:
     return node
 
 
+def _word_bytes(words: str, out: str) -> list[onnx.NodeProto]:
+    """int32 words [n] -> their bytes [n, 4] (int64, little-endian: byte j = (word >> 8j) & 255), by
+    int64 arithmetic (BitShift takes unsigned types only)."""
+    return [
+        helper.make_node("Cast", [words], [f"{out}_i64"], to=TensorProto.INT64),
+        helper.make_node("BitwiseAnd", [f"{out}_i64", "word_mask"], [f"{out}_u32"]),  # as unsigned
+        helper.make_node("Unsqueeze", [f"{out}_u32", "last_axis"], [f"{out}_col"]),
+        helper.make_node("Div", [f"{out}_col", "byte_steps"], [f"{out}_shifted"]),  # [n, 4]
+        helper.make_node("BitwiseAnd", [f"{out}_shifted", "byte_mask"], [out]),
+    ]
+
+
 def _dequantize(w: str) -> list[onnx.NodeProto]:
-    """Expert e's `{w}_packed` / `{w}_scale` slices -> float32 `{w}_e` [O, I], as k3export.mxfp4 decodes:
-    each byte looks up its two values (low nibble first) in a [256, 2] table, each group of 32 is
-    multiplied by its scale 2^(s - 127) from a [256] table."""
+    """Expert e's `{w}_packed` / `{w}_scale` words -> float32 `{w}_e` [O, I], as k3export.mxfp4
+    decodes: the expert's bytes in order, each looking up its two values (low nibble first) in a
+    [256, 2] table, each group of 32 values (in the flat expert) times its scale 2^(s - 127) from a
+    [256] table; then [I, L] rows for w1 / w3 and [L, I] for w2 (L is z's width)."""
+    matrix = "down_shape" if w == "w2" else "up_shape"
     return [
         helper.make_node("Gather", [f"{w}_packed", "e"], [f"{w}_packed_e"], axis=0),
         helper.make_node("Gather", [f"{w}_scale", "e"], [f"{w}_scale_e"], axis=0),
-        helper.make_node("Cast", [f"{w}_packed_e"], [f"{w}_bytes"], to=TensorProto.INT32),
-        helper.make_node("Gather", ["byte_values", f"{w}_bytes"], [f"{w}_pairs"], axis=0),  # [O, I/2, 2]
-        helper.make_node("Reshape", [f"{w}_pairs", "groups_shape"], [f"{w}_groups"]),  # [O, I/32, 32]
-        helper.make_node("Cast", [f"{w}_scale_e"], [f"{w}_scale_index"], to=TensorProto.INT32),
+        *_word_bytes(f"{w}_packed_e", f"{w}_bytes"),
+        helper.make_node("Gather", ["byte_values", f"{w}_bytes"], [f"{w}_pairs"], axis=0),  # [n, 4, 2]
+        helper.make_node("Reshape", [f"{w}_pairs", "groups_shape"], [f"{w}_groups"]),  # [O*I/32, 32]
+        *_word_bytes(f"{w}_scale_e", f"{w}_scale_bytes"),
+        helper.make_node("Reshape", [f"{w}_scale_bytes", "flat_shape"], [f"{w}_scale_index"]),
         helper.make_node("Gather", ["scale_values", f"{w}_scale_index"], [f"{w}_factor"], axis=0),
         helper.make_node("Unsqueeze", [f"{w}_factor", "last_axis"], [f"{w}_factor_col"]),
         helper.make_node("Mul", [f"{w}_groups", f"{w}_factor_col"], [f"{w}_scaled"]),
-        helper.make_node("Reshape", [f"{w}_scaled", "matrix_shape"], [f"{w}_e"]),
+        helper.make_node("Reshape", [f"{w}_scaled", matrix], [f"{w}_e"]),
     ]
 
 
@@ -115,6 +135,11 @@ def _mxfp4_tables() -> list[onnx.NodeProto]:
     codes = torch.stack([byte % 16, byte // 16], dim=-1)
     magnitude = mxfp4.E2M1_TABLE[codes % 8]
     pairs = torch.where(codes >= 8, -magnitude, magnitude)
+
+    def int64(name: str, value: list[int]) -> onnx.NodeProto:
+        return helper.make_node("Constant", [], [name],
+                                value=helper.make_tensor(name, TensorProto.INT64, [len(value)], value))
+
     return [
         helper.make_node("Constant", [], ["byte_values"],
                          value=helper.make_tensor("byte_values", TensorProto.FLOAT, [256, 2],
@@ -122,9 +147,16 @@ def _mxfp4_tables() -> list[onnx.NodeProto]:
         helper.make_node("Constant", [], ["scale_values"],
                          value=helper.make_tensor("scale_values", TensorProto.FLOAT, [256],
                                                   mxfp4.SCALE_VALUES.tolist())),
-        _ints("groups_shape", [0, -1, mxfp4.GROUP]),
-        _ints("matrix_shape", [0, -1]),
+        int64("word_mask", [0xFFFFFFFF]),
+        int64("byte_steps", [1, 1 << 8, 1 << 16, 1 << 24]),
+        int64("byte_mask", [255]),
+        _ints("groups_shape", [-1, mxfp4.GROUP]),
         _ints("last_axis", [-1]),
+        _ints("minus_one", [-1]),
+        # The experts' matrix shapes from z's width L: w1 / w3 [I, L], w2 [L, I].
+        helper.make_node("Shape", ["z"], ["hidden"], start=1, end=2),
+        helper.make_node("Concat", ["minus_one", "hidden"], ["up_shape"], axis=0),
+        helper.make_node("Concat", ["hidden", "minus_one"], ["down_shape"], axis=0),
     ]
 
 
@@ -220,6 +252,52 @@ def routed_experts_mxfp4_function(opset_version: int) -> onnx.FunctionProto:
     """`k3.RoutedExpertsMXFP4(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
     w2_scale) -> u`: the same, dequantising only the experts used."""
     return _function(True, opset_version)
+
+
+def packed_experts_as_words(path: str | Path) -> list[str]:
+    """Declares the six expert tensors of every k3.RoutedExpertsMXFP4 node in the saved ONNX file
+    `path` as int32 words (k3export/mxfp4.py, "Words"): uint8 [E, O, n] initializers (or, from an
+    export without weights, graph inputs) become int32 [E, O*n/4]. Only the headers in `path` change:
+    external data keeps its bytes, offsets and lengths, inline raw data its bytes. Returns the names
+    rewritten; tensors already int32 are left as they are."""
+    path = Path(path)
+    model = onnx.load(path, load_external_data=False)
+    graph = model.graph
+    names = {name for node in graph.node if node.domain == DOMAIN and node.op_type == "RoutedExpertsMXFP4"
+             for name in node.input[3:]}
+    initializers = {t.name: t for t in graph.initializer}
+    typed = {v.name: v for v in (*graph.input, *graph.value_info)}
+    rewritten = []
+
+    def words_dims(name: str, dims: list[int]) -> list[int]:
+        if len(dims) != 3 or any(not isinstance(d, int) or d <= 0 for d in dims) or (dims[1] * dims[2]) % 4:
+            raise ValueError(f"{path}: {name} is uint8 {dims}; expected [E, O, n] with O*n a multiple of 4")
+        return [dims[0], dims[1] * dims[2] // 4]
+
+    for name in sorted(names):
+        tensor = initializers.get(name)
+        if tensor is not None and tensor.data_type == TensorProto.UINT8:
+            dims = words_dims(name, list(tensor.dims))
+            if tensor.int32_data:  # uint8 values held one per int32 field entry: as raw bytes
+                tensor.raw_data = np.asarray(tensor.int32_data, dtype=np.uint8).tobytes()
+                del tensor.int32_data[:]
+            tensor.data_type = TensorProto.INT32
+            del tensor.dims[:]
+            tensor.dims.extend(dims)
+            rewritten.append(name)
+        value = typed.get(name)
+        if value is not None and value.type.tensor_type.elem_type == TensorProto.UINT8:
+            shape = value.type.tensor_type.shape
+            dims = words_dims(name, [d.dim_value if d.HasField("dim_value") else None for d in shape.dim])
+            value.type.tensor_type.elem_type = TensorProto.INT32
+            del shape.dim[:]
+            for d in dims:
+                shape.dim.add().dim_value = d
+            if name not in rewritten:
+                rewritten.append(name)
+    if rewritten:
+        write_atomic(path, model.SerializeToString())
+    return rewritten
 
 
 MOE_FUNCTIONS = {"RoutedExperts": routed_experts_function,

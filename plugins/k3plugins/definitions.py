@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from k3plugins.kda import chunk_kda, recurrent_kda
@@ -56,8 +57,15 @@ class PluginDefinition:
     # (input tensors, output tensors, fields): writes the outputs, on torch's current CUDA stream.
     launch: Callable[[Sequence[Tensor], Sequence[Tensor], Mapping[str, Any]], None]
     aliases: Mapping[int, int] = field(default_factory=dict)  # output index -> the input it may share
+    # The plugin's inputs -> the reference op's (torch.ops.<namespace>.<name in snake case>), where
+    # they differ (views, no copies); None: the same.
+    reference_inputs: Callable[[Sequence[Tensor]], list[Tensor]] | None = None
     namespace: str = NAMESPACE
     version: str = VERSION
+
+    def reference_arguments(self, inputs: Sequence[Tensor]) -> list[Tensor]:
+        """The inputs as the reference op takes them."""
+        return list(inputs) if self.reference_inputs is None else self.reference_inputs(inputs)
 
     def aliased_input(self, output: int) -> int:
         """The input index output `output` shares its buffer with, or -1 (TensorRT's convention)."""
@@ -145,7 +153,22 @@ def _launch_routed_experts(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
     launch(*inputs, fields["situ_beta"], fields["situ_linear_beta"], out=outputs[0])
 
 
-def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[str, ...]) -> PluginDefinition:
+def _mxfp4_bytes(inputs: Sequence[Tensor]) -> list[Tensor]:
+    """The MXFP4 plugin's int32 words (k3export/mxfp4.py, "Words": [E, O*I/8] codes, [E, O*I/128]
+    scales) viewed back as the bytes torch.ops.k3.routed_experts_mxfp4 takes ([E, O, I/2],
+    [E, O, I/32] uint8). O is I (the intermediate width) for w1 / w3 and L (z's width) for w2."""
+    z, rest, words = inputs[0], list(inputs[:3]), inputs[3:]
+    L = z.shape[-1]
+    intermediate = words[0].shape[1] * 8 // L
+    for i, w in enumerate(words):
+        rows = L if i >= 4 else intermediate
+        rest.append(w.contiguous().view(torch.uint8).view(w.shape[0], rows, -1))
+    return rest
+
+
+def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[str, ...],
+                    reference_inputs: Callable[[Sequence[Tensor]], list[Tensor]] | None = None
+                    ) -> PluginDefinition:
     """k3.RoutedExperts / k3.RoutedExpertsMXFP4 (k3export/onnx/moe.py): z [N, L] in the model dtype,
     experts [N, k] int64, weights [N, k] float32, the experts' tensors; u [N, L] float32."""
     return PluginDefinition(
@@ -157,14 +180,16 @@ def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[st
         groups={"T": FLOATS, "TI": ("int64",), "TR": ("float32",), "TW": weight_dtypes, "TU": ("float32",)},
         output_shapes=lambda dims, fields, constant: [list(dims[0])],
         launch=_launch_routed_experts,
+        reference_inputs=reference_inputs,
     )
 
 
 ROUTED_EXPERTS = _routed_experts("RoutedExperts", ("w1", "w3", "w2"), FLOATS)
-# TensorRT-RTX 1.7's ONNX parser widens UINT8 initializers to INT32 (one byte value per int32), so the
-# packed tensors arrive as int32 from a file that holds them as constants; the kernels read either.
+# The packed experts arrive as int32 words holding the checkpoint's bytes (k3export/mxfp4.py, "Words"):
+# the export declares them so, since TensorRT-RTX 1.7's parser widens UINT8 initializers to INT32
+# (one byte per int32) but keeps INT32 ones as they are. The kernels read the words.
 ROUTED_EXPERTS_MXFP4 = _routed_experts(
     "RoutedExpertsMXFP4", tuple(f"{w}_{part}" for w in ("w1", "w3", "w2") for part in ("packed", "scale")),
-    ("uint8", "int32"))
+    ("int32",), _mxfp4_bytes)
 
 DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4)

@@ -14,11 +14,12 @@ In the style of fused-MoE kernels (vLLM / SGLang `fused_moe`), three steps:
              h = SiTU-GLU(a, b), stored per pair in z's dtype (as the eager op rounds it).
     down     per (M block, L block): y = h w2[e]^T in float32, times the pair's routing weight,
              atomically added into u (float32), which sums the k slots of each token.
-Weights are the model's float tensors or MXFP4 (packed uint8 [E, O, K/2], low nibble first, E2M1
-codes; E8M0 scales [E, O, K/32], 2^(s - 127)) dequantised in registers, weight-only: the products
-run in z's dtype with float32 accumulation. A scale byte of 0 or 1 decodes as 0 instead of 2^-127 or
-2^-126 (values below 1e-37; the export refuses 255, NaN). The packed tensors may also be int32 holding
-the byte values: TensorRT-RTX 1.7's ONNX parser widens UINT8 constants so (4 bytes read per byte).
+Weights are the model's float tensors or MXFP4 dequantised in registers, weight-only: the products
+run in z's dtype with float32 accumulation. MXFP4 experts come as the plugin receives them, int32
+words of the checkpoint's bytes (k3export/mxfp4.py, "Words"): codes [E, O*K/8] (E2M1, eight per
+word, the lowest nibble first), E8M0 scales [E, O*K/128] (2^(s - 127), four per word, one per 32
+inputs), each expert flattened row-major. A scale byte of 0 or 1 decodes as 0 instead of 2^-127 or
+2^-126 (values below 1e-37; the export refuses 255, NaN). `words` makes them from uint8 bytes.
 
 NOT PROVEN here (no GPU on the machines this was written on): the speed, and the plugin's enqueue
 under TensorRT. The numerics are tested under Triton's interpreter (tests/kernels/test_moe.py) and
@@ -45,7 +46,7 @@ MXFP4_GROUP = 32  # inputs per E8M0 scale
 class Tiles(NamedTuple):
     block_m: int  # (token, slot) pairs per program, all of one expert
     block_n: int  # output columns per program
-    block_k: int  # reduction step (even, for MXFP4's two values a byte)
+    block_k: int  # reduction step (a multiple of 8, for MXFP4's eight codes a word)
     num_warps: int
     num_stages: int
 
@@ -95,20 +96,24 @@ def _e2m1_twice(code):
 def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight rows `rows` [BLOCK_N] (int64, expert offset included), inputs k0 .. k0 + BLOCK_K, as a
-    [BLOCK_N, BLOCK_K] tile in `dtype`. Packed: bytes [BLOCK_N, BLOCK_K / 2] and their scales decoded
-    here, each byte's two values interleaved back (low nibble first) by join + reshape."""
+    [BLOCK_N, BLOCK_K] tile in `dtype`. Packed: int32 words [BLOCK_N, BLOCK_K / 8] and their scales
+    decoded here, each word's eight codes (lowest nibble first) spread along a third axis and
+    reshaped back into the row."""
     if PACKED:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        mask = mask_n[:, None] & (offs_b < K // 2)[None, :]
-        byte = tl.load(w + rows[:, None] * (K // 2) + offs_b[None, :], mask=mask, other=0).to(tl.int32)
-        # One scale per 32 inputs (16 bytes); the repeated addresses are served from cache.
-        scale = tl.load(w_scale + rows[:, None] * (K // 32) + (offs_b // 16)[None, :], mask=mask,
-                        other=0).to(tl.int32)
+        # Word j of the stacked experts holds codes 8j .. 8j + 7 of the flat [E * O, K] matrix, code
+        # 8j + i in bits 4i .. 4i + 3; scale byte g (codes 32g ..) is bits 8(g % 4) .. of word g // 4.
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask = mask_n[:, None] & (offs_w < K // 8)[None, :]
+        word_index = rows[:, None] * (K // 8) + offs_w[None, :]
+        word = tl.load(w + word_index, mask=mask, other=0)
+        # One scale per 4 words; the repeated addresses are served from cache.
+        group = word_index // 4
+        scale_word = tl.load(w_scale + group // 4, mask=mask, other=0)
+        scale = (scale_word >> ((group % 4) * 8).to(tl.int32)) & 255
         # 2^(s - 128) from its float32 bits (exact for s >= 2), which halves _e2m1_twice's values.
         factor = tl.where(scale > 1, (tl.maximum(scale - 1, 0) << 23).to(tl.float32, bitcast=True), 0.0)
-        low = _e2m1_twice(byte & 15) * factor
-        high = _e2m1_twice(byte >> 4) * factor
-        tile = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+        codes = (word[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
+        tile = tl.reshape(_e2m1_twice(codes) * factor[:, :, None], (BLOCK_N, BLOCK_K))
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w + rows[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
@@ -256,24 +261,31 @@ def routed_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Tensor, w3: 
                             situ_linear_beta, out, tiles)
 
 
+def words(stacked: Tensor) -> Tensor:
+    """packed [E, O, K/2] or scale [E, O, K/32] uint8 bytes -> the int32 words the kernels read,
+    [E, O*K/8] or [E, O*K/128]: a view of the same bytes (k3export.mxfp4.to_words, without the import)."""
+    return stacked.contiguous().view(stacked.shape[0], -1).view(torch.int32)
+
+
 def routed_experts_mxfp4(z: Tensor, experts: Tensor, weights: Tensor, w1_packed: Tensor, w1_scale: Tensor,
                          w3_packed: Tensor, w3_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
                          situ_beta: float, situ_linear_beta: float, out: Tensor | None = None,
                          tiles: Tiles | None = None) -> Tensor:
-    """As `routed_experts`, the experts MXFP4: packed [E, O, K/2] uint8 and scales [E, O, K/32]; int32
-    tensors holding the byte values are read as they are (TensorRT-RTX's parser widens uint8 constants
-    to int32; converting them here would copy every expert on every call)."""
-    E, I, half_L = w1_packed.shape
-    L = 2 * half_L
-    shapes = {"w1_packed": (w1_packed, (E, I, L // 2)), "w1_scale": (w1_scale, (E, I, L // 32)),
-              "w3_packed": (w3_packed, (E, I, L // 2)), "w3_scale": (w3_scale, (E, I, L // 32)),
-              "w2_packed": (w2_packed, (E, L, I // 2)), "w2_scale": (w2_scale, (E, L, I // 32))}
+    """As `routed_experts`, the experts MXFP4 as int32 words (the plugin's inputs; `words` makes them
+    from the checkpoint's bytes): codes [E, O*K/8] and scales [E, O*K/128] per projection, w1 / w3
+    [O, K] = [I, L], w2 [L, I]. L is z's width; I follows from w1's words."""
+    E, L = w1_packed.shape[0], z.shape[-1]
+    if L % MXFP4_GROUP or w1_packed.dim() != 2 or (8 * w1_packed.shape[1]) % L:
+        raise ValueError(f"routed_experts_mxfp4: w1_packed is {w1_packed.dtype} {list(w1_packed.shape)}; "
+                         f"expected torch.int32 words [E, I*L/8] for z {list(z.shape)} (L a multiple of 32)")
+    I = 8 * w1_packed.shape[1] // L
+    shapes = {"w1_packed": (w1_packed, (E, I * L // 8)), "w1_scale": (w1_scale, (E, I * L // 128)),
+              "w3_packed": (w3_packed, (E, I * L // 8)), "w3_scale": (w3_scale, (E, I * L // 128)),
+              "w2_packed": (w2_packed, (E, L * I // 8)), "w2_scale": (w2_scale, (E, L * I // 128))}
     for name, (tensor, shape) in shapes.items():
-        if tuple(tensor.shape) != shape or tensor.dtype not in (torch.uint8, torch.int32):
-            raise ValueError(f"routed_experts_mxfp4: {name} is {tensor.dtype} {list(tensor.shape)}; "
-                             f"expected torch.uint8 (or int32 holding bytes) {list(shape)}")
-    if z.shape[-1] != L:
-        raise ValueError(f"routed_experts_mxfp4: z {list(z.shape)} does not end in L={L}")
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.int32:
+            raise ValueError(f"routed_experts_mxfp4: {name} is {tensor.dtype} {list(tensor.shape)}; expected "
+                             f"torch.int32 words {list(shape)} (E={E}, I={I}, L={L})")
     return _grouped_experts(z, experts, weights, (w1_packed, w1_scale), (w3_packed, w3_scale),
                             (w2_packed, w2_scale), E, I, situ_beta, situ_linear_beta, out, tiles)
 
@@ -283,11 +295,11 @@ def kernel_variants() -> list[KernelVariant]:
     variants = []
     torch_dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     for dtype in DTYPES:
-        # Packed bytes as uint8, or widened to int32 by TensorRT-RTX's parser.
-        for packed, storage in ((False, None), (True, "u8"), (True, "i32")):
-            weight = f"*{storage}" if packed else pointer(dtype)
-            scale = f"*{storage}" if packed else "constexpr"
-            form = {None: dtype, "u8": "mxfp4", "i32": "mxfp4i32"}[storage]
+        # Float experts in the activations' dtype, or MXFP4 as int32 words (codes and scales).
+        for packed in (False, True):
+            weight = "*i32" if packed else pointer(dtype)
+            scale = "*i32" if packed else "constexpr"
+            form = "mxfp4" if packed else dtype
             for mode, tiles in tile_choices(torch_dtypes[dtype]).items():
                 blocks = {"PACKED": packed, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                           "BLOCK_K": tiles.block_k}

@@ -1,8 +1,10 @@
 """The routed-experts Triton kernels (k3plugins.moe) against the eager ops `torch.ops.k3.routed_experts`
 and `routed_experts_mxfp4`, run in float64 on the same (rounded) inputs: float32 and float16
 activations, float and MXFP4 experts, both tile sets of each dtype (decode: 16-row blocks, prefill:
-64), random routing, k = 1, experts that receive no token, every token on one expert. bfloat16 is not
-tested: the interpreter's bf16 arithmetic is silently wrong."""
+64), random routing, k = 1, experts that receive no token, every token on one expert. The MXFP4 kernels
+take int32 words (k3export/mxfp4.py, "Words"), made here by viewing k3export.mxfp4.quantize's bytes;
+the eager op takes the bytes. bfloat16 is not tested: the interpreter's bf16 arithmetic is silently
+wrong."""
 
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def test_routed_experts_mxfp4(case, dtype: torch.dtype, mode: str) -> None:
     z, experts, weights, dense = inputs(*case)
     packed = [part for w in dense for part in mxfp4.quantize(w)]
     z = z.to(dtype)
-    u = moe.routed_experts_mxfp4(z, experts, weights, *packed, BETA, LINEAR_BETA, tiles=tiles)
+    u = moe.routed_experts_mxfp4(z, experts, weights, *map(moe.words, packed), BETA, LINEAR_BETA, tiles=tiles)
     expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *packed, BETA,
                                                  LINEAR_BETA)
     assert rel_error(u, expected) < TOLERANCES[dtype]
@@ -102,21 +104,37 @@ def test_mxfp4_decodes_every_code_and_scale() -> None:
     z = torch.randn(4, L, generator=gen) * 0.05
     experts = torch.zeros(4, 1, dtype=torch.int64)
     weights = torch.ones(4, 1)
-    u = moe.routed_experts_mxfp4(z, experts, weights, *args, BETA, LINEAR_BETA)
+    u = moe.routed_experts_mxfp4(z, experts, weights, *map(moe.words, args), BETA, LINEAR_BETA)
     expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *args, BETA,
                                                  LINEAR_BETA)
     column_error = (u.double() - expected).norm(dim=0) / expected.norm(dim=0)
     assert column_error.max() < 1e-5
 
 
-def test_mxfp4_bytes_widened_to_int32() -> None:
-    """The packed tensors as TensorRT-RTX's parser hands them over (one byte value per int32)."""
-    z, experts, weights, dense = inputs(13, 64, 96, 6, 2, "random")
+def test_words_hold_the_bytes_little_endian() -> None:
+    """moe.words (the kernels' layout) against a decoder written here: byte 4j + b of an expert is
+    bits 8b .. 8b + 7 of its word j, for codes and for scales of one byte per row (k3-tiny's I = 32)."""
+    packed, scale = mxfp4.quantize(torch.randn(3, 32, 32))
+    for stacked in (packed, scale):
+        words = moe.words(stacked)
+        assert words.dtype == torch.int32 and words.shape == (3, stacked[0].numel() // 4)
+        unsigned = words.long() % (1 << 32)
+        decoded = torch.stack([(unsigned >> (8 * b)) % 256 for b in range(4)], -1).view(stacked.shape)
+        assert torch.equal(decoded.to(torch.uint8), stacked)
+        assert torch.equal(moe.words(stacked), mxfp4.to_words(stacked))
+
+
+def test_mxfp4_words_refuse_bytes() -> None:
+    """uint8 bytes (or words of the wrong width) are refused, naming the tensor and the words expected."""
+    z, experts, weights, dense = inputs(5, 32, 32, 4, 2, "random")
     packed = [part for w in dense for part in mxfp4.quantize(w)]
-    u = moe.routed_experts_mxfp4(z, experts, weights, *(t.to(torch.int32) for t in packed), BETA, LINEAR_BETA)
-    expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *packed, BETA,
-                                                 LINEAR_BETA)
-    assert rel_error(u, expected) < 1e-5
+    with pytest.raises(ValueError, match=r"w1_packed is torch.uint8 \[4, 32, 16\]; expected"):
+        moe.routed_experts_mxfp4(z, experts, weights, *packed, BETA, LINEAR_BETA)
+    words = list(map(moe.words, packed))
+    words[5] = words[5][:, :-1]
+    expected = r"w2_scale is torch.int32 \[4, 7\]; expected torch.int32 words \[4, 8\]"
+    with pytest.raises(ValueError, match=expected):
+        moe.routed_experts_mxfp4(z, experts, weights, *words, BETA, LINEAR_BETA)
 
 
 def test_alignment() -> None:
@@ -162,8 +180,12 @@ def test_plugin_launches() -> None:
     expected = torch.ops.k3.routed_experts(*doubles([z, experts, weights, *dense]), BETA, LINEAR_BETA)
     assert rel_error(u, expected) < 1e-5
     packed = [part for w in dense for part in mxfp4.quantize(w)]
+    plugin_inputs = [z, experts, weights, *map(moe.words, packed)]
     u = torch.full((7, 64), float("nan"))
-    ROUTED_EXPERTS_MXFP4.launch([z, experts, weights, *packed], [u], fields)
+    ROUTED_EXPERTS_MXFP4.launch(plugin_inputs, [u], fields)
     expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *packed, BETA,
                                                  LINEAR_BETA)
     assert rel_error(u, expected) < 1e-5
+    # The reference path (check --network) views the words back as the eager op's bytes.
+    reference = ROUTED_EXPERTS_MXFP4.reference_arguments(plugin_inputs)
+    assert all(torch.equal(a, b) for a, b in zip(reference[3:], packed, strict=True))
