@@ -125,13 +125,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from k3export.onnx.check import run_check
 
-    if args.build:
-        if args.taps or args.report:
-            raise UserError("check --build: --taps and --report are not supported for sharded builds yet; "
-                            "check a stage's export folder (DIR/stage-N) with --onnx or --network")
-        from k3export.runtime.check import cmd_check_build
-        return cmd_check_build(args)
-
     extra = {"taps": True} if args.taps else {}
     if args.kernels:
         if not args.network:
@@ -148,16 +141,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     elif args.engine:
         from k3export.engine.engine_check import run_engine_check
         run = run_engine_check
+    elif args.build:
+        from k3export.runtime.check import run_build_check
+        run = run_build_check
     else:
         run = run_check
     if args.report:
         from k3export.report import report_dir, write_report
         out = report_dir(args.report)  # refused before the check runs, not after
-    report = run(args.network or args.engine or args.onnx, steps=args.steps, seed=args.seed, batch=args.batch,
-                 prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print, **extra)
+    report = run(args.network or args.engine or args.build or args.onnx, steps=args.steps, seed=args.seed,
+                 batch=args.batch, prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print,
+                 **extra)
     verdict = _check_verdict(report)
     if args.report:
-        kind = next(a for a in ("network", "engine", "onnx") if getattr(args, a))
+        kind = next(a for a in ("network", "engine", "build", "onnx") if getattr(args, a))
         artifact = f"--{kind} {getattr(args, kind)}"
         write_report(report, out, verdict, artifact)
     if args.json:
@@ -166,10 +163,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.taps:
         from k3export.taps import summary_lines
         print("\n".join(summary_lines(report["taps"])))
+    if args.build:
+        from k3export.runtime.check import stage_lines
+        print("\n".join(stage_lines(report)))
     print(verdict)
     if args.report:
         print(f"report: {out.path / 'report.md'}, plots layers.png and steps.png beside it")
-    if not args.network:
+    if "polygraphy_command" in report:
         print(f"replay the prefill comparison: {report['polygraphy_command']}")
     return 0 if report["passed"] else 1
 
@@ -214,6 +214,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         return cmd_build_recipe(args)
     if not args.onnx:
         raise UserError("build: expected --onnx DIR (one export) or a RECIPE (every pipeline stage)")
+    if args.taps:
+        raise UserError("build --taps: expected a RECIPE (its stages are exported with taps); an engine "
+                        "from --onnx DIR has the export's outputs: export it with `k3export export --taps`")
 
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
     verify(args.onnx, MANIFEST_FILE)  # before the engine's record is begun (build_engine's is then cheap)
@@ -335,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "RECIPE` folder: every stage's engine), through Polygraphy's TensorRT runner; "
                           "needs an NVIDIA GPU and TensorRT, so it cannot run on CPU-only machines")
     artifact.add_argument("--build", metavar="DIR", help="a `k3export build RECIPE` folder: its stages "
-                          "chained in ONNX Runtime, each against the eager model over its layers")
+                          "chained in ONNX Runtime against the eager model run as the same chain, compared "
+                          "at every stage boundary; names the first divergent stage")
     check.add_argument("--steps", type=int, default=16, help="greedy decode steps after the prefill")
     check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     check.add_argument("--batch", type=int, default=2)

@@ -9,6 +9,8 @@
     [profiles]  prefill = {batch = 2, seq = 64}, decode = {batch = 2}: each optimization profile
                 covers 1 up to these
     [build]     backend = "tensorrt-rtx"  onnx | tensorrt-rtx | tensorrt; target = "sm89"
+                taps = false              true: every stage exports its layers' taps (export --taps),
+                                          for `check --build DIR --taps`
 
 Every key is checked on load; a bad one raises UserError naming the file, the key and what was
 expected. Unknown keys are refused too (a misspelt key would otherwise be silently ignored).
@@ -38,7 +40,7 @@ _KEYS: dict[str, set[str]] = {
     "stages": {"count", "ranges"},
     "cache": {"capacity", "batch"},
     "profiles": {"prefill", "decode"},
-    "build": {"backend", "target"},
+    "build": {"backend", "target", "taps"},
 }
 
 
@@ -63,6 +65,7 @@ class Recipe:
     decode_batch: int
     backend: str
     target: str | None
+    taps: bool = False  # stage exports carry taps.{layer}.* outputs (global layer indices)
 
     @property
     def weights(self) -> dict[str, Any]:
@@ -217,6 +220,9 @@ def load_recipe(path: str | Path) -> Recipe:
         raise r.fail("build.target", "a compute capability such as 'sm89' or 'sm90'")
     if backend == "tensorrt" and target is None:
         raise r.fail("build.target", "a compute capability such as 'sm90'")
+    taps = r.get("build.taps")
+    if taps is not None and not isinstance(taps, bool):
+        raise r.fail("build.taps", "true or false")
 
     return Recipe(path=path, sha256=hashlib.sha256(raw).hexdigest(), data=data, config=config,
                   preset=preset, config_path=config_path, seed=seed, checkpoint=checkpoint,
@@ -224,4 +230,4 @@ def load_recipe(path: str | Path) -> Recipe:
                   packed_experts=packed, stage_count=count, stage_ranges=ranges, capacity=capacity,
                   batch=batch, prefill_batch=profile_batches["profiles.prefill.batch"],
                   prefill_seq=prefill_seq, decode_batch=profile_batches["profiles.decode.batch"],
-                  backend=backend, target=target)
+                  backend=backend, target=target, taps=bool(taps))

@@ -5,6 +5,11 @@
     DIR/stage-{i}/       model.onnx, model.onnx.data, config.json, export.json, and for a TensorRT
                          backend the engine stage-{i}.{target}.engine
 
+With taps (`build RECIPE --taps`, or `taps = true` under the recipe's [build]) every stage's export
+also outputs its layers' taps (export --taps), named by the model's layer indices (a stage over
+layers 5..8 gives taps.5.* .. taps.8.*), for `check --build DIR --taps`; the runtime ignores them.
+Taps are one of the manifest's settings, so a resume never mixes tapped and untapped stages.
+
 Each stage loads only its own layers' weights (layer-range loading), exports its graph, builds its
 engine, and is dropped before the next stage starts, so peak memory follows the largest stage, not
 the model. Stage folders are written through OutputDir (staged, renamed when complete) and the
@@ -52,9 +57,9 @@ def _versions(backend: str) -> dict[str, str]:
     return versions
 
 
-def _settings(recipe: Recipe, backend: str, no_weights: bool) -> dict[str, Any]:
+def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool) -> dict[str, Any]:
     """What decides a stage's files: a stage built under other settings is rebuilt."""
-    return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights}
+    return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights, "taps": taps}
 
 
 def _intact(out: Path, entry: dict[str, Any]) -> str | None:
@@ -102,7 +107,7 @@ def _release_exporter_graph() -> None:
 
 
 def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str, no_weights: bool,
-                 overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
+                 taps: bool, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
     """Exports stage `index` (and builds its engine) into DIR/stage-{index}; returns its manifest entry."""
     from k3export.engine.build import Limits, build_engine
     from k3export.onnx.export import MANIFEST_FILE, export_model
@@ -115,7 +120,7 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
     folder = OutputDir(out / name, MANIFEST_FILE, "build", overwrite=overwrite)
     result = None
     with folder.staged() as staged:
-        export = export_model(model, staged, layers, weights, capacity=recipe.capacity)
+        export = export_model(model, staged, layers, weights, capacity=recipe.capacity, taps=taps)
         # Free the stage's weights before the engine build: the parser holds its own copy.
         del model
         _release_exporter_graph()
@@ -138,12 +143,14 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
 
 
 def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None, no_weights: bool = False,
-                 only: list[int] | None = None, overwrite: bool = False,
+                 taps: bool | None = None, only: list[int] | None = None, overwrite: bool = False,
                  log: Callable[[str], None] = print,
                  after_stage: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Builds the recipe's stages into `out` (all, or the indices in `only`), skipping stages whose
-    files still match the manifest; `after_stage(i)` runs once stage i is recorded. Returns the manifest."""
+    files still match the manifest; `after_stage(i)` runs once stage i is recorded. `taps`: the
+    stages export their layers' taps (default: the recipe's build.taps). Returns the manifest."""
     backend = backend or recipe.backend
+    taps = recipe.taps if taps is None else taps
     if backend == "tensorrt":
         raise UserError(f"{recipe.path}: backend 'tensorrt' (full TensorRT): k3export builds engines "
                         "with TensorRT-RTX only (full TensorRT cannot be installed here); build with "
@@ -161,13 +168,13 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
     for stale in out.glob("stage-*/.k3export-stage-*"):
         shutil.rmtree(stale, ignore_errors=True)
     OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
-    settings = _settings(recipe, backend, no_weights)
+    settings = _settings(recipe, backend, no_weights, taps)
     previous = _previous(out, settings)
     manifest: dict[str, Any] = {
         "written_by": WRITTEN_BY, "command": "build", "recipe_file": str(recipe.path),
         "recipe_sha256": recipe.sha256, "recipe": recipe.data, "settings": settings,
         "backend": backend, "target": recipe.target if backend != "onnx" else None,
-        "dtype": recipe.dtype, "cache": {"capacity": recipe.capacity, "batch": recipe.batch},
+        "dtype": recipe.dtype, "taps": taps, "cache": {"capacity": recipe.capacity, "batch": recipe.batch},
         "profiles": {"prefill": {"batch": recipe.prefill_batch, "seq": recipe.prefill_seq},
                      "decode": {"batch": recipe.decode_batch}},
         "versions": _versions(backend), "stages": [], "files": {},
@@ -183,7 +190,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         else:
             log(f"stage {i} (layers {layers[0]}..{layers[1] - 1}, {stage.weight_bytes / 1e9:.3g} GB of "
                 f"weights): {problem}, building ({backend})")
-            entry = _build_stage(recipe, plan, i, out, backend, no_weights, overwrite, log)
+            entry = _build_stage(recipe, plan, i, out, backend, no_weights, taps, overwrite, log)
             gc.collect()
         manifest["stages"].append(entry)
         manifest["files"] = {name: rec for e in manifest["stages"] for name, rec in e["files"].items()}
@@ -196,11 +203,12 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
 def cmd_build_recipe(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
-                            only=args.stage, overwrite=args.overwrite)
+                            taps=True if args.taps else None, only=args.stage, overwrite=args.overwrite)
     built = [s for s in manifest["stages"] if s["files"]]
     size = sum(r["bytes"] for r in manifest["files"].values())
     print(f"wrote {args.out}/{MANIFEST}: {len(built)} of {len(manifest['stages'])} stages "
-          f"({manifest['backend']}), {size / 1e6:.1f} MB in {len(manifest['files'])} files")
+          f"({manifest['backend']}{', with taps' if manifest['taps'] else ''}), {size / 1e6:.1f} MB in "
+          f"{len(manifest['files'])} files")
     return 0
 
 
@@ -212,6 +220,9 @@ def add_build_arguments(build: argparse.ArgumentParser) -> None:
                        "(onnx stops after the export)")
     build.add_argument("--no-weights", action="store_true",
                        help="with RECIPE: graphs at real shapes, the weights as inputs (no checkpoint read)")
+    build.add_argument("--taps", action="store_true",
+                       help="with RECIPE: every stage exports its layers' taps too (as export --taps; or "
+                       "taps = true under the recipe's [build]), for `check --build DIR --taps`")
     build.add_argument("--stage", type=int, action="append", metavar="I",
                        help="with RECIPE: build only stage I (repeatable); the others keep what they have")
     build.add_argument("--overwrite", action="store_true",

@@ -315,6 +315,16 @@ def last_tokens(logits: np.ndarray, input_lengths: list[int]) -> np.ndarray:
     return np.array([[logits[b, n - 1].argmax()] for b, n in enumerate(input_lengths)])
 
 
+def fitting_lengths(capacity: int, batch: int, prompt_len: int, steps: int) -> list[int]:
+    """The prompt lengths of a check, refused (UserError) unless the prefill and the last decode
+    step of the longest row fit the cache capacity."""
+    lengths = prompt_lengths(batch, prompt_len)
+    rows = torch.tensor(lengths)
+    check_request(torch.zeros_like(rows), rows, prompt_len, capacity)
+    check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, capacity)
+    return lengths
+
+
 def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
              steps: int) -> tuple[dict[str, Any], K3Config, list[int]]:
     """An export folder's manifest and config, verified, and the prompt lengths of a check that is
@@ -325,11 +335,7 @@ def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
     if manifest["weights"].get("stripped"):
         raise UserError(f"{export_dir}: exported with --no-weights, so there are no numbers to check; "
                         "it is checked structurally (onnx.checker full_check)")
-    lengths = prompt_lengths(batch, prompt_len)
-    rows = torch.tensor(lengths)
-    check_request(torch.zeros_like(rows), rows, prompt_len, manifest["capacity"])
-    check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, manifest["capacity"])
-    return manifest, config, lengths
+    return manifest, config, fitting_lengths(manifest["capacity"], batch, prompt_len, steps)
 
 
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
@@ -410,10 +416,13 @@ class Float32Boundary:
         return tuple(o.to(NUMPY_CARRIER.get(o.dtype, o.dtype)) for o in outputs)
 
 
-def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path,
+def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path | None,
                        graph_runner: Callable[[Signature, list[str]], BaseRunner], steps: int, seed: int,
                        lengths: list[int], log: Any, taps: bool = False,
                        on_prefill: Callable[[Arrays, Arrays], None] | None = None,
+                       eager_graph: Callable[[torch.nn.Module, bool], Any] | None = None,
+                       routing: list[str] | None = None,
+                       on_step: Callable[[dict[str, Any]], None] | None = None,
                        ) -> tuple[dict[str, Any], BaseRunner]:
     """The one check driver, for every backend: `graph_runner(signature, extra_outputs)` (ONNX
     Runtime, the parsed TensorRT network) against the eager model, and for half precision the eager
@@ -421,7 +430,13 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path,
     empty caches, then `steps` greedy decode steps in which each side keeps its own caches and all
     take the eager model's token. Half precision holds the eager routers to the graph's expert
     choices (k3export.routing; `extra_outputs` are those tensors). Valid entries only are compared.
-    Returns the report, verdict included, and the graph's runner."""
+    Returns the report, verdict included, and the graph's runner.
+
+    For an artifact that is not one graph (check --build: a chain of stage sessions) the caller
+    gives `eager_graph(model, taps)`, the eager model run the artifact's way with flat tensors in
+    and out in the manifest's order (default: ExportGraph over the manifest's layers), `routing`,
+    the graph runner's routing outputs in layer order (default: read from `graph`), and
+    `on_step(step)`, called with each step's report entry as it is made (to add its own columns)."""
     dtype = manifest["dtype"]
     tolerance = TOLERANCES[dtype]
     layers = range(*manifest["layers"])
@@ -434,14 +449,15 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path,
     nonfinite_weights = nonfinite_tensors(models[0].named_parameters())
     if dtype != "float32":
         models.append(build_model(config, torch.float32, manifest["weights"], layers))
-    routing = routing_outputs(graph) if dtype != "float32" else []
-    eager = ExportGraph(models[0], layers, last_logits, tapped)
+    if routing is None:
+        routing = routing_outputs(graph) if dtype != "float32" else []
+    eager_graph = eager_graph or (lambda model, tapped: ExportGraph(model, layers, last_logits, tapped))
+    eager = eager_graph(models[0], tapped)
     if dtype == "bfloat16":
         eager = Float32Boundary(eager, Signature(manifest).inputs)
     eager_runners = [EagerRunner(eager, "eager", signature)]
     if dtype != "float32":
-        eager_runners.append(EagerRunner(ExportGraph(models[1], layers, last_logits, tapped), "eager-float32",
-                                         signature))
+        eager_runners.append(EagerRunner(eager_graph(models[1], tapped), "eager-float32", signature))
     graph_side = graph_runner(signature, routing)
     gen = torch.Generator().manual_seed(seed)
     batch, prompt_len = len(lengths), max(lengths)
@@ -480,6 +496,8 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path,
             if routing:
                 # Token-layer choices where each eager model would have picked other experts.
                 report["steps"][-1]["routing_flips"] = flips
+            if on_step:
+                on_step(report["steps"][-1])
             tokens = None
             if "logits" in outs[0]:
                 for stream, out in zip(streams, outs, strict=False):

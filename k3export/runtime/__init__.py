@@ -8,6 +8,8 @@ ONNX Runtime through IO binding (check's BoundOnnxrtRunner: the MLA cache writte
 by the stage's export.json, so no tensor name is written here: a stage's feeds are the previous
 stage's outputs of the same name, or the request's own (token ids, cache and input lengths). A
 TensorRT engine per stage would be another runner of the same shape; none can run here (no GPU).
+A build with taps (`build RECIPE --taps`) has more outputs per stage; nothing here reads them.
+`check --build` runs this same chain as one check runner (k3export.runtime.check.ChainRunner).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,14 +46,17 @@ def stage_exports(build_dir: str | Path) -> list[Path]:
 
 
 class Stage:
-    """One stage: an ONNX Runtime session over its export folder, holding its caches."""
+    """One stage: an ONNX Runtime session over its export folder, holding its caches.
+    `extra_outputs`: intermediate tensors of its graph returned too (check's routing choices)."""
 
-    def __init__(self, export_dir: Path, name: str, threads: int | None = None) -> None:
+    def __init__(self, export_dir: Path, name: str, threads: int | None = None,
+                 extra_outputs: list[str] | None = None) -> None:
         manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
         self.signature = Signature(manifest)
         self.layers = range(*manifest["layers"])
         self.dtype = manifest["dtype"]
-        self.runner = BoundOnnxrtRunner(export_dir / GRAPH_FILE, self.signature, name=name, threads=threads)
+        self.runner = BoundOnnxrtRunner(export_dir / GRAPH_FILE, self.signature, name=name, threads=threads,
+                                        extra_outputs=extra_outputs)
         self.seconds = 0.0
 
     def feeds(self, request: dict[str, np.ndarray], previous: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -73,8 +79,11 @@ class Stage:
 class Pipeline:
     """The stages in order, in this process."""
 
-    def __init__(self, export_dirs: list[Path], threads: int | None = None) -> None:
-        self.stages = [Stage(d, f"stage{i}", threads) for i, d in enumerate(export_dirs)]
+    def __init__(self, export_dirs: list[Path], threads: int | None = None,
+                 extra_outputs: list[list[str]] | None = None) -> None:
+        extra_outputs = extra_outputs or [[] for _ in export_dirs]
+        self.stages = [Stage(d, f"stage{i}", threads, extra) for i, (d, extra)
+                       in enumerate(zip(export_dirs, extra_outputs, strict=True))]
         for stage in self.stages:
             stage.runner.activate()
 
@@ -86,16 +95,19 @@ class Pipeline:
         for stage in self.stages:
             stage.runner.deactivate()
 
-    def __call__(self, request: dict[str, np.ndarray],
-                 boundaries: list[dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
-        """Runs the request through every stage; the last stage's outputs. With `boundaries`, each
-        stage's non-cache outputs are appended to it (copies: the caches are reused buffers)."""
+    def calls(self, request: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        """Runs the request through the stages in order, each fed the one before's outputs of its
+        input names; yields each stage's outputs (its present caches are the runner's buffers, valid
+        until its next call)."""
         outputs: dict[str, np.ndarray] = {}
         for stage in self.stages:
             outputs = stage(stage.feeds(request, outputs))
-            if boundaries is not None:
-                boundaries.append({n: np.copy(v) for n, v in outputs.items() if not n.startswith("present.")})
-        return outputs
+            yield outputs
+
+    def __call__(self, request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Runs the request through every stage; the last stage's outputs."""
+        *_, last = self.calls(request)
+        return last
 
 
 @dataclass

@@ -31,8 +31,14 @@ from k3export.runtime import (
     report,
     stage_exports,
 )
+from k3export.taps import parse_tap
 
 RUN, RESET_AND_RUN, STOP = 1, 2, 0
+
+
+def _results(stage: Stage) -> list:
+    """What the last stage returns to rank 0: its outputs but the caches and the taps (the logits)."""
+    return [s for s in stage.signature.outputs if not s.name.startswith("present.") and not parse_tap(s.name)]
 
 
 class Ring:
@@ -49,12 +55,12 @@ class Ring:
             shared.update({s.name: s for s in stages[i].signature.feeds if s.name not in produced})
         self.shared = [shared[n] for n in sorted(shared)]
         following = stages[rank + 1] if rank + 1 < self.world else None
-        self.sent = (following.signature.feeds if following else
-                     [s for s in self.stage.signature.outputs if not s.name.startswith("present.")])
+        # The last stage sends back its outputs other than caches and taps (check --build reads those).
+        self.sent = (following.signature.feeds if following else _results(self.stage))
         if following:
             outputs = {s.name for s in self.stage.signature.outputs}
             self.sent = [s for s in self.sent if s.name in outputs]
-        self.last_outputs = [s for s in stages[-1].signature.outputs if not s.name.startswith("present.")]
+        self.last_outputs = _results(stages[-1])
 
     @staticmethod
     def _empty(spec, sizes: dict[str, int]) -> torch.Tensor:

@@ -1,115 +1,224 @@
-"""`k3export check --build DIR`: a sharded build against the eager model, stage by stage.
+"""`k3export check --build DIR`: a sharded build against the eager model, through check's one driver.
 
-Every stage runs twice: its ONNX Runtime session in the sharded chain (each stage fed the stage
-before's outputs, as `k3export run` does), and the eager model over the same layer range, built
-from the same weights record, in a chain of its own. Both are driven with the same requests: a
-prefill of prompts of different lengths, then greedy decode steps taking the eager chain's token.
-At every stage boundary the stage's outputs (the AttnRes bank and partial block, or the logits, and
-its caches: valid entries only) are compared; the first stage past the dtype's bound is named, so
-a bad stage is found where it goes wrong, not where its error ends up.
+The build's stages, chained as `k3export run` chains them (k3export.runtime.Pipeline: one ONNX
+Runtime session a stage, each fed the stage before's outputs), are one more runner of check's
+driver (k3export.onnx.check.compare_with_eager, as --onnx, --network and --engine use): the
+`ChainRunner` takes the request's feeds and returns every stage's outputs, the AttnRes bank and
+partial block each stage sends on included. The eager side is the eager model run as the same
+chain (`EagerChain`: one ExportGraph a stage over one model, each fed the one before's outputs), so
+the driver compares the two chains at every stage boundary as well as the caches, logits and
+(with taps) each layer's taps, with the same requests, bounds, verdict and localisation as the
+other artifacts. Its extra is the stage each output belongs to: per step, each stage's worst output,
+and the first divergent stage (the first in stage order whose outputs leave the bound at any step),
+so a bad stage is found where it goes wrong, not where its error ends up.
+
+With taps (`k3export build RECIPE --taps`) the per-layer table and the first divergent layer and
+sublayer are those of `check --onnx --taps`, and the stage holding that layer is named.
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+from polygraphy.logger import G_LOGGER
 
-from k3export.checkpoint import build_model
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.check import EagerRunner, last_tokens, valid_entries
-from k3export.onnx.export import ExportGraph
-from k3export.parity import TOLERANCES, compare, top1_agreement
-from k3export.runtime import Pipeline, random_prompts, stage_exports
+from k3export.onnx.check import Signature, compare_with_eager, fitting_lengths, read_export
+from k3export.onnx.export import GRAPH_FILE, ExportGraph
+from k3export.routing import routing_outputs
+from k3export.runtime import Pipeline, stage_exports
+from k3export.taps import parse_tap
+
+ROUTING_SEPARATOR = ":"  # a routing output of stage i is named "stage{i}:{tensor}" (tensor names repeat)
+
+
+def _boundary_or_result(name: str) -> bool:
+    return not name.startswith(("past.", "present.")) and not parse_tap(name)
+
+
+def chain_manifest(build_dir: Path, exports: list[Path]) -> tuple[dict[str, Any], K3Config, list[dict]]:
+    """The chain of stages described as one export: export.json's fields for the whole model, its
+    inputs the first stage's request inputs and every stage's caches, its outputs the last stage's
+    (logits), every other stage's boundary outputs, every cache and (all stages tapped) every tap in
+    layer order. Also the config and each stage's export.json, every file verified."""
+    stages = [read_export(folder) for folder in exports]
+    manifests = [m for m, _ in stages]
+    first = manifests[0]
+    for key in ("dtype", "weights", "capacity"):
+        values = {json.dumps(m[key], sort_keys=True) for m in manifests}
+        if len(values) > 1:
+            raise UserError(f"{build_dir}: its stages' export.json disagree on '{key}' "
+                            f"({', '.join(sorted(values))}); expected one build of one recipe")
+    tapped = ["taps" in m for m in manifests]
+    if any(tapped) and not all(tapped):
+        raise UserError(f"{build_dir}: stages {[i for i, t in enumerate(tapped) if t]} carry taps and the "
+                        "others do not; rebuild it (k3export build RECIPE --out DIR, with or without --taps)")
+    inputs = [s for s in first["inputs"] if not s["name"].startswith("past.")]
+    inputs += [s for m in manifests for s in m["inputs"] if s["name"].startswith("past.")]
+    outputs = [s for s in manifests[-1]["outputs"] if _boundary_or_result(s["name"])]
+    outputs += [s for m in manifests[:-1] for s in m["outputs"] if _boundary_or_result(s["name"])]
+    outputs += [s for m in manifests for s in m["outputs"] if s["name"].startswith("present.")]
+    outputs += [s for m in manifests for s in m["outputs"] if parse_tap(s["name"])]
+    manifest = {**first, "layers": [first["layers"][0], manifests[-1]["layers"][1]], "inputs": inputs,
+                "outputs": outputs, "last_logits": manifests[-1].get("last_logits", False)}
+    return manifest, stages[0][1], manifests
+
+
+class EagerChain:
+    """The eager model run as the build runs it: one ExportGraph per stage over the same model, each
+    fed the outputs of the ones before, with flat tensors in and out in the chain's order (the graph
+    of check's EagerRunner)."""
+
+    def __init__(self, model: torch.nn.Module, stages: list[dict[str, Any]], signature: Signature,
+                 taps: bool) -> None:
+        self.model = model
+        self.stages = [(ExportGraph(model, range(*m["layers"]), m.get("last_logits", False), taps),
+                        [s["name"] for s in m["inputs"]], [s["name"] for s in m["outputs"]]) for m in stages]
+        self.inputs = [s.name for s in signature.inputs]
+        self.outputs = [s.name for s in signature.outputs]
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        named = dict(zip(self.inputs, inputs, strict=True))
+        for graph, names_in, names_out in self.stages:
+            named.update(zip(names_out, graph(*(named[n] for n in names_in)), strict=True))
+        return tuple(named[n] for n in self.outputs)
+
+
+class ChainRunner(BaseRunner):
+    """The build's stages chained in this process (k3export.runtime.Pipeline, as `k3export run`
+    runs them) as one check runner holding every stage's caches: it takes the request's feeds and
+    returns the chain's outputs in `signature`'s order, then `extra_outputs` ("stage{i}:{tensor}",
+    a stage's routing choices)."""
+
+    def __init__(self, exports: list[Path], signature: Signature, extra_outputs: list[str]) -> None:
+        super().__init__(name="build")
+        self.exports, self.signature, self.extra_outputs = exports, signature, extra_outputs
+        self.per_stage: list[list[str]] = [[] for _ in exports]
+        for name in extra_outputs:
+            stage, tensor = name.split(ROUTING_SEPARATOR, 1)
+            self.per_stage[int(stage.removeprefix("stage"))].append(tensor)
+        self.aliased: dict[str, bool] = {}
+
+    def activate_impl(self) -> None:
+        self.pipeline = Pipeline(self.exports, extra_outputs=self.per_stage)
+
+    def deactivate_impl(self) -> None:
+        self.pipeline.close()
+        del self.pipeline
+
+    def reset(self, batch: int, rows: list[int] | None = None) -> None:
+        for stage in self.pipeline.stages:
+            stage.runner.reset(batch, rows)
+
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        return self.signature.metadata()
+
+    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        self.signature.check(feed_dict)
+        produced: dict[str, np.ndarray] = {}
+        for i, outputs in enumerate(self.pipeline.calls(feed_dict)):
+            # A stage's non-cache outputs are its own arrays; its caches stay valid until its next call.
+            produced.update(outputs)
+            produced.update({f"stage{i}{ROUTING_SEPARATOR}{t}": outputs[t] for t in self.per_stage[i]})
+        for stage in self.pipeline.stages:
+            self.aliased.update(stage.runner.aliased)
+        self.inference_time = sum(s.runner.inference_time for s in self.pipeline.stages)
+        names = [s.name for s in self.signature.outputs] + self.extra_outputs
+        return OrderedDict((name, produced[name]) for name in names)
+
+
+def require_build_taps(build_dir: Path, manifest: dict[str, Any]) -> None:
+    if "taps" not in manifest:
+        raise UserError(f"--taps: {build_dir} was built without taps (its stages' export.json list no taps "
+                        f"outputs); build it with taps: k3export build RECIPE --out {build_dir} --taps "
+                        "(or taps = true under the recipe's [build])")
 
 
 def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
-                    prompt_len: int = 70, log: Any = print) -> dict[str, Any]:
-    """The report: per step and stage, each output's comparison; "first_divergent_stage" (None if
-    every stage is within the bound) and "passed"."""
+                    prompt_len: int = 70, log: Any = print, taps: bool = False) -> dict[str, Any]:
+    """The chain of the build's stages against the eager chain through check's driver; returns the
+    driver's report (steps, verdict, and with `taps` the taps and first divergent layer, its "stage"
+    added) with "stages" (layer ranges), per step "stages" (each stage's worst output and whether
+    all of its outputs are within the bound) and "first_divergent_stage" (None if none)."""
+    build_dir = Path(build_dir)
+    G_LOGGER.module_severity = G_LOGGER.WARNING
     exports = stage_exports(build_dir)
-    pipeline = Pipeline(exports)
-    config = K3Config.from_json(exports[0] / "config.json")
-    dtype = pipeline.stages[0].dtype
-    if dtype not in ("float32", "float16"):
-        raise UserError(f"{build_dir}: a {dtype} build cannot be fed through numpy; check a float32 build")
-    tolerance = TOLERANCES[dtype]
-    eager = []
-    for stage, folder in zip(pipeline.stages, exports, strict=True):
-        weights = json.loads((folder / "export.json").read_text())["weights"]
-        model = build_model(config, getattr(torch, dtype), weights, stage.layers)
-        runner = EagerRunner(ExportGraph(model, stage.layers), f"eager {stage.runner.name}", stage.signature)
-        runner.activate()
-        eager.append(runner)
-    prompts = random_prompts(batch, prompt_len, config.vocab_size, seed)
-    lengths = np.array([len(p) for p in prompts], np.int64)
-    ids = np.zeros((batch, int(lengths.max())), np.int64)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = p
-    request = {"input_ids": ids, "cache_lengths": np.zeros(batch, np.int64), "input_lengths": lengths}
-    pipeline.reset(batch)
-    for runner in eager:
-        runner.reset(batch)
-    report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.rel, "prompt_lengths": lengths.tolist(),
-                              "stages": [[s.layers.start, s.layers.stop] for s in pipeline.stages],
-                              "steps": []}
-    first = None
-    try:
-        for step in range(steps + 1):
-            after = request["cache_lengths"] + request["input_lengths"]
-            entry: dict[str, Any] = {"step": "prefill" if step == 0 else f"decode {step}", "stages": []}
-            ours: dict[str, np.ndarray] = {}
-            ref: dict[str, np.ndarray] = {}
-            for i, (stage, runner) in enumerate(zip(pipeline.stages, eager, strict=True)):
-                # Each chain feeds its own outputs on; compared before the next call reuses the buffers.
-                ours = stage(stage.feeds(request, ours))
-                ref = runner.infer(stage.feeds(request, ref), check_inputs=False)
-                valid = [{s.name: valid_entries(s, np.asarray(out[s.name]), after, request["input_lengths"])
-                          for s in stage.signature.outputs} for out in (ours, ref)]
-                comparisons = [compare(name, valid[0][name], ref_value, tolerance)
-                               for name, ref_value in valid[1].items()]
-                worst = max(comparisons, key=lambda c: c.rel)
-                passed = all(c.passed for c in comparisons)
-                if not passed and first is None:
-                    first = i
-                entry["stages"].append({"stage": i, "passed": passed, "worst": worst.name, "rel": worst.rel,
-                                        "outputs": [c.as_dict() for c in comparisons]})
-            entry["tokens"] = top1_agreement(ours["logits"], ref["logits"], tolerance.margin).as_dict()
-            log(f"{entry['step']:>10}: " + ", ".join(f"stage {s['stage']} rel {s['rel']:.1e} ({s['worst']})"
-                                                    for s in entry["stages"]))
-            report["steps"].append(entry)
-            tokens = last_tokens(ref["logits"], request["input_lengths"].tolist())
-            request = {"input_ids": tokens.astype(np.int64), "cache_lengths": after,
-                       "input_lengths": np.ones(batch, np.int64)}
-    finally:
-        pipeline.close()
-        for runner in eager:
-            runner.deactivate()
-    report["first_divergent_stage"] = first
-    report["passed"] = first is None
+    manifest, config, stage_manifests = chain_manifest(build_dir, exports)
+    if taps:
+        require_build_taps(build_dir, manifest)
+    dtype = manifest["dtype"]
+    if dtype == "bfloat16":
+        raise UserError(f"{build_dir}: a bfloat16 build cannot be fed through numpy (ONNX Runtime's CPU "
+                        "provider has no bfloat16 MatMul); check a float32 or float16 build, or a stage's "
+                        "graph as TensorRT parses it: k3export check --network DIR/stage-N")
+    lengths = fitting_lengths(manifest["capacity"], batch, prompt_len, steps)
+    ranges = [range(*m["layers"]) for m in stage_manifests]
+    owner = {s["name"]: i for i, m in enumerate(stage_manifests) for s in m["outputs"]}
+    routing = [f"stage{i}{ROUTING_SEPARATOR}{name}" for i, folder in enumerate(exports)
+               for name in routing_outputs(folder / GRAPH_FILE)] if dtype != "float32" else []
+    log(f"build {build_dir}: {len(exports)} stages, layers "
+        + ", ".join(f"{r.start}..{r.stop - 1}" for r in ranges))
+
+    def on_step(step: dict[str, Any]) -> None:
+        """Each stage's worst output (relative to its bound) and whether all of them passed."""
+        step["stages"] = []
+        for i in range(len(exports)):
+            mine = [c for c in step["outputs"] if owner[c["name"]] == i]
+            worst = max(mine, key=lambda c: c["rel"] / max(c["bound"], 1e-30))
+            step["stages"].append({"stage": i, "passed": all(c["passed"] for c in mine),
+                                   "worst": worst["name"], "rel": worst["rel"], "bound": worst["bound"]})
+        log(" " * 12 + "stages: " + ", ".join(
+            f"{s['stage']} rel {s['rel']:.1e} ({s['worst']}){'' if s['passed'] else ' FAILED'}"
+            for s in step["stages"]))
+
+    report, runner = compare_with_eager(
+        manifest, config, None, lambda signature, extra: ChainRunner(exports, signature, extra),
+        steps, seed, lengths, log, taps,
+        eager_graph=lambda model, tapped: EagerChain(model, stage_manifests, Signature(manifest), tapped),
+        routing=routing, on_step=on_step)
+    report["aliased"] = dict(runner.aliased)
+    report["build"] = str(build_dir)
+    report["stage_folders"] = [str(folder) for folder in exports]
+    report["stages"] = [[r.start, r.stop] for r in ranges]
+    failing = [(s["stage"], step["step"]) for step in report["steps"] for s in step["stages"]
+               if not s["passed"]]
+    first = min(failing, key=lambda f: f[0]) if failing else None  # stage order; its earliest step
+    report["first_divergent_stage"] = first[0] if first else None
+    report["first_divergent_stage_step"] = first[1] if first else None
+    if taps and report["taps"]["first_divergent"]:
+        report["taps"]["first_divergent"]["stage"] = owner[report["taps"]["first_divergent"]["name"]]
     return report
 
 
-def cmd_check_build(args: Any) -> int:
-    """`k3export check --build DIR`: exit 0 when every stage is within the bound, 1 naming the first
-    stage that is not."""
-    report = run_build_check(args.build, steps=args.steps, seed=args.seed, batch=args.batch,
-                             prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0 if report["passed"] else 1
+def stage_lines(report: dict[str, Any]) -> list[str]:
+    """For the terminal: each stage's worst output over the steps, and the first divergent stage."""
+    lines = []
+    for i, (start, stop) in enumerate(report["stages"]):
+        worst = max((s["stages"][i] for s in report["steps"]),
+                    key=lambda s: s["rel"] / max(s["bound"], 1e-30))
+        lines.append(f"stage {i} (layers {start}..{stop - 1}): worst {worst['worst']} rel {worst['rel']:.2e} "
+                     f"(bound {worst['bound']:.1e})")
     first = report["first_divergent_stage"]
     if first is None:
-        print(f"PASSED: every stage within relative error {report['tolerance']} of the eager model "
-              f"({report['dtype']}, prefill and {len(report['steps']) - 1} decode steps)")
-        return 0
-    start, stop = report["stages"][first]
-    step = next(s for s in report["steps"] if not s["stages"][first]["passed"])
-    worst = step["stages"][first]
-    print(f"FAILED: stage {first} (layers {start}..{stop - 1}) diverges first, at {step['step']}: "
-          f"{worst['worst']} relative error {worst['rel']:.2e} > {report['tolerance']}")
-    return 1
+        lines.append("first divergent stage: none (every stage's outputs within the bound at every step)")
+    else:
+        start, stop = report["stages"][first]
+        step = next(s for s in report["steps"] if s["step"] == report["first_divergent_stage_step"])
+        worst = step["stages"][first]
+        lines.append(f"first divergent stage: stage {first} (layers {start}..{stop - 1}) at {step['step']}: "
+                     f"{worst['worst']} rel {worst['rel']:.2e} > bound {worst['bound']:.1e}")
+    tap = (report.get("taps") or {}).get("first_divergent")
+    if tap:
+        start, stop = report["stages"][tap["stage"]]
+        lines.append(f"layer {tap['layer']} is in stage {tap['stage']} (layers {start}..{stop - 1}: "
+                     f"{report['stage_folders'][tap['stage']]})")
+    return lines
+
