@@ -69,7 +69,8 @@ def test_supported_dtypes() -> None:
 
 def test_routed_experts_definitions() -> None:
     """k3.RoutedExperts(MXFP4) as k3export/onnx/moe.py writes it: u [N, L] float32 like z; the fields are
-    the node's SiTU betas; float experts of any float dtype, packed ones uint8."""
+    the node's SiTU betas; float experts of any float dtype, packed ones int32 words (uint8 refused:
+    the export declares the bytes as words so that TensorRT-RTX keeps them packed)."""
     z, experts = [5, 64], [5, 2]
     plain = [z, experts, experts, [8, 32, 64], [8, 32, 64], [8, 64, 32]]
     assert ROUTED_EXPERTS.output_shapes(plain, {}, int) == [[5, 64]]
@@ -78,7 +79,8 @@ def test_routed_experts_definitions() -> None:
     assert ROUTED_EXPERTS.output_dtypes(["bfloat16", "int64", "float32", *["bfloat16"] * 3]) == ["float32"]
     assert ROUTED_EXPERTS.supports(["float16", "int64", *["float32"] * 5])  # experts of another dtype
     assert not ROUTED_EXPERTS.supports(["float16", "int64", "float16"])  # routing weights are float32
-    assert ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", *["uint8"] * 6, "float32"])
+    assert ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", *["int32"] * 6, "float32"])
+    assert not ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", "uint8"])
     assert not ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", "float16"])
     fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0}
     assert ROUTED_EXPERTS_MXFP4.parse_fields(fields) == fields

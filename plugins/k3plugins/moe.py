@@ -104,16 +104,28 @@ def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
         # 8j + i in bits 4i .. 4i + 3; scale byte g (codes 32g ..) is bits 8(g % 4) .. of word g // 4.
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mask = mask_n[:, None] & (offs_w < K // 8)[None, :]
-        word_index = rows[:, None] * (K // 8) + offs_w[None, :]
-        word = tl.load(w + word_index, mask=mask, other=0)
-        # One scale per 4 words; the repeated addresses are served from cache.
-        group = word_index // 4
-        scale_word = tl.load(w_scale + group // 4, mask=mask, other=0)
-        scale = (scale_word >> ((group % 4) * 8).to(tl.int32)) & 255
+        word = tl.load(w + rows[:, None] * (K // 8) + offs_w[None, :], mask=mask, other=0)
+        # Scale byte g of the flat [E * O, K / 32] scales is byte g of the words' memory (little-endian
+        # words: bits 8(g % 4) .. of word g // 4), read as a byte; one per 4 code words, the repeated
+        # addresses served from cache.
+        scale_bytes = w_scale.to(tl.pointer_type(tl.uint8))
+        scale = tl.load(scale_bytes + rows[:, None] * (K // 32) + (offs_w // 4)[None, :], mask=mask,
+                        other=0).to(tl.int32)
         # 2^(s - 128) from its float32 bits (exact for s >= 2), which halves _e2m1_twice's values.
         factor = tl.where(scale > 1, (tl.maximum(scale - 1, 0) << 23).to(tl.float32, bitcast=True), 0.0)
-        codes = (word[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
-        tile = tl.reshape(_e2m1_twice(codes) * factor[:, :, None], (BLOCK_N, BLOCK_K))
+        # Code i of each word as [BLOCK_N, BLOCK_K / 8] values, put back in order (input 8j + i) by
+        # joins: join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), join(c3, c7)))[.., j, a, b, c]
+        # is code 4a + 2b + c of word j, which the reshape puts at 8j + 4a + 2b + c.
+        c0 = _e2m1_twice(word & 15) * factor
+        c1 = _e2m1_twice((word >> 4) & 15) * factor
+        c2 = _e2m1_twice((word >> 8) & 15) * factor
+        c3 = _e2m1_twice((word >> 12) & 15) * factor
+        c4 = _e2m1_twice((word >> 16) & 15) * factor
+        c5 = _e2m1_twice((word >> 20) & 15) * factor
+        c6 = _e2m1_twice((word >> 24) & 15) * factor
+        c7 = _e2m1_twice((word >> 28) & 15) * factor
+        joined = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+        tile = tl.reshape(joined, (BLOCK_N, BLOCK_K))
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w + rows[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
