@@ -11,6 +11,8 @@
                       (a layer range without logits: the worst output of each step)
     DIR/check.json    the folder's manifest (sha256 of each file), as DIR/check has
 
+A sharded build's report (check --build) adds a table of its stages, each one's worst output.
+
 Written through k3export.artifacts.OutputDir: a new or empty folder, or one a check wrote.
 """
 
@@ -42,10 +44,8 @@ def _json_default(value: Any) -> Any:
 
 
 def step_outputs(step: dict[str, Any]) -> list[dict[str, Any]]:
-    """A step's output comparisons: check --onnx/--network list them, check --build per stage."""
-    if "outputs" in step:
-        return step["outputs"]
-    return [c for stage in step.get("stages", []) for c in stage["outputs"]]
+    """A step's output comparisons (check --build's include each stage's boundary outputs)."""
+    return step["outputs"]
 
 
 def layer_series(report: dict[str, Any], phase: str) -> dict[str, dict[int, float]]:
@@ -159,13 +159,16 @@ def markdown(report: dict[str, Any], verdict: str, artifact: str) -> str:
     lines += ["", "## First divergent layer", ""]
     taps = report.get("taps")
     if not taps:
-        lines.append("Not localised: the check ran without `--taps` (export and check with `--taps`).")
+        how = ("build with `k3export build RECIPE --taps`" if artifact.startswith("--build")
+               else "export with `--taps`")
+        lines.append(f"Not localised: the check ran without `--taps` ({how} and check with `--taps`).")
     elif taps["first_divergent"] is None:
         lines.append("None: every tap is within its envelope at every step.")
     else:
         f = taps["first_divergent"]
         lines.append(f"Layer {f['layer']}, {f['sublayer']} (`{f['name']}`) at {f['step']}: relative error "
-                     f"{f['rel']:.3g} > {f['bound']:.3g}, cosine {f['cosine']:.6f}.")
+                     f"{f['rel']:.3g} > {f['bound']:.3g}, cosine {f['cosine']:.6f}."
+                     + (f" It is in stage {f['stage']}." if "stage" in f else ""))
     if taps:
         lines += ["", "## Taps per layer (worst over the steps)", "",
                   "| layer | " + " | ".join(f"{s} rel / cos" for s in SUBLAYERS) + " |",
@@ -173,6 +176,19 @@ def markdown(report: dict[str, Any], verdict: str, artifact: str) -> str:
         for row in per_layer(taps["steps"]):
             lines.append(f"| {row['layer']} | " + " | ".join(f"{row[s]['rel']:.3g} / {row[s]['cosine']:.6f}"
                                                              for s in SUBLAYERS) + " |")
+    if "first_divergent_stage" in report:  # check --build: each stage's outputs at its boundary
+        lines += ["", "## Stages (worst output over the steps)", "",
+                  "| stage | layers | worst output | step | relative error | bound | passed |",
+                  "|---|---|---|---|---|---|---|"]
+        for i, (start, stop) in enumerate(report["stages"]):
+            label, worst = max(((s["step"], s["stages"][i]) for s in report["steps"]),
+                               key=lambda e: e[1]["rel"] / max(e[1]["bound"], FLOOR))
+            passed = all(s["stages"][i]["passed"] for s in report["steps"])
+            lines.append(f"| {i} | {start}..{stop - 1} | {worst['worst']} | {label} | {worst['rel']:.3g} | "
+                         f"{worst['bound']:.3g} | {'yes' if passed else 'no'} |")
+        first = report["first_divergent_stage"]
+        lines += ["", "First divergent stage: " + ("none." if first is None else
+                                                   f"{first} (at {report['first_divergent_stage_step']}).")]
     lines += ["", "## Token agreement", "", "| step | agree | positions | ties | mismatches |",
               "|---|---|---|---|---|"]
     for step in report["steps"]:

@@ -15,7 +15,7 @@ TINY = (ROOT / "engines/k3-tiny.toml").read_text()
 
 def test_shipped_recipes_load() -> None:
     tiny = load_recipe(ROOT / "engines/k3-tiny.toml")
-    assert (tiny.stage_count, tiny.dtype, tiny.weights) == (2, "float32", {"seed": 0})
+    assert (tiny.stage_count, tiny.dtype, tiny.weights, tiny.taps) == (2, "float32", {"seed": 0}, False)
     assert load_recipe(ROOT / "engines/k3-small.toml").stage_count == 4
     k3 = load_recipe(ROOT / "engines/kimi-k3.toml")
     assert (k3.backend, k3.target, k3.packed_experts) == ("tensorrt", "sm90", True)
@@ -40,6 +40,7 @@ def write(tmp_path: Path, text: str) -> Path:
     ("decode = { batch = 2 }", "decode = { batch = 3 }", "key 'profiles.decode.batch' = 3: expected at most"),
     ('preset = "k3-tiny"', 'preset = "k3-huge"', "key 'model.preset' = 'k3-huge'"),
     ("[cache]", "[cash]", "unknown table [cash]"),
+    ('target = "sm89"', 'target = "sm89"\ntaps = 1', "key 'build.taps' = 1: expected true or false"),
 ])
 def test_bad_keys_are_named(tmp_path: Path, old: str, new: str, message: str) -> None:
     assert old in TINY
@@ -58,6 +59,10 @@ def test_explicit_ranges_and_relative_config(tmp_path: Path) -> None:
     recipe = load_recipe(write(tmp_path, text))
     assert recipe.stage_ranges == (range(0, 3), range(3, 7), range(7, 9))
     assert recipe.config == K3Config.from_preset("k3-tiny")
+
+
+def test_taps_key(tmp_path: Path) -> None:
+    assert load_recipe(write(tmp_path, TINY.replace('target = "sm89"', 'target = "sm89"\ntaps = true'))).taps
 
 
 def test_not_toml(tmp_path: Path) -> None:

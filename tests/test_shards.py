@@ -1,7 +1,8 @@
 """Sharded builds of engines/k3-tiny.toml: stage graphs that chain by name, dtype and shape (read
 from the ONNX files), resume after an interruption, files held to the manifest by sha256, the
 TensorRT-RTX build with one engine per stage, and the sharded runtime (in-process and 2 processes
-over gloo) against one ONNX Runtime session and the eager model."""
+over gloo) against one ONNX Runtime session and the eager model; the 3-stage build carries taps,
+which the runtime ignores and check --build --taps compares per layer."""
 
 import dataclasses
 import importlib.util
@@ -26,7 +27,8 @@ from k3export.parity import TOLERANCES, top1_agreement
 from k3export.recipe import load_recipe
 from k3export.runtime import Pipeline, Sampler, generate, last_positions, random_prompts, stage_exports
 from k3export.runtime.check import run_build_check
-from k3export.stages import MANIFEST, build_recipe
+from k3export.stages import MANIFEST, _previous, build_recipe
+from k3export.taps import SUBLAYERS, tap_names
 
 TINY = Path(__file__).resolve().parents[1] / "engines/k3-tiny.toml"
 
@@ -65,8 +67,9 @@ def flip_byte(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def onnx_build(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
-    """engines/k3-tiny.toml in 3 stages with the onnx backend, built as a user would live through it:
-    stopped after its first stage, rerun (resume), then one file altered and rerun (that stage rebuilt)."""
+    """engines/k3-tiny.toml in 3 stages with the onnx backend and taps (build --taps), built as a
+    user would live through it: stopped after its first stage, rerun (resume), then one file altered
+    and rerun (that stage rebuilt)."""
     out = tmp_path_factory.mktemp("shards") / "tiny"
     recipe = dataclasses.replace(load_recipe(TINY), stage_count=3)
     runs: dict[str, Any] = {}
@@ -78,17 +81,18 @@ def onnx_build(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     with pytest.MonkeyPatch.context() as mp:
         calls = count_calls(mp)
         with pytest.raises(Interrupted):
-            build_recipe(recipe, out, backend="onnx", after_stage=stop_after_first, log=lambda _: None)
+            build_recipe(recipe, out, backend="onnx", taps=True, after_stage=stop_after_first,
+                         log=lambda _: None)
         runs["interrupted"] = list(calls["export"])
         calls["export"].clear()
-        manifest = build_recipe(recipe, out, backend="onnx", log=lambda _: None)
+        manifest = build_recipe(recipe, out, backend="onnx", taps=True, log=lambda _: None)
         runs["resumed"] = list(calls["export"])
         calls["export"].clear()
         flip_byte(out / "stage-1/model.onnx.data")
         with pytest.raises(UserError) as refused:
             verify(out, MANIFEST, full=True)
         runs["refused"] = str(refused.value)
-        build_recipe(recipe, out, backend="onnx", log=lambda _: None)
+        build_recipe(recipe, out, backend="onnx", taps=True, log=lambda _: None)
         runs["rebuilt"] = list(calls["export"])
     runs["ranges"] = [range(*s["layers"]) for s in manifest["stages"]]
     return out, runs
@@ -99,6 +103,14 @@ def test_resume_skips_finished_stages(onnx_build) -> None:
     first, *rest = runs["ranges"]
     assert runs["interrupted"] == [first]
     assert runs["resumed"] == rest  # stage 0 was not exported again
+
+
+def test_taps_are_a_build_setting(onnx_build) -> None:
+    """A resume without taps reuses no tapped stage (and the reverse): taps are one of the settings."""
+    out, _ = onnx_build
+    settings = json.loads((out / MANIFEST).read_text())["settings"]
+    assert settings["taps"] is True and len(_previous(out, settings)) == 3
+    assert _previous(out, {**settings, "taps": False}) == []
 
 
 def test_altered_file_refused_and_its_stage_rebuilt(onnx_build) -> None:
@@ -123,8 +135,12 @@ def test_stage_outputs_are_next_stage_inputs(onnx_build) -> None:
     out, runs = onnx_build
     files = [graph_io(out / f"stage-{i}/model.onnx") for i in range(len(runs["ranges"]))]
     assert "input_ids" in files[0][0] and "logits" in files[-1][1]
+    for (_, outputs), layers in zip(files, runs["ranges"], strict=True):
+        # Taps by the model's layer indices, after every other output; nothing reads them on.
+        assert [n for n in outputs if n.startswith("taps.")] == list(outputs)[-3 * len(layers):] == \
+            tap_names(layers)
     for (inputs_a, outputs_a), (inputs_b, _) in itertools.pairwise(files):
-        sent = {n: s for n, s in outputs_a.items() if not n.startswith("present.")}
+        sent = {n: s for n, s in outputs_a.items() if not n.startswith(("present.", "taps."))}
         # What the next stage takes beyond its own caches and the per-row inputs every stage takes.
         received = {n: s for n, s in inputs_b.items() if not n.startswith("past.") and n not in inputs_a}
         assert sent and sent == received
@@ -267,12 +283,137 @@ def perturb_stage_weights(build: Path, stage: int) -> None:
 
 def test_check_build_names_the_divergent_stage(onnx_build, tmp_path: Path) -> None:
     out, _ = onnx_build
-    report = run_build_check(out, steps=4, batch=2, prompt_len=12, log=lambda _: None)
+    report = run_build_check(out, steps=4, batch=2, prompt_len=12, log=lambda _: None, taps=True)
     assert report["passed"] and report["first_divergent_stage"] is None
+    assert report["taps"]["first_divergent"] is None
     assert all(s["rel"] <= 1e-4 for step in report["steps"] for s in step["stages"])
+    # Every stage boundary is compared, as the next stage receives it.
+    compared = {c["name"] for c in report["steps"][0]["outputs"]}
+    assert {"logits", *(f"attn_res.{at}.{part}" for at in (3, 6) for part in ("bank", "partial"))} <= compared
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     perturb_stage_weights(bad, 1)
     report = run_build_check(bad, steps=2, batch=2, prompt_len=12, log=lambda _: None)
     assert not report["passed"] and report["first_divergent_stage"] == 1
     assert report["steps"][0]["stages"][0]["passed"]
+
+
+def rerecord(build: Path, stage: int, changed: list[str]) -> None:
+    """Records the new sha256 of files changed in stage `stage`'s folder: in its export.json (its
+    own files) and the build's manifest (those and export.json), so that the build still verifies."""
+    folder = build / f"stage-{stage}"
+    stage_manifest = json.loads((folder / "export.json").read_text())
+    for name in changed:
+        if name != "export.json":
+            stage_manifest["files"][name] = file_record(folder / name)
+    (folder / "export.json").write_text(json.dumps(stage_manifest))
+    manifest = json.loads((build / MANIFEST).read_text())
+    for name in {*changed, "export.json"}:
+        key = f"stage-{stage}/{name}"
+        manifest["files"][key] = manifest["stages"][stage]["files"][key] = file_record(folder / name)
+    (build / MANIFEST).write_text(json.dumps(manifest))
+
+
+def corrupt_stage(build: Path, stage: int, suffix: str, factor: float = 1.5) -> None:
+    """Scales the float32 initializer named ...`suffix` of one stage where its external data holds
+    it (stage-N/model.onnx.data), the new hashes recorded."""
+    folder = build / f"stage-{stage}"
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    target = next(t for t in model.graph.initializer if t.name.endswith(suffix))
+    where = {e.key: e.value for e in target.external_data}
+    offset, length = int(where["offset"]), int(where["length"])
+    data = bytearray((folder / "model.onnx.data").read_bytes())
+    values = np.frombuffer(data, np.float32, count=length // 4, offset=offset)
+    data[offset:offset + length] = (values * factor).astype(np.float32).tobytes()
+    (folder / "model.onnx.data").write_bytes(bytes(data))
+    rerecord(build, stage, ["model.onnx.data"])
+
+
+# (weight, layer, sublayer, stage) in the 3-stage build (layers 0..2, 3..5, 6..8): a KDA layer's
+# mixer in the first stage; the MoE of the second stage's last layer, whose error leaves the stage
+# only through the AttnRes boundary it sends (so that boundary, not stage 2's caches, names stage 1).
+BUILD_CORRUPTIONS = [
+    ("layers.2.self_attn.q_conv1d.weight", 2, "mixer", 0),
+    ("layers.5.block_sparse_moe.routed_expert_up_proj.weight", 5, "ffn", 1),
+]
+
+
+@pytest.mark.parametrize(("weight", "layer", "sublayer", "stage"), BUILD_CORRUPTIONS)
+def test_check_build_taps_names_the_corrupted_layer(onnx_build, tmp_path: Path, capsys, weight, layer,
+                                                    sublayer, stage) -> None:
+    out, runs = onnx_build
+    assert layer in runs["ranges"][stage]
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    corrupt_stage(bad, stage, weight)
+    assert main(["check", "--build", str(bad), "--taps", "--steps", "1", "--prompt-len", "12", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    first = report["taps"]["first_divergent"]
+    assert (first["layer"], first["sublayer"], first["stage"]) == (layer, sublayer, stage)
+    assert first["rel"] > 1e-4 and report["first_divergent_stage"] == stage
+    for step in report["taps"]["steps"]:
+        before = [t for t in step["taps"] if (t["layer"], SUBLAYERS.index(t["sublayer"]))
+                  < (layer, SUBLAYERS.index(sublayer))]
+        assert all(t["rel"] <= 1e-4 for t in before)
+
+
+def test_check_build_taps_refused_on_a_build_without_taps(onnx_build, tmp_path: Path, capsys) -> None:
+    """The same build with its taps taken out of every stage's export.json (re-recorded): --taps is
+    refused (exit 2) naming the folder and how to build one with taps, before anything runs."""
+    out, runs = onnx_build
+    plain = tmp_path / "plain"
+    shutil.copytree(out, plain)
+    for i in range(len(runs["ranges"])):
+        path = plain / f"stage-{i}/export.json"
+        manifest = json.loads(path.read_text())
+        del manifest["taps"]
+        manifest["outputs"] = [s for s in manifest["outputs"] if not s["name"].startswith("taps.")]
+        path.write_text(json.dumps(manifest))
+        rerecord(plain, i, ["export.json"])
+    assert main(["check", "--build", str(plain), "--taps", "--steps", "1"]) == 2
+    err = capsys.readouterr()
+    assert str(plain) in err.err and "--taps" in err.err and "k3export build RECIPE" in err.err
+    assert "eager reference" not in err.out
+    mine = tmp_path / "mine"  # --report into a folder of someone else's files: refused before the check
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main(["check", "--build", str(out), "--report", str(mine)]) == 2
+    err = capsys.readouterr()
+    assert "notes.txt" in err.err and "eager reference" not in err.out
+
+
+def test_check_build_report(onnx_build, tmp_path: Path, capsys) -> None:
+    """check --build --taps --report: the report files of the other artifacts, the plotted series
+    the report's own numbers (taps per layer; without --taps the layers' caches), a stages table."""
+    from PIL import Image
+
+    out, _ = onnx_build
+    folder = tmp_path / "r"
+    assert main(["check", "--build", str(out), "--taps", "--steps", "2", "--prompt-len", "12",
+                 "--report", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert "first divergent: none" in text and "first divergent stage: none" in text
+    verify(folder, "check.json", full=True)
+    for name in ("layers.png", "steps.png"):
+        with Image.open(folder / name) as image:
+            assert image.format == "PNG" and image.width > 300
+    report = json.loads((folder / "report.json").read_text())
+    assert report["passed"] and report["artifact"] == f"--build {out}"
+    md = (folder / "report.md").read_text()
+    assert md.startswith(f"# k3export check --build {out}") and "## Stages" in md
+    for phase, steps in (("prefill", report["taps"]["steps"][:1]), ("decode", report["taps"]["steps"][1:])):
+        for sublayer in SUBLAYERS:
+            expected = [max(t["rel"] for s in steps for t in s["taps"] if t["layer"] == i
+                            and t["sublayer"] == sublayer) for i in range(9)]
+            drawn = report["plots"]["layers"][phase][sublayer]
+            assert drawn["x"] == list(range(9)) and drawn["y"] == pytest.approx(expected, rel=1e-12)
+    logits = [next(c["rel"] for c in s["outputs"] if c["name"] == "logits") for s in report["steps"]]
+    assert report["plots"]["steps"]["logits"]["y"] == pytest.approx(logits, rel=1e-12)
+    # Without --taps: each layer's caches, compared in the stage that holds them.
+    assert main(["check", "--build", str(out), "--steps", "1", "--prompt-len", "8", "--report",
+                 str(tmp_path / "plain")]) == 0
+    report = json.loads((tmp_path / "plain/report.json").read_text())
+    prefill = report["steps"][0]["outputs"]
+    expected = [max(c["rel"] for c in prefill if c["name"].startswith(f"present.{i}.")) for i in range(9)]
+    assert report["plots"]["layers"]["prefill"]["caches"]["y"] == pytest.approx(expected, rel=1e-12)
+    assert "build RECIPE --taps" in (tmp_path / "plain/report.md").read_text()
