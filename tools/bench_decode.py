@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import torch
+from revisions import checkout, run_in
 from torch import Tensor, nn
 
-REPO = Path(__file__).resolve().parent.parent
 MIXER_FILE = "mixer.onnx"
 # The commit before the serving-shaped graphs (94e90cd): the last with concatenated caches.
 BEFORE = "94e90cd^"
@@ -92,23 +89,6 @@ def export_mixer(out: Path, capacity: int) -> None:
     with torch.no_grad():
         export_onnx(module.eval(), args, out / MIXER_FILE, dynamic_shapes=shapes, opset_version=opset,
                     input_names=names, output_names=["y", "present.0.mla_latent"])
-
-
-def run_in(tree: Path, *args: str) -> None:
-    """Runs `python *args` with `tree`'s k3export importable ahead of this checkout's."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    subprocess.run([sys.executable, *args], env=env, check=True, cwd=tree)
-
-
-def checkout(out: Path, rev: str) -> tuple[str, Path]:
-    """A worktree of `rev` under `out` (made once): its commit and folder."""
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], check=True,
-                            capture_output=True, text=True).stdout.strip()
-    folder = out / f"checkout-{commit}"
-    if not folder.exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit],
-                       check=True)
-    return commit, folder
 
 
 def exports(out: Path, before: str, after: str, capacity: int,
