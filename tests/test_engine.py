@@ -209,35 +209,71 @@ def packed_export(tiny_model, tmp_path_factory) -> Path:
 
 
 def initializer_bytes(export_dir: Path) -> dict[str, int]:
-    """Bytes of the export's weights by kind: the packed experts (uint8) and everything else."""
+    """Bytes of the export's weights by kind: the packed experts (int32 words) and everything else."""
     model = onnx.load(export_dir / "model.onnx")
     sizes = {"packed": 0, "other": 0}
     for tensor in model.graph.initializer:
-        array = onnx.numpy_helper.to_array(tensor)
-        sizes["packed" if tensor.data_type == TensorProto.UINT8 else "other"] += array.nbytes
+        array = onnx.numpy_helper.to_array(tensor, str(export_dir))
+        sizes["packed" if tensor.name.endswith(("_packed", "_scale")) else "other"] += array.nbytes
     return sizes
 
 
-# Prints, as JSON, the input dtypes and shapes of each RoutedExpertsMXFP4 plugin layer.
+# Prints, as JSON, for each RoutedExpertsMXFP4 plugin layer its expert inputs: dtype, shape, and the
+# constant layer that feeds each (its name, the weights' bytes and their sha256).
 MOE_INPUTS_SCRIPT = """
-import json, sys
+import hashlib, json, sys
 import k3plugins.trt
 from k3export.engine import build
 trt = build.load_tensorrt_rtx()
 k3plugins.trt.register(trt)
 _, network, _ = build.parse(sys.argv[1], trt, trt.Logger(trt.Logger.ERROR))
 layers = [network.get_layer(i) for i in range(network.num_layers)]
-print(json.dumps([[(t.dtype.name, list(t.shape)) for t in (l.get_input(j) for j in range(l.num_inputs))]
+producers = {l.get_output(j).name: l for l in layers for j in range(l.num_outputs)}
+
+def constant(layer):
+    if layer.type.name != "CONSTANT":
+        return [layer.type.name, layer.name, 0, ""]
+    layer.__class__ = trt.IConstantLayer
+    data = layer.weights.tobytes()  # the constant's weights as a numpy array
+    return [str(layer.weights.dtype), layer.name, len(data), hashlib.sha256(data).hexdigest()]
+
+print(json.dumps([[(t.dtype.name, list(t.shape), constant(producers[t.name]))
+                   for t in (l.get_input(j) for j in range(3, l.num_inputs))]
                   for l in layers if l.type.name == "PLUGIN_V3" and l.num_inputs == 9]))
 """
 
 
+def checkpoint_experts(checkpoint: Path) -> dict[str, bytes]:
+    """The stacked bytes of each MoE layer's packed tensors, by export name
+    (`model.model.layers.{i}.block_sparse_moe.experts.{w}_{packed|scale}`), read from the published
+    checkpoint's per-expert tensors (`...experts.{e}.{w}.weight_{packed|scale}`) in expert order."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = {k: v for f in sorted(checkpoint.glob("*.safetensors")) for k, v in load_file(f).items()}
+    pattern = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w\d)\."
+                         r"weight_(packed|scale)$")
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = pattern.search(name)
+        if match:
+            layer, expert, w, part = match.groups()
+            key = f"model.model.layers.{layer}.block_sparse_moe.experts.{w}_{part}"
+            stacks.setdefault(key, {})[int(expert)] = tensor
+    return {key: torch.stack([by[e] for e in sorted(by)]).numpy().tobytes() for key, by in stacks.items()}
+
+
 def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None:
     """One RoutedExpertsMXFP4 plugin layer per MoE layer (8 in k3-tiny) and no Loop; the plugin reads
-    the packed codes and scales ([E, O, I/2] and [E, O, I/32], never dequantised in the network).
-    TensorRT-RTX 1.7's parser widens the UINT8 constants to INT32, one byte value per int32, so the
-    engine holds 4 bytes per packed byte (about the size of the experts in bfloat16): printed with
-    the weights' bytes, not asserted (README, MoE plugin)."""
+    the packed codes and scales as the export declares them, int32 words (k3export/mxfp4.py, "Words":
+    [E, O*I/8], [E, O*I/128]), never dequantised in the network and not widened by the parser (which
+    widens UINT8 initializers to INT32, one byte per int32): each constant layer feeding the plugin
+    holds exactly the checkpoint's bytes of its experts, so the network holds the packed experts at
+    their packed size (4.25 bits per weight). The engine's bytes are printed with the weights'."""
+    import hashlib
+
     manifest = json.loads((packed_export / "export.json").read_text())
     summary = run("strict", packed_export)
     moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v1")]
@@ -251,17 +287,23 @@ def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     layers = json.loads(proc.stdout.strip().splitlines()[-1])
     E, I, L = 8, 32, 32  # k3-tiny: num_experts, moe_intermediate_size, routed_expert_hidden_size
-    packed_shapes = [[E, I, L // 2], [E, I, L // 32], [E, I, L // 2], [E, I, L // 32], [E, L, I // 2],
-                     [E, L, I // 32]]
-    assert len(layers) == 8
+    word_shapes = [[E, I * L // 8], [E, I * L // 128]] * 3
+    expected = checkpoint_experts(packed_export.parent / "checkpoint")
+    assert len(layers) == 8 and len(expected) == 8 * 6
+    constant_bytes = 0
     for inputs in layers:
-        assert [shape for _, shape in inputs[3:]] == packed_shapes
-        assert {dtype for dtype, _ in inputs[3:]} == {"INT32"}  # the parser's widening of UINT8
+        assert [shape for _, shape, _ in inputs] == word_shapes
+        assert {dtype for dtype, _, _ in inputs} == {"INT32"}
+        for _, _, (kind, name, size, sha) in inputs:
+            assert kind == "int32", f"{name}: fed by {kind}, not a constant of int32 words"
+            assert size == len(expected[name]) and sha == hashlib.sha256(expected[name]).hexdigest(), name
+            constant_bytes += size
+    weights = initializer_bytes(packed_export)
+    assert constant_bytes == weights["packed"] == sum(map(len, expected.values())) == 104_448
 
     report = run("build", packed_export, str(tmp_path / "packed.sm89.engine"), "sm89")
-    weights = initializer_bytes(packed_export)
     print(f"engine {report['bytes']} B; weights {weights['other'] + weights['packed']} B, of which the "
-          f"packed experts {weights['packed']} B (uint8; {4 * weights['packed']} B as the parser's int32)")
+          f"packed experts {weights['packed']} B, held by the network's constants at that size")
     assert report["bytes"] > 0
 
 
