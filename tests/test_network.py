@@ -274,8 +274,9 @@ def test_latent_mla_plugin_matches_its_onnx_function(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["float", "mxfp4"])
 def test_routed_experts_plugin_matches_its_onnx_function(packed: bool, tmp_path: Path) -> None:
-    """A PLUGIN_V3 layer runs torch.ops.k3.routed_experts(_mxfp4) (the packed constants as the parser
-    widens them, int32); ONNX Runtime runs the node's function body (a Loop over the used experts)."""
+    """A PLUGIN_V3 layer runs torch.ops.k3.routed_experts(_mxfp4) (the packed constants as int32 words,
+    k3export/mxfp4.py "Words", viewed back to bytes); ONNX Runtime runs the node's function body (a Loop
+    over the used experts)."""
     from k3export import mxfp4
 
     gen = torch.Generator().manual_seed(7)
@@ -285,7 +286,7 @@ def test_routed_experts_plugin_matches_its_onnx_function(packed: bool, tmp_path:
     dense = {"w1": torch.randn(E, I, L, generator=gen) / 6, "w3": torch.randn(E, I, L, generator=gen) / 6,
              "w2": torch.randn(E, L, I, generator=gen) / 6}
     if packed:
-        constants = {f"{w}_{part}": t.numpy() for w, tensor in dense.items()
+        constants = {f"{w}_{part}": mxfp4.to_words(t).numpy() for w, tensor in dense.items()
                      for part, t in zip(("packed", "scale"), mxfp4.quantize(tensor), strict=True)}
     else:
         constants = {w: t.numpy() for w, t in dense.items()}
