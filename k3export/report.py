@@ -108,8 +108,10 @@ def plot_layers(report: dict[str, Any], path: Path, title: str) -> dict[str, Any
         if first is not None and (first["step"] == "prefill") == (phase == "prefill"):
             ax.axvline(first["layer"], color="red", alpha=0.5)
             heading += f": first divergent layer {first['layer']} {first['sublayer']} (red)"
+        for start, _ in (report.get("stages") or [])[1:]:  # check --build: where each stage begins
+            ax.axvline(start - 0.5, color="gray", linestyle=":", alpha=0.7)
         ax.set_yscale("log")
-        ax.set_xlabel("layer")
+        ax.set_xlabel("layer" + (" (dotted: stage boundaries)" if report.get("stages") else ""))
         ax.set_title(heading, fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
         if ax.get_lines():
