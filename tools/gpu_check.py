@@ -80,7 +80,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # where inputs are drawn (a CPU smoke test of the glue may set "cpu")
 DTYPES = ("float32", "float16", "bfloat16")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-NAMES = {**{v: k for k, v in TORCH_DTYPES.items()}, torch.int64: "int64", torch.uint8: "uint8"}
+NAMES = {**{v: k for k, v in TORCH_DTYPES.items()}, torch.int64: "int64", torch.int32: "int32",
+         torch.uint8: "uint8"}
 SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Relative-error bounds against the float64 reference on the same (rounded) inputs. Every product in
 # the kernels is a float32 FMA ("ieee") dot or a half-precision tensor-core dot with float32
@@ -312,7 +313,9 @@ def mla_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
 
 def moe_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
     """z, experts, weights (renormalised), then w1, w3, w2 (float) or their packed and scale tensors
-    (random bytes; scales 2^-8 .. 2^-5 keep the products in range). Weights are scaled by 1/sqrt(fan-in)."""
+    (random uint8 bytes as the checkpoint holds them, for the eager op; moe_kernel_inputs views them as
+    the kernels' words; scales 2^-8 .. 2^-5 keep the products in range). Weights are scaled by
+    1/sqrt(fan-in)."""
     dtype = TORCH_DTYPES[c.dtype]
     E, I, L = c.experts, MOE_I, MOE_L
     z = torch.randn(c.B, L, device=gen.device, generator=gen).to(dtype)
@@ -332,6 +335,14 @@ def moe_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
                 w[e] = torch.randn(out_dim, in_dim, device=gen.device, generator=gen) * in_dim ** -0.5
             tensors.append(w)
     return [z, experts, weights, *tensors]
+
+
+def moe_kernel_inputs(c: Case, inputs: Sequence[Tensor]) -> list[Tensor]:
+    """The inputs as the kernels and the plugin take them: packed experts as int32 words (views of
+    the same bytes, k3export/mxfp4.py "Words"); the eager reference keeps the uint8 bytes."""
+    from k3plugins import moe
+
+    return [*inputs[:3], *map(moe.words, inputs[3:])] if c.packed else list(inputs)
 
 
 def moe_reference(c: Case, inputs: Sequence[Tensor]) -> list[Tensor]:
@@ -369,9 +380,10 @@ def native_trial(c: Case, gen: torch.Generator, fla_chunk_kda: Callable[..., Any
         inputs = moe_inputs(c, gen)
         reference = moe_reference(c, inputs)
         launch = moe.routed_experts_mxfp4 if c.packed else moe.routed_experts
+        kernel_inputs = moe_kernel_inputs(c, inputs)
 
         def run_moe() -> Sequence[Tensor]:
-            return (launch(*inputs, *MOE_BETAS),)
+            return (launch(*kernel_inputs, *MOE_BETAS),)
 
         return Trial(run_moe, run_moe, reference, None, sum(t.nbytes for t in inputs))
     if c.is_kda:
@@ -421,6 +433,7 @@ def plugin_trial(c: Case, gen: torch.Generator) -> Trial:
                                           "situ_linear_beta": np.array([MOE_BETAS[1]], dtype=np.float32)})
         inputs = moe_inputs(c, gen)
         reference = moe_reference(c, inputs)
+        inputs = moe_kernel_inputs(c, inputs)  # the plugin's int32 words
     elif c.is_kda:
         definition, fields = KDA, {}
         inputs = kda_inputs(c, gen)
