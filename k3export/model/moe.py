@@ -62,7 +62,8 @@ class RoutedExperts(nn.Module):
     def keep_packed(self) -> None:
         """Replaces w1/w2/w3 [E, O, I] by MXFP4 buffers `{w}_packed` [E, O, I/2] and `{w}_scale`
         [E, O, I/32] (uint8, 4.25 bits a weight instead of 16), as the published checkpoint
-        stores them; the exported graph keeps them uint8 too."""
+        stores them; the exported file keeps the same bytes, declared as int32 words
+        (k3export/mxfp4.py, "Words")."""
         for name in self.PROJECTIONS:
             weight = getattr(self, name)
             E, O, I = weight.shape

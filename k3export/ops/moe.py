@@ -11,7 +11,9 @@ run: the (token, slot) pairs are grouped by expert and each used expert is one m
 projection over its tokens, so the cost is top_k / num_experts of running every expert on every
 token (plus a few ops per used expert). `routed_experts_mxfp4` takes the
 experts as the published checkpoint stores them (k3export.mxfp4: packed [E, O, I/2] uint8, low
-nibble first, E8M0 scales [E, O, I/32]) and dequantises only the experts that receive a token.
+nibble first, E8M0 scales [E, O, I/32]) and dequantises only the experts that receive a token. The
+exported file and the plugin hold the same bytes as int32 words (k3export/mxfp4.py, "Words"); the
+plugin definition views them back to these bytes for this op.
 """
 
 from __future__ import annotations
