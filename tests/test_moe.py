@@ -256,6 +256,29 @@ def test_packed_experts_are_stored_as_words_of_their_bytes(onnx_models):
     assert [stored[n].shape for n in node.input[3:]] == [(E, I * L // 8), (E, I * L // 128)] * 3
 
 
+def test_packed_experts_without_weights_are_word_inputs(tmp_path):
+    """Exported without weights (meta), the packed experts are graph inputs: declared as int32 words
+    of their shapes too, and the file passes the full check."""
+    from k3export.onnx import export_onnx
+    from k3export.onnx.moe import packed_experts_as_words
+
+    module = RoutedExpertsModule(tuple(t.to("meta") for t in packed_experts()), True).eval()
+    gen = torch.Generator().manual_seed(0)
+    experts, weights = routing("random", 5, gen)
+    path = tmp_path / "meta.onnx"
+    export_onnx(module, (torch.randn(5, L, generator=gen).to("meta"), experts.to("meta"), weights.to("meta")),
+                path, dynamic_shapes=({0: "tokens"}, {0: "tokens", 1: "top_k"}, {0: "tokens", 1: "top_k"}))
+    assert len(packed_experts_as_words(path)) == 6
+    model = onnx.load(path)
+    words = {i.name: (i.type.tensor_type.elem_type, [d.dim_value for d in i.type.tensor_type.shape.dim])
+             for i in model.graph.input if i.name.startswith("t")}
+    assert list(words.values()) == [(onnx.TensorProto.INT32, [E, I * L // 8]),
+                                    (onnx.TensorProto.INT32, [E, I * L // 128])] * 3
+    assert not model.graph.initializer
+    onnx.checker.check_model(path, full_check=True)
+    assert packed_experts_as_words(path) == []  # already words
+
+
 @pytest.mark.parametrize(("packed", "dtype"), [(False, torch.float32), (False, torch.float16),
                                                (True, torch.float32)])
 @pytest.mark.parametrize(("case", "N"), [("random", 1), ("random", 17), ("top1", 6), ("unused_experts", 9),
