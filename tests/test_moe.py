@@ -199,7 +199,6 @@ def onnx_tensors(packed: bool, dtype: torch.dtype) -> tuple[Tensor, ...]:
 def onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, torch.dtype], Path]:
     """One export per form (plain, packed) and token dtype, at example shapes other than those tested."""
     from k3export.onnx import export_onnx
-    from k3export.onnx.moe import packed_experts_as_words
 
     folder = tmp_path_factory.mktemp("moe_onnx")
     models = {}
@@ -210,7 +209,6 @@ def onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, to
         export_onnx(RoutedExpertsModule(onnx_tensors(packed, dtype), packed).eval(),
                     (torch.randn(5, L, generator=gen).to(dtype), experts, weights), path,
                     dynamic_shapes=({0: "tokens"}, {0: "tokens", 1: "top_k"}, {0: "tokens", 1: "top_k"}))
-        assert len(packed_experts_as_words(path)) == (6 if packed else 0)  # as export_model does
         models[packed, dtype] = path
     return models
 
@@ -268,7 +266,6 @@ def test_packed_experts_without_weights_are_word_inputs(tmp_path):
     path = tmp_path / "meta.onnx"
     export_onnx(module, (torch.randn(5, L, generator=gen).to("meta"), experts.to("meta"), weights.to("meta")),
                 path, dynamic_shapes=({0: "tokens"}, {0: "tokens", 1: "top_k"}, {0: "tokens", 1: "top_k"}))
-    assert len(packed_experts_as_words(path)) == 6
     model = onnx.load(path)
     words = {i.name: (i.type.tensor_type.elem_type, [d.dim_value for d in i.type.tensor_type.shape.dim])
              for i in model.graph.input if i.name.startswith("t")}

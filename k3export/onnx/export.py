@@ -42,7 +42,6 @@ from k3export.model import K3ForCausalLM, KDACache, MLACache
 from k3export.model.cache import LayerCache
 from k3export.model.k3 import last_positions
 from k3export.onnx.functions import DOMAIN
-from k3export.onnx.moe import packed_experts_as_words
 from k3export.onnx.ops import export_onnx
 from k3export.taps import MEANINGS as TAP_MEANINGS
 from k3export.taps import SUBLAYERS as TAP_SUBLAYERS
@@ -243,9 +242,6 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
                     dynamic_shapes=(dynamic_shapes(inputs),),  # forward(*inputs): one parameter
                     opset_version=OPSET, input_names=[s.name for s in inputs],
                     output_names=[s.name for s in outputs], aot_plugins=aot_plugins)
-    # Packed MXFP4 experts as int32 words (k3export/mxfp4.py, "Words"), so that TensorRT-RTX keeps
-    # them packed: only model.onnx's headers change, the weights' bytes are written once, as above.
-    packed_experts_as_words(out_dir / GRAPH_FILE)
     graph = onnx.load(out_dir / GRAPH_FILE, load_external_data=False)
     config.to_json(out_dir / "config.json")
     manifest = {

@@ -26,7 +26,7 @@ from onnxscript import values
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, k3_functions
-from k3export.onnx.moe import moe_translation_table
+from k3export.onnx.moe import moe_translation_table, packed_experts_as_words
 
 PLUGIN_NAMESPACE = "k3"
 PLUGIN_VERSION = "1"
@@ -148,7 +148,8 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     place, the model last, so an interrupted run leaves no model that points at missing data.
     `aot_plugins` marks the k3 nodes for TensorRT's AOT plugins (`request_aot_plugins`).
 
-    MXFP4 experts kept packed stay uint8 in the file and are dequantised by the graph.
+    MXFP4 experts kept packed are written as int32 words of their bytes (k3export/mxfp4.py, "Words"),
+    so that TensorRT-RTX keeps them packed, and are dequantised by the graph.
     A module whose weights are on the meta device exports without weights: each becomes a graph
     input of its shape and dtype (after the weight inputs' names, the graph's own), so the file is
     complete ONNX that checkers and shape inference accept at real shapes, with no weight bytes."""
@@ -177,6 +178,7 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     data_name = f"{path.name}.data"
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         ir.save(model, Path(tmp) / path.name, external_data=data_name)
+        packed_experts_as_words(Path(tmp) / path.name)  # only the headers change: the data is written once
         if (Path(tmp) / data_name).exists():
             os.replace(Path(tmp) / data_name, path.with_name(data_name))
         os.replace(Path(tmp) / path.name, path)
