@@ -458,22 +458,23 @@ def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], l
     """The eager model with its weights from `{"seed": N}` or `{"checkpoint": DIR}`, or with none
     (`{"stripped": true}`: all on the meta device, for exporting a graph at real shapes); with a
     checkpoint, `"packed_experts": true` keeps its MXFP4 routed experts packed (dequantised in
-    forward). With `layers`, only the parts those layers use hold memory and weights (see
+    forward), and stripped, it gives the routed experts the packed layout (meta buffers). With
+    `layers`, only the parts those layers use hold memory and weights (see
     `K3ForCausalLM.parts`); the rest stay on the meta device, so one shard of a 2.8T model fits."""
     if "seed" not in weights and "checkpoint" not in weights and not weights.get("stripped"):
         raise CheckpointError(f"weights {weights!r}: expected a seed or a checkpoint "
                               "(an export made with --no-weights has no numbers to check)")
     with torch.device("meta"):
         model = K3ForCausalLM(config, dtype).eval()
-    if weights.get("stripped"):
-        return model
     if weights.get("packed_experts"):
-        if not read_layout(weights["checkpoint"]).mxfp4_experts:
+        if "checkpoint" in weights and not read_layout(weights["checkpoint"]).mxfp4_experts:
             raise CheckpointError(f"{weights['checkpoint']}: packed experts need MXFP4 routed experts "
                                   "(experts.{e}.w1.weight_packed); this checkpoint has none")
         for layer in model.model.layers:
             if not layer.is_dense:
                 layer.block_sparse_moe.experts.keep_packed()
+    if weights.get("stripped"):
+        return model
     parts = model.parts(layers or range(config.num_hidden_layers))
     _refuse_if_too_large(parts, config, dtype, layers)
     for part in parts:

@@ -103,8 +103,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         weights = {"seed": args.seed}
     if args.packed_experts:
-        if not args.checkpoint:
-            raise UserError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts")
+        if not (args.checkpoint or args.no_weights):
+            raise UserError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts, or "
+                            "--no-weights (the graph with MXFP4 expert inputs, at real shapes)")
         weights["packed_experts"] = True
     print(f"building the eager model: layers {layers.start}..{layers.stop - 1} of "
           f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
@@ -313,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "become named graph inputs; nothing to check numerically")
     export.add_argument("--packed-experts", action="store_true",
                         help="keep the checkpoint's MXFP4 routed experts packed in the eager model "
-                        "(4.25 bits a weight in memory); the ONNX file holds them packed too, as uint8 "
-                        "dequantised by the graph")
+                        "(4.25 bits a weight in memory); the ONNX file holds them packed too (their bytes "
+                        "as int32 words), dequantised by the graph. With --no-weights: MXFP4 expert inputs")
     export.add_argument("--aot-plugins", action="store_true",
                         help="mark every k3 node aot=1: full TensorRT with k3plugins.trt_aot then builds "
                              "the plugins' AOT forms (PTX in the engine, no Python at run time); "

@@ -114,7 +114,9 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
 
     stage = plan.stages[index]
     layers, name = stage.layers, stage_folder(index)
-    weights = {"stripped": True} if no_weights else recipe.weights
+    # Without weights the graph still takes the recipe's expert format (MXFP4 inputs when packed).
+    weights = {"stripped": True, **({"packed_experts": True} if recipe.packed_experts else {})} \
+        if no_weights else recipe.weights
     started = time.perf_counter()
     model = build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log)
     folder = OutputDir(out / name, MANIFEST_FILE, "build", overwrite=overwrite)
