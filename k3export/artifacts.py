@@ -180,10 +180,12 @@ class OutputDir:
     any heavy work; `staged()` yields an empty folder inside it to write into, and `commit` moves
     the files into place with the manifest last and removes what the old manifest listed."""
 
-    def __init__(self, path: str | Path, manifest_name: str, command: str, overwrite: bool = False) -> None:
+    def __init__(self, path: str | Path, manifest_name: str, command: str, overwrite: bool = False,
+                 option: str = "--out") -> None:
+        """`option` names the folder in messages: the command-line option that gave it."""
         self.path, self.manifest_name, self.command = Path(path), manifest_name, command
         if self.path.exists() and not self.path.is_dir():
-            raise UserError(f"--out {self.path}: a file is there; expected a new or empty folder, or "
+            raise UserError(f"{option} {self.path}: a file is there; expected a new or empty folder, or "
                             f"one that `k3export {command}` wrote")
         self.manifest: dict[str, Any] = {}  # what commit wrote
         self.owned: set[str] = set()
@@ -193,7 +195,7 @@ class OutputDir:
             self.foreign = _files(self.path) - self.owned
             if self.foreign and not overwrite:
                 raise UserError(
-                    f"--out {self.path}: holds files k3export did not write ({_listing(self.foreign)}); "
+                    f"{option} {self.path}: holds files k3export did not write ({_listing(self.foreign)}); "
                     f"expected a new or empty folder, or one that `k3export {command}` wrote. Choose another "
                     "folder, or pass --overwrite to write beside them (they are kept; only files listed in "
                     "the folder's own k3export manifests are replaced)")
