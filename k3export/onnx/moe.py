@@ -1,22 +1,20 @@
 """ONNX lowering of the routed experts: `k3.RoutedExperts` and `k3.RoutedExpertsMXFP4`, one node per
 MoE layer, with their schemas, translations and model-local functions in standard ops.
 
-The function bodies run only the experts that receive a token: a Loop over the U used experts (found
-with ScatterElements + TopK, so the trip count is U, not E), each iteration gathering and casting (or
-dequantising, for the packed form) that one expert's weights and running it as three Gemms on the
-tokens, weighted by their routing weight for it (zero for tokens that did not choose it). Weights are
-read, and dequantised, only for the experts used, and the working set is one expert's weights and a
-[tokens, I] intermediate, not [E, tokens, I]: decode costs what its k experts cost, prefill
-tokens x U experts (at most the dense form's tokens x E). The packed experts keep their checkpoint
-bytes in the file, declared as int32 words (k3export/mxfp4.py, "Words"; `packed_experts_as_words`
-rewrites the saved file's headers); the function decodes the words to bytes with int64 arithmetic.
-u is float32, as in eager; the experts run in float32.
+The function bodies run only the experts that receive a token, each on its own tokens: a Loop over
+the U used experts (found with ScatterElements + TopK, so the trip count is U, not E), each iteration
+gathering the tokens that chose that expert (NonZero), gathering and casting (or dequantising, for the
+packed form) that one expert's weights, running it as three Gemms on its tokens, and adding the
+results, times the tokens' routing weights, into their rows of u (ScatterND, reduction add). So the
+cost is tokens x k expert passes, in prefill as in decode, and the working set one expert's weights
+and its tokens' [n_e, I] intermediate. The packed experts keep their checkpoint bytes in the file,
+declared as int32 words (k3export/mxfp4.py, "Words"; `packed_experts_as_words` rewrites the saved
+file's headers); the function decodes the words to bytes with int64 arithmetic. u is float32, as in
+eager; the experts run in float32.
 
-Why not gather each expert's tokens: that needs shapes that depend on the data inside the Loop, and
-TensorRT-RTX 1.7 has no NonZero and fails to build a Loop holding such shapes (a TopK-gathered body
-parses, then the builder stops with an internal error in makeScopeNodesContiguous). This body parses
-and builds; the grouped form belongs in a RoutedExperts plugin, which the parser takes over this
-function when registered.
+These bodies are for ONNX Runtime and other ONNX consumers: TensorRT takes the k3plugins.moe plugin
+(build refuses a graph whose k3 nodes have no registered plugin, rather than letting the parser
+inline the function). They could not be inlined by TensorRT-RTX 1.7 anyway: it has no NonZero.
 """
 
 from __future__ import annotations
@@ -161,8 +159,8 @@ def _mxfp4_tables() -> list[onnx.NodeProto]:
 
 
 def _expert_body(packed: bool) -> onnx.GraphProto:
-    """One Loop iteration: expert e = used[i] on the tokens, weighted by their routing weight for e
-    (zero for those that did not choose it), added into u."""
+    """One Loop iteration: expert e = used[i] on the tokens that chose it (gathered by NonZero),
+    weighted by their routing weight for e and added into their rows of u (ScatterND)."""
     if packed:
         weight_nodes = [n for w in _PROJECTIONS for n in _dequantize(w)]
     else:
@@ -177,10 +175,18 @@ def _expert_body(packed: bool) -> onnx.GraphProto:
         helper.make_node("Cast", ["chosen"], ["chosen_f"], to=TensorProto.FLOAT),
         helper.make_node("Mul", ["weights_f", "chosen_f"], ["chosen_weights"]),
         helper.make_node("ReduceSum", ["chosen_weights", "one_axis"], ["token_weights"], keepdims=1),
+        # e's tokens, the rows that chose it: [n_e] for Gather, [n_e, 1] for ScatterND.
+        helper.make_node("ReduceMax", ["chosen_f", "one_axis"], ["picked_f"], keepdims=0),
+        helper.make_node("Cast", ["picked_f"], ["picked"], to=TensorProto.BOOL),
+        helper.make_node("NonZero", ["picked"], ["rows_2d"]),  # [1, n_e]
+        helper.make_node("Squeeze", ["rows_2d", "zero_axis"], ["rows"]),
+        helper.make_node("Transpose", ["rows_2d"], ["row_indices"], perm=[1, 0]),
+        helper.make_node("Gather", ["z_f", "rows"], ["z_e"], axis=0),
+        helper.make_node("Gather", ["token_weights", "rows"], ["weights_e"], axis=0),
         *weight_nodes,
         # SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)].
-        helper.make_node("Gemm", ["z_f", "w1_e"], ["a"], transB=1),
-        helper.make_node("Gemm", ["z_f", "w3_e"], ["b"], transB=1),
+        helper.make_node("Gemm", ["z_e", "w1_e"], ["a"], transB=1),
+        helper.make_node("Gemm", ["z_e", "w3_e"], ["b"], transB=1),
         helper.make_node("Div", ["a", "beta"], ["a_scaled"]),
         helper.make_node("Tanh", ["a_scaled"], ["a_tanh"]),
         helper.make_node("Mul", ["a_tanh", "beta"], ["a_clamped"]),
@@ -191,8 +197,8 @@ def _expert_body(packed: bool) -> onnx.GraphProto:
         helper.make_node("Mul", ["b_tanh", "linear_beta"], ["b_clamped"]),
         helper.make_node("Mul", ["gate", "b_clamped"], ["h"]),
         helper.make_node("Gemm", ["h", "w2_e"], ["y"], transB=1),
-        helper.make_node("Mul", ["y", "token_weights"], ["weighted"]),
-        helper.make_node("Add", ["u_in", "weighted"], ["u_out"]),
+        helper.make_node("Mul", ["y", "weights_e"], ["weighted"]),
+        helper.make_node("ScatterND", ["u_in", "row_indices", "weighted"], ["u_out"], reduction="add"),
         helper.make_node("Identity", ["cond_in"], ["cond_out"]),
     ]
     return helper.make_graph(
@@ -213,6 +219,7 @@ def _function(packed: bool, opset_version: int) -> onnx.FunctionProto:
         helper.make_node("Cast", ["weights"], ["weights_f"], to=TensorProto.FLOAT),
         _attribute_float("beta", "situ_beta"),
         _attribute_float("linear_beta", "situ_linear_beta"),
+        _ints("zero_axis", [0]),
         _ints("one_axis", [1]),
         _ints("flat_shape", [-1]),
         # The used experts: a [E] presence vector (ScatterElements of ones; duplicates write the same
