@@ -11,9 +11,11 @@ TensorScatter, needs it), and cache_lengths / input_lengths [batch] int64 are pl
 whether the KV_CACHE_UPDATE layers and the KDA plugin's aliased state really write in place is
 TensorRT's promise, not our measurement.
 
-The parser silently inlines a k3 node's ONNX function (Scan loops for KDA) when no creator matches
-its name, plugin_version and plugin_namespace, which would build a correct but slow engine; so the
-builder checks every k3 node against the registry first and refuses with a message that says which.
+The parser silently inlines a k3 node's ONNX function when no creator matches its name,
+plugin_version and plugin_namespace: Scan loops for KDA (a correct but slow engine), and for the
+routed experts a body it cannot import (NonZero), failing with a message that names neither the
+node nor its plugin; so the builder checks every k3 node against the registry first and refuses
+with a message that says which.
 """
 
 from __future__ import annotations
