@@ -17,7 +17,7 @@ INT32 as it is, so the experts reach the plugin at 4.25 bits per weight). Whole 
 flattened because a row of scales may be shorter than a word (k3-tiny: I/32 = 1); O*I is a
 multiple of 1024, so both always fit. In a flat expert, input k of row r is code c = r*I + k:
 nibble c % 8 (bits 4*(c % 8) ..) of word c // 8; its scale is byte g = c // 32, bits 8*(g % 4) ..
-of scale word g // 4. `to_words` / `from_words` convert; the eager op keeps the bytes.
+of scale word g // 4. `to_words` converts; the eager op keeps the bytes.
 """
 
 from __future__ import annotations
@@ -72,13 +72,6 @@ def to_words(stacked: Tensor) -> Tensor:
         raise ValueError(f"MXFP4 words need uint8 [E, O, n] with O*n a multiple of 4; got {stacked.dtype} "
                          f"{list(stacked.shape)}")
     return stacked.contiguous().view(stacked.shape[0], -1).view(torch.int32)
-
-
-def from_words(words: Tensor, rows: int) -> Tensor:
-    """int32 words [E, n] -> the uint8 bytes [E, rows, 4n / rows] they hold (a view)."""
-    if words.dtype != torch.int32 or words.dim() != 2 or (4 * words.shape[1]) % rows:
-        raise ValueError(f"MXFP4 words: {words.dtype} {list(words.shape)} do not hold [E, {rows}, n] bytes")
-    return words.contiguous().view(torch.uint8).view(words.shape[0], rows, -1)
 
 
 def check(packed: Tensor, scale: Tensor, name: str, dtype: torch.dtype = torch.float32) -> None:
