@@ -180,9 +180,10 @@ class OutputDir:
     any heavy work; `staged()` yields an empty folder inside it to write into, and `commit` moves
     the files into place with the manifest last and removes what the old manifest listed."""
 
-    def __init__(self, path: str | Path, manifest_name: str, command: str, overwrite: bool = False,
+    def __init__(self, path: str | Path, manifest_name: str, command: str, overwrite: bool | None = False,
                  option: str = "--out") -> None:
-        """`option` names the folder in messages: the command-line option that gave it."""
+        """`option` names the folder in messages: the command-line option that gave it. `overwrite`
+        None: the command has no --overwrite (a folder holding other files is only refused)."""
         self.path, self.manifest_name, self.command = Path(path), manifest_name, command
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"{option} {self.path}: a file is there; expected a new or empty folder, or "
@@ -197,8 +198,9 @@ class OutputDir:
                 raise UserError(
                     f"{option} {self.path}: holds files k3export did not write ({_listing(self.foreign)}); "
                     f"expected a new or empty folder, or one that `k3export {command}` wrote. Choose another "
-                    "folder, or pass --overwrite to write beside them (they are kept; only files listed in "
-                    "the folder's own k3export manifests are replaced)")
+                    + ("folder." if overwrite is None else
+                       "folder, or pass --overwrite to write beside them (they are kept; only files listed "
+                       "in the folder's own k3export manifests are replaced)"))
 
     @contextlib.contextmanager
     def staged(self) -> Iterator[Path]:

@@ -213,7 +213,7 @@ def report_dir(folder: str | Path) -> OutputDir:
         raise UserError("--report: the plots need matplotlib; install it with "
                         "`pip install -c constraints.txt -e '.[report]'`") from None
     matplotlib.use("Agg")  # files only, no display
-    return OutputDir(folder, MANIFEST, "check", option="--report")
+    return OutputDir(folder, MANIFEST, "check", overwrite=None, option="--report")
 
 
 def write_report(report: dict[str, Any], out: OutputDir, verdict: str, artifact: str) -> dict[str, Any]:

@@ -83,3 +83,4 @@ def test_report_folder_of_foreign_files_is_refused_before_the_check(tiny_export,
     assert main(["check", "--onnx", str(tiny_export), "--report", str(folder)]) == 2
     err = capsys.readouterr()
     assert f"--report {folder}" in err.err and "notes.txt" in err.err and "eager reference" not in err.out
+    assert "--overwrite" not in err.err  # check has no such option

@@ -354,7 +354,8 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
         raise UserError(f"{onnx_dir}: ONNX Runtime's CPU provider has no bfloat16 MatMul; check the "
                         f"bfloat16 graph as TensorRT parses it: k3export check --network {onnx_dir}")
     graph = onnx_dir / GRAPH_FILE
-    out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check", option="the check's folder")
+    out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check", overwrite=None,
+                    option="the check's folder")
     with out.staged() as stage:
         signature = Signature(manifest)
         report, session = compare_with_eager(
