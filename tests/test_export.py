@@ -223,3 +223,19 @@ def test_published_shapes_without_weights(tmp_path):
     assert (folder / "model.onnx.data").stat().st_size == 0
     with pytest.raises(Exception, match="no-weights"):
         run_check(folder, log=lambda _: None)
+
+
+def test_export_does_not_retrace_to_decompose(tmp_path, monkeypatch):
+    """The exporter's decomposition step is skipped (k3export.onnx.ops._without_decompositions):
+    torch's run_decompositions, a second trace as long as the capture, is never called. If torch
+    moves the private hook, this fails rather than the export silently taking twice as long."""
+    from k3export.onnx.export import export_model
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("run_decompositions was called")
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", refuse)
+    config = K3Config.from_preset("k3-tiny")
+    model = build_model(config, torch.float32, {"seed": 0}, range(0, 2))
+    manifest = export_model(model, tmp_path, range(0, 2), {"seed": 0})
+    assert manifest["custom_nodes"] == {"KDA": 2, "RoutedExperts": 1}

@@ -28,7 +28,7 @@ class Router(nn.Module):
 
         The bias only ranks; the weights are the plain sigmoid scores. Ties go to the lowest
         expert index (a stable descending sort), the same rule every backend follows."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().T)
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())
         experts = self.choose(scores)
         weights = scores.gather(-1, experts)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scaling

@@ -18,11 +18,13 @@ from typing import Any
 
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 import onnxscript.optimizer
 import torch
 from onnx.defs import OpSchema
 from onnxscript import opset18 as op
 from onnxscript import values
+from torch.onnx._internal.exporter import _fx_passes
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, k3_functions
@@ -87,6 +89,12 @@ def _tensor_scatter(past, update, write_indices):
     return _TENSOR_SCATTER(past, update, write_indices, axis=-2, mode="linear")
 
 
+def _to_dtype(self, dtype: int, non_blocking: bool = False, copy: bool = False, memory_format: str = ""):
+    """`x.to(dtype)` as the capture records it (the decomposition this export skips would turn it
+    into `_to_copy`, or nothing where the dtype is already x's: constant folding removes that Cast)."""
+    return op.Cast(self, to=dtype)
+
+
 def _stable_sort(self, stable: bool | None = None, dim: int = -1, descending: bool = False):
     """The router's tie rule (lowest expert index first) is a stable sort; ONNX TopK over the
     whole axis breaks ties to the lower index in both directions, which is the same order."""
@@ -99,6 +107,7 @@ TRANSLATION_TABLE: dict[Callable, Callable] = {
     torch.ops.k3.latent_mla.default: _latent_mla,
     torch.ops.k3.tensor_scatter.default: _tensor_scatter,
     torch.ops.aten.sort.stable: _stable_sort,
+    torch.ops.aten.to.dtype: _to_dtype,
     **moe_translation_table(PLUGIN_NAMESPACE, PLUGIN_VERSION),
 }
 
@@ -121,6 +130,42 @@ def request_aot_plugins(model: ir.Model) -> ir.Model:
         if node.domain == DOMAIN:
             node.attributes[AOT_ATTRIBUTE] = ir.AttrInt64(AOT_ATTRIBUTE, 1)
     return model
+
+
+@contextlib.contextmanager
+def _without_decompositions() -> Iterator[None]:
+    """torch.onnx.export retraces the captured program to decompose it (`run_decompositions`): a
+    second trace as long as the capture (8 of 21 s of k3-tiny's export). Our graph needs none of
+    it: every op the capture records has a translation, in torchlib or in TRANSLATION_TABLE (the
+    model avoids the few that have none, such as `Tensor.T` and `torch.promote_types`), and an op
+    without one fails the translation by name rather than giving a different graph. So the step
+    is the identity here. `decompose_with_registry` is private (torch 2.11 to 2.13 alike); the
+    tests pin that it exists and that exports still match the eager model."""
+    original = _fx_passes.decompose_with_registry
+    _fx_passes.decompose_with_registry = lambda program, registry: program
+    try:
+        yield
+    finally:
+        _fx_passes.decompose_with_registry = original
+
+
+def fold_constants(model: ir.Model) -> None:
+    """What the graph needs of an optimizer, and no more: constants folded (the axes and shapes
+    TensorRT needs as constants), constants as initializers, repeated subexpressions and unused
+    nodes removed. onnxscript's full optimizer adds pattern rewrites that find little in this
+    graph and took a third of the export (191,509 match attempts for k3-tiny)."""
+    onnxscript.optimizer.fold_constants(model, onnx_shape_inference=True)
+    ir.passes.Sequential(
+        common_passes.RemoveUnusedNodesPass(),
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common_passes.DeduplicateInitializersPass(),
+        common_passes.CommonSubexpressionEliminationPass(),
+        common_passes.RemoveUnusedNodesPass(),
+        common_passes.RemoveUnusedFunctionsPass(),
+        common_passes.RemoveUnusedOpsetsPass(),
+        common_passes.OutputFixPass(),
+        common_passes.NameFixPass(),
+    )(model)
 
 
 @contextlib.contextmanager
@@ -155,24 +200,21 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     complete ONNX that checkers and shape inference accept at real shapes, with no weight bytes."""
     # A layer range holds only its own layers' weights (the rest, unused by the graph, stay meta).
     with_weights = any(p.device.type != "meta" for p in module.parameters())
-    # The optimizer's constant folding would read meta weights, and would fold packed MXFP4 experts
-    # (uint8 buffers) back into float weights.
-    optimize = with_weights and not any(b.dtype == torch.uint8 for b in module.buffers())
-    with _quiet_exporter():
+    with _quiet_exporter(), _without_decompositions():
         program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
                                     dynamic_shapes=dynamic_shapes, opset_version=opset_version,
                                     input_names=input_names, output_names=output_names, verbose=False,
-                                    optimize=optimize)
-    model = attach_functions_ir(program.model)
-    if aot_plugins:
-        request_aot_plugins(model)
+                                    optimize=False)
+    model = program.model
     if not with_weights:
         for name in list(model.graph.initializers):
             value = model.graph.initializers.pop(name)
             value.const_value = None
             model.graph.inputs.append(value)
-    if not optimize:  # fold what TensorRT needs as constants (axes, shapes); the weights are inputs or uint8
-        onnxscript.optimizer.optimize(model, inline=False)
+    fold_constants(model)  # before the k3 functions are attached: their bodies stay as written
+    attach_functions_ir(model)
+    if aot_plugins:
+        request_aot_plugins(model)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data_name = f"{path.name}.data"
@@ -183,3 +225,4 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
             os.replace(Path(tmp) / data_name, path.with_name(data_name))
         os.replace(Path(tmp) / path.name, path)
     return model
+

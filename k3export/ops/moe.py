@@ -33,7 +33,7 @@ def situ_glu(a: Tensor, b: Tensor, beta: float, linear_beta: float) -> Tensor:
     """SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)], in float32
     (float64 for float64 inputs). Each factor is a soft clamp of SwiGLU's (silu(a) * b), bounded by
     its beta. Used by every routed expert, the shared experts and layer 0's dense MLP."""
-    dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
     a, b = a.to(dtype), b.to(dtype)
     return beta * torch.tanh(a / beta) * torch.sigmoid(a) * (linear_beta * torch.tanh(b / linear_beta))
 
