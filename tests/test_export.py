@@ -226,9 +226,9 @@ def test_published_shapes_without_weights(tmp_path):
 
 
 def test_export_does_not_retrace_to_decompose(tmp_path, monkeypatch):
-    """The exporter's decomposition step is skipped (k3export.onnx.ops._without_decompositions):
-    torch's run_decompositions, a second trace as long as the capture, is never called. If torch
-    moves the private hook, this fails rather than the export silently taking twice as long."""
+    """The exporter's decomposition step is skipped (k3export.onnx.ops._lean_preparation): torch's
+    run_decompositions, a second trace as long as the capture, is never called. If torch moves the
+    private hook, this fails rather than the export silently taking twice as long."""
     from k3export.onnx.export import export_model
 
     def refuse(*args, **kwargs):
@@ -239,3 +239,29 @@ def test_export_does_not_retrace_to_decompose(tmp_path, monkeypatch):
     model = build_model(config, torch.float32, {"seed": 0}, range(0, 2))
     manifest = export_model(model, tmp_path, range(0, 2), {"seed": 0})
     assert manifest["custom_nodes"] == {"KDA": 2, "RoutedExperts": 1}
+
+
+def test_type_promotion_from_metadata_inserts_torchs_casts():
+    """The export's type promotion (values from the capture's metadata) changes the graph exactly
+    as torch's own pass does, which runs every node again: on a bfloat16 range (float32 decay and
+    gates, boolean masks, Python scalars) both give the same graph."""
+    from torch.onnx._internal.exporter import _fx_passes
+
+    from k3export.onnx.export import ExportGraph, dynamic_shapes, example_inputs, graph_signature
+    from k3export.onnx.ops import _insert_type_promotion
+
+    config = K3Config.from_preset("k3-tiny")
+    layers = range(0, 2)
+    model = build_model(config, torch.bfloat16, {"seed": 0}, layers)
+    inputs, _ = graph_signature(config, layers, torch.bfloat16)
+    example = example_inputs(config, layers, torch.bfloat16, batch=2, seq=3, capacity=16)
+    shapes = tuple({axis: torch.export.Dim.DYNAMIC for axis in dims} for dims in dynamic_shapes(inputs))
+    graphs = []
+    for promote in (_fx_passes.insert_type_promotion_nodes, _insert_type_promotion):
+        with torch.no_grad():
+            program = torch.export.export(ExportGraph(model, layers).eval(), example,
+                                          dynamic_shapes=(shapes,), strict=False)
+        module = promote(program.graph_module) or program.graph_module
+        graphs.append(str(module.graph))
+    assert "convert_element_type" in graphs[0]
+    assert graphs[1] == graphs[0]
