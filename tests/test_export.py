@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from k3export.artifacts import file_record, sha256
-from k3export.checkpoint import build_model, save_checkpoint
+from k3export.check.driver import run_check
 from k3export.cli import main
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.check import run_check
 from k3export.onnx.export import bank_rows
+from k3export.weights.checkpoint import build_model, save_checkpoint
 
 PLUGIN = {"plugin_namespace": b"k3", "plugin_version": b"1"}
 

@@ -1,4 +1,4 @@
-"""Taps and localisation: `export --taps` adds per-layer outputs (k3export.taps), the eager model
+"""Taps and localisation: `export --taps` adds per-layer outputs (k3export.check.taps), the eager model
 gives the same tensors through hooks, and `check --taps` names the layer whose weights were changed
 in the exported files as the first divergent one."""
 
@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from k3export.artifacts import file_record
+from k3export.check.compare import TOLERANCES
+from k3export.check.driver import run_check
+from k3export.check.taps import SUBLAYERS, compare_taps, first_divergent, tap_names
 from k3export.cli import main
 from k3export.errors import UserError
-from k3export.onnx.check import run_check
 from k3export.onnx.export import ExportGraph, example_inputs, graph_signature
-from k3export.parity import TOLERANCES
-from k3export.taps import SUBLAYERS, compare_taps, first_divergent, tap_names
 
 
 def test_taps_are_existing_values_and_the_graph_is_otherwise_unchanged(taps_export, tiny_export):

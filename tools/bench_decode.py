@@ -66,10 +66,10 @@ class ConcatMixer(Mixer):
 def export_mixer(out: Path, capacity: int) -> None:
     """k3-small's first MLA layer alone, as the importable k3export defines it (this checkout's, or
     the old one's when PYTHONPATH points at its worktree)."""
-    from k3export.checkpoint import build_model
     from k3export.config import K3Config
     from k3export.model.mla import LatentMLA
     from k3export.onnx.ops import export_onnx
+    from k3export.weights.checkpoint import build_model
 
     config = K3Config.from_preset("k3-small")
     index = config.mla_layers[0]

@@ -48,9 +48,7 @@ from polygraphy.logger import G_LOGGER
 from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*, the plugins' reference computations)
-from k3export.engine.build import load_tensorrt_rtx, parse
-from k3export.errors import UserError
-from k3export.onnx.check import (
+from k3export.check.driver import (
     NUMPY_CARRIER,
     PRESENT,
     Signature,
@@ -58,6 +56,8 @@ from k3export.onnx.check import (
     planned,
     present_to_past,
 )
+from k3export.engine.build import load_tensorrt_rtx, parse
+from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, resolve_shape
 from k3export.progress import track
 
@@ -724,7 +724,7 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
                       net: ParsedNetwork | None = None, taps: bool = False,
                       kernels: bool = False) -> dict[str, Any]:
     """The parsed network against the eager model through check's one driver
-    (k3export.onnx.check.compare_with_eager: the same requests, bounds, held routing and verdict as
+    (k3export.check.driver.compare_with_eager: the same requests, bounds, held routing and verdict as
     `check --onnx`). Returns the report (see "passed"). `net`: an already parsed network (tests
     alter one after parsing). `taps`: also compare the export's taps and name the first divergent
     layer (report["taps"]). `kernels`: plugin layers launch their Triton kernels (TRITON_INTERPRET=1

@@ -9,7 +9,7 @@ by the stage's export.json, so no tensor name is written here: a stage's feeds a
 stage's outputs of the same name, or the request's own (token ids, cache and input lengths). A
 TensorRT engine per stage would be another runner of the same shape; none can run here (no GPU).
 A build with taps (`build RECIPE --taps`) has more outputs per stage; nothing here reads them.
-`check --build` runs this same chain as one check runner (k3export.runtime.check.ChainRunner).
+`check --build` runs this same chain as one check runner (k3export.check.runners.chain.ChainRunner).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from k3export.artifacts import require, verify
+from k3export.check.driver import BoundOnnxrtRunner, Signature
 from k3export.errors import UserError
-from k3export.onnx.check import BoundOnnxrtRunner, Signature
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 
 BUILD_MANIFEST = "manifest.json"

@@ -3,7 +3,7 @@ NVIDIA GPU and TensorRT (full TensorRT, or TensorRT-RTX through Polygraphy's USE
 
 NOT RUN HERE: no machine this project tests on has a GPU, and engines cannot be deserialized
 without one, so this module is written thin and only its argument handling and refusals are tested.
-It reuses check --onnx's driver (k3export.onnx.check.run_check: prefill of right-padded prompts,
+It reuses check --onnx's driver (k3export.check.driver.run_check: prefill of right-padded prompts,
 greedy decode steps, valid entries, taps, verdict) and swaps ONNX Runtime for `EngineRunner`, a
 stateful wrapper of Polygraphy's TrtRunner that carries the caches from call to call.
 
@@ -25,8 +25,8 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 
+from k3export.check.driver import PRESENT, Signature, _zero_rows, present_to_past, run_check
 from k3export.errors import UserError
-from k3export.onnx.check import PRESENT, Signature, _zero_rows, present_to_past, run_check
 
 
 def engine_targets(path: str | Path) -> list[tuple[Path, Path]]:

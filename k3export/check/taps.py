@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor, nn
 
-from k3export.parity import HALF_REL_CAP, Tolerance, compare
+from k3export.check.compare import HALF_REL_CAP, Tolerance, compare
 
 SUBLAYERS = ("mixer", "ffn", "partial")
 PREFIX = "taps."

@@ -2,7 +2,7 @@
 
 The build's stages, chained as `k3export run` chains them (k3export.runtime.Pipeline: one ONNX
 Runtime session a stage, each fed the stage before's outputs), are one more runner of check's
-driver (k3export.onnx.check.compare_with_eager, as --onnx, --network and --engine use): the
+driver (k3export.check.driver.compare_with_eager, as --onnx, --network and --engine use): the
 `ChainRunner` takes the request's feeds and returns every stage's outputs, the AttnRes bank and
 partial block each stage sends on included. The eager side is the eager model run as the same
 chain (`EagerChain`: one ExportGraph a stage over one model, each fed the one before's outputs), so
@@ -29,13 +29,13 @@ from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.logger import G_LOGGER
 
+from k3export.check.driver import Signature, compare_with_eager, fitting_lengths, read_export
+from k3export.check.routing import routing_outputs
+from k3export.check.taps import parse_tap
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.check import Signature, compare_with_eager, fitting_lengths, read_export
 from k3export.onnx.export import GRAPH_FILE, ExportGraph
-from k3export.routing import routing_outputs
 from k3export.runtime import Pipeline, stage_exports
-from k3export.taps import parse_tap
 
 ROUTING_SEPARATOR = ":"  # a routing output of stage i is named "stage{i}:{tensor}" (tensor names repeat)
 

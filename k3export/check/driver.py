@@ -46,12 +46,7 @@ from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
 from k3export.artifacts import OutputDir, require, verify, write_json
-from k3export.checkpoint import build_model
-from k3export.config import K3Config
-from k3export.errors import UserError
-from k3export.model.cache import check_request
-from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
-from k3export.parity import (
+from k3export.check.compare import (
     TOLERANCES,
     Tolerance,
     compare,
@@ -60,9 +55,14 @@ from k3export.parity import (
     top1_agreement,
     verdict,
 )
+from k3export.check.routing import held_routing, routing_outputs
+from k3export.check.taps import compare_taps, first_divergent, parse_tap
+from k3export.config import K3Config
+from k3export.errors import UserError
+from k3export.model.cache import check_request
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
 from k3export.progress import track
-from k3export.routing import held_routing, routing_outputs
-from k3export.taps import compare_taps, first_divergent, parse_tap
+from k3export.weights.checkpoint import build_model
 
 # Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
 CHECK_DIR, CHECK_MANIFEST = "check", "check.json"
@@ -384,7 +384,7 @@ def require_taps(manifest: dict[str, Any], folder: Path) -> None:
 
 def tap_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]], lengths_after: np.ndarray,
              input_lengths: np.ndarray, tolerance: Tolerance) -> dict[str, Any]:
-    """One step's taps compared (k3export.taps.compare_taps): outs as _compare_step's."""
+    """One step's taps compared (k3export.check.taps.compare_taps): outs as _compare_step's."""
     valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.taps}
              for out in outs]
     return {"step": label, "taps": compare_taps(valid[0], valid[1], valid[2] if len(outs) > 2 else None,
@@ -430,7 +430,7 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     float32 model, all fed the same requests: a prefill of right-padded prompts of `lengths` from
     empty caches, then `steps` greedy decode steps in which each side keeps its own caches and all
     take the eager model's token. Half precision holds the eager routers to the graph's expert
-    choices (k3export.routing; `extra_outputs` are those tensors). Valid entries only are compared.
+    choices (k3export.check.routing; `extra_outputs` are those tensors). Valid entries only are compared.
     Returns the report, verdict included, and the graph's runner.
 
     For an artifact that is not one graph (check --build: a chain of stage sessions) the caller

@@ -1,0 +1,1 @@
+"""One runner per artifact that check feeds and compares against the eager model."""
