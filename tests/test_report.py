@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from k3export.artifacts import verify
-from k3export.check.taps import SUBLAYERS
 from k3export.cli import main
+from k3export.onnx.taps import SUBLAYERS
 
 STEPS = 2
 

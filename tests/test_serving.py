@@ -13,9 +13,9 @@ import pytest
 import torch
 from reference import rel_error
 
+from k3export.check import driver as check
 from k3export.check.driver import BoundOnnxrtRunner, EagerRunner, Signature, run_check
 from k3export.errors import UserError
-from k3export.onnx import check
 from k3export.onnx.export import ExportGraph
 
 PROMPTS = (5, 17, 64)

@@ -19,10 +19,11 @@ import torch
 from k3export.artifacts import file_record
 from k3export.check.compare import TOLERANCES
 from k3export.check.driver import run_check
-from k3export.check.taps import SUBLAYERS, compare_taps, first_divergent, tap_names
+from k3export.check.taps import compare_taps, first_divergent
 from k3export.cli import main
 from k3export.errors import UserError
 from k3export.onnx.export import ExportGraph, example_inputs, graph_signature
+from k3export.onnx.taps import SUBLAYERS, tap_names
 
 
 def test_taps_are_existing_values_and_the_graph_is_otherwise_unchanged(taps_export, tiny_export):

@@ -34,7 +34,7 @@ from k3export.shards.recipe import load_recipe
 
 CHILD = """
 import dataclasses, gc, sys
-from k3export import stages
+from k3export.shards import stages
 from k3export.shards.recipe import load_recipe
 backend, _, variant = sys.argv[4].partition(":")
 if variant in ("before", "unreleased"):

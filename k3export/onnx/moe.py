@@ -30,7 +30,7 @@ from onnx.defs import OpSchema
 from onnxscript import values
 
 from k3export.artifacts import write_atomic
-from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES
+from k3export.onnx.domain import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES
 from k3export.ops import mxfp4
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]

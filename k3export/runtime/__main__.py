@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from k3export.check.taps import parse_tap
 from k3export.errors import UserError
 from k3export.onnx.export import resolve_shape
+from k3export.onnx.taps import parse_tap
 from k3export.runtime import (
     Generation,
     Sampler,

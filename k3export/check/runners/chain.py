@@ -31,10 +31,10 @@ from polygraphy.logger import G_LOGGER
 
 from k3export.check.driver import Signature, compare_with_eager, fitting_lengths, read_export
 from k3export.check.routing import routing_outputs
-from k3export.check.taps import parse_tap
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, ExportGraph
+from k3export.onnx.taps import parse_tap
 from k3export.runtime import Pipeline, stage_exports
 
 ROUTING_SEPARATOR = ":"  # a routing output of stage i is named "stage{i}:{tensor}" (tensor names repeat)
