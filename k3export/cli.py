@@ -137,7 +137,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported (parse_network)
         extra["kernels"] = True
     if args.network:
-        from k3export.engine.network import run_network_check
+        from k3export.check.runners.network import run_network_check
         run = run_network_check
     elif args.engine:
         from k3export.check.runners.engine import run_engine_check

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from reference import kda_inputs
 
 from k3export.artifacts import file_record
+from k3export.check.runners.network import run_network_check
 from k3export.cli import main
 from k3export.engine.network import (
     LAYERS,
@@ -26,7 +27,6 @@ from k3export.engine.network import (
     NotImplementedLayer,
     evaluate_network,
     parse_network,
-    run_network_check,
     to_numpy,
 )
 from k3export.onnx.functions import attach_functions

@@ -20,11 +20,12 @@ import pytest
 
 from k3export.artifacts import file_record, verify
 from k3export.check.compare import TOLERANCES, top1_agreement
-from k3export.check.driver import EagerRunner, Signature
 from k3export.check.runners.chain import run_build_check
+from k3export.check.runners.eager import EagerRunner
 from k3export.cli import main
 from k3export.errors import UserError
 from k3export.onnx.export import ExportGraph
+from k3export.onnx.runner import Signature
 from k3export.onnx.taps import SUBLAYERS, tap_names
 from k3export.runtime import Pipeline, Sampler, generate, last_positions, random_prompts, stage_exports
 from k3export.shards.recipe import load_recipe

@@ -43,9 +43,9 @@ def measure(onnx_dir: Path, threads: int, prefill: list[int], pasts: list[int],
             repeats: int) -> list[dict]:
     """One row per shape: phase, shape, unit and the eager and ONNX Runtime figures (tokens/s for
     prefill, ms/token for decode)."""
-    from k3export.check.driver import onnxrt_session
     from k3export.config import K3Config
     from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, example_inputs, export_model
+    from k3export.onnx.runner import onnxrt_session
     from k3export.weights.checkpoint import build_model
 
     torch.set_num_threads(threads)

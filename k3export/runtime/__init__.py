@@ -4,7 +4,7 @@
     torchrun --nproc-per-node N -m k3export.runtime DIR --prompt-len 32   # one process a stage (gloo)
 
 A stage takes named tensors and gives named tensors; what backs it is its own business. Here it is
-ONNX Runtime through IO binding (check's BoundOnnxrtRunner: the MLA cache written in place), driven
+ONNX Runtime through IO binding (onnx.runner.BoundOnnxrtRunner: the MLA cache written in place), driven
 by the stage's export.json, so no tensor name is written here: a stage's feeds are the previous
 stage's outputs of the same name, or the request's own (token ids, cache and input lengths). A
 TensorRT engine per stage would be another runner of the same shape; none can run here (no GPU).
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from k3export.artifacts import require, verify
-from k3export.check.driver import BoundOnnxrtRunner, Signature
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
+from k3export.onnx.runner import BoundOnnxrtRunner, Signature
 
 BUILD_MANIFEST = "manifest.json"
 
