@@ -170,7 +170,7 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
             graph_runner or (lambda sig, extra: BoundOnnxrtRunner(graph, sig, extra_outputs=extra)),
             steps, seed, lengths, log, taps,
             on_prefill=lambda feed, golden: _save_replay(stage, signature, feed, golden, len(lengths)))
-        report["aliased"] = dict(getattr(session, "aliased", {}))
+        report["aliased"] = dict(session.aliased)
         atol, rtol = POLYGRAPHY_TOLERANCES[manifest["dtype"]]
         # Elementwise replay tolerance: at least what the prefill comparison itself accepted.
         atol = max(atol, 2 * max(c["max_abs"] for c in report["steps"][0]["outputs"]))
