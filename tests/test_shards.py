@@ -299,6 +299,20 @@ def test_check_build_names_the_divergent_stage(onnx_build, tmp_path: Path) -> No
     assert report["steps"][0]["stages"][0]["passed"]
 
 
+def test_the_documented_build_check(onnx_build, capsys) -> None:
+    """docs/sharding.md's check of a tapped build (2 stages there, 3 here: its lines do not depend on
+    the count), as the code printed them before the check moved into k3export/check."""
+    out, _ = onnx_build
+    assert main(["check", "--build", str(out), "--taps", "--steps", "4", "--prompt-len", "24"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    documented = (Path(__file__).parents[1] / "docs" / "sharding.md").read_text().splitlines()
+    for line in ["first divergent: none (every tap within its envelope)",
+                 "first divergent stage: none (every stage's outputs within the bound at every step)",
+                 "PASSED (float32, relative error <= 0.0001; greedy streams identical: True; token "
+                 "mismatches 0, ties 0 of 44 positions)"]:
+        assert line in printed and f"    {line}" in documented
+
+
 def rerecord(build: Path, stage: int, changed: list[str]) -> None:
     """Records the new sha256 of files changed in stage `stage`'s folder: in its export.json (its
     own files) and the build's manifest (those and export.json), so that the build still verifies."""
