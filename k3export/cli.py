@@ -11,10 +11,10 @@ import time
 import traceback
 from pathlib import Path
 
-from k3export.accounting import COMPONENTS, moe_cost_note, parameter_report
-from k3export.checkpoint import read_layout
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
+from k3export.model.accounting import COMPONENTS, moe_cost_note, parameter_report
+from k3export.weights.checkpoint import read_layout
 
 
 def _add_model_source(parser: argparse.ArgumentParser, checkpoint: bool = False) -> None:
@@ -88,9 +88,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from k3export.artifacts import OutputDir
-    from k3export.checkpoint import build_model
     from k3export.onnx.export import MANIFEST_FILE, export_model, parse_layers
     from k3export.progress import spinner
+    from k3export.weights.checkpoint import build_model
 
     out = OutputDir(args.out, MANIFEST_FILE, "export", overwrite=args.overwrite)
     config = _config(args)
@@ -124,7 +124,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from k3export.onnx.check import run_check
+    from k3export.check.driver import run_check
 
     extra = {"taps": True} if args.taps else {}
     if args.kernels:
@@ -137,18 +137,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported (parse_network)
         extra["kernels"] = True
     if args.network:
-        from k3export.engine.network import run_network_check
+        from k3export.check.runners.network import run_network_check
         run = run_network_check
     elif args.engine:
-        from k3export.engine.engine_check import run_engine_check
+        from k3export.check.runners.engine import run_engine_check
         run = run_engine_check
     elif args.build:
-        from k3export.runtime.check import run_build_check
+        from k3export.check.runners.chain import run_build_check
         run = run_build_check
     else:
         run = run_check
     if args.report:
-        from k3export.report import report_dir, write_report
+        from k3export.check.report import report_dir, write_report
         out = report_dir(args.report)  # refused before the check runs, not after
     report = run(args.network or args.engine or args.build or args.onnx, steps=args.steps, seed=args.seed,
                  batch=args.batch, prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print,
@@ -162,10 +162,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0 if report["passed"] else 1
     if args.taps:
-        from k3export.taps import summary_lines
+        from k3export.check.taps import summary_lines
         print("\n".join(summary_lines(report["taps"])))
     if args.build:
-        from k3export.runtime.check import stage_lines
+        from k3export.check.runners.chain import stage_lines
         print("\n".join(stage_lines(report)))
     print(verdict)
     if args.report:
@@ -177,7 +177,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_verdict(report: dict) -> str:
     """PASSED or FAILED with every reason, then the bound and the token agreement."""
-    from k3export.parity import HALF_REL_CAP, MAX_TIE_FRACTION
+    from k3export.check.compare import HALF_REL_CAP, MAX_TIE_FRACTION
 
     reasons = []
     if report.get("first_nonfinite"):
@@ -211,7 +211,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from k3export.onnx.export import MANIFEST_FILE
 
     if args.recipe:
-        from k3export.stages import cmd_build_recipe
+        from k3export.shards.stages import cmd_build_recipe
         return cmd_build_recipe(args)
     if not args.onnx:
         raise UserError("build: expected --onnx DIR (one export) or a RECIPE (every pipeline stage)")
@@ -368,12 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
     build.add_argument("--max-batch", type=int, default=Limits.batch)
     build.add_argument("--max-seq", type=int, default=Limits.seq, help="prefill tokens per call")
-    from k3export.stages import add_build_arguments
+    from k3export.shards.stages import add_build_arguments
     add_build_arguments(build)
     _add_quiet(build)
     build.set_defaults(run=cmd_build)
 
-    from k3export.plan import add_parser as add_plan_parser
+    from k3export.shards.plan import add_parser as add_plan_parser
     add_plan_parser(sub)
     from k3export.runtime import add_parser as add_run_parser
     add_run_parser(sub)

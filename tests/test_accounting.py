@@ -2,8 +2,8 @@
 
 import pytest
 
-from k3export.accounting import parameter_report
 from k3export.config import K3Config
+from k3export.model.accounting import parameter_report
 
 D, H, HK, VOCAB = 7168, 96, 96 * 128, 163840
 

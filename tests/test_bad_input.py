@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from k3export.artifacts import sha256
-from k3export.checkpoint import INDEX_NAME, save_checkpoint
 from k3export.cli import main
+from k3export.weights.checkpoint import INDEX_NAME, save_checkpoint
 
 
 def k3export(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -215,7 +215,7 @@ def test_pickles_and_paths_outside_the_folder_are_refused(sharded, tmp_path):
 
 
 def test_mxfp4_values_beyond_float16_are_refused():
-    from k3export import mxfp4
+    from k3export.ops import mxfp4
 
     packed = torch.full((2, 16), 0x77, dtype=torch.uint8)  # code 7: 6.0
     scale = torch.full((2, 1), 127 + 14, dtype=torch.uint8)  # 6 * 2^14 = 98304 > 65504
@@ -294,7 +294,7 @@ def test_export_killed_at_a_random_moment(range_export, tmp_path):
 def test_a_nan_weight_fails_the_check_naming_it(tiny_model, tmp_path):
     """A checkpoint with one Inf weight exports (the file is what it is) and the check fails (exit 1),
     naming the weight, then the first step and outputs where NaN/Inf appear."""
-    from k3export.checkpoint import build_model
+    from k3export.weights.checkpoint import build_model
 
     model = build_model(tiny_model.config, torch.float32, {"seed": 0})
     name = "model.layers.5.post_attention_layernorm.weight"

@@ -5,9 +5,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from k3export.checkpoint import CheckpointError, build_model, load_checkpoint, save_checkpoint
 from k3export.config import K3Config
 from k3export.model import K3ForCausalLM
+from k3export.weights.checkpoint import CheckpointError, build_model, load_checkpoint, save_checkpoint
 
 
 def fresh(config: K3Config) -> K3ForCausalLM:

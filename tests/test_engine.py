@@ -199,7 +199,7 @@ def expected_moe_layers(manifest: dict[str, Any]) -> int:
 def packed_export(tiny_model, tmp_path_factory) -> Path:
     """`export --packed-experts` of the tiny model's published checkpoint with MXFP4 experts."""
     from k3export.cli import main
-    from k3export.published import write_published
+    from k3export.weights.published import write_published
 
     folder = tmp_path_factory.mktemp("packed")
     write_published(tiny_model, folder / "checkpoint", experts="mxfp4")
@@ -267,7 +267,7 @@ def checkpoint_experts(checkpoint: Path) -> dict[str, bytes]:
 
 def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None:
     """One RoutedExpertsMXFP4 plugin layer per MoE layer (8 in k3-tiny) and no Loop; the plugin reads
-    the packed codes and scales as the export declares them, int32 words (k3export/mxfp4.py, "Words":
+    the packed codes and scales as the export declares them, int32 words (k3export/ops/mxfp4.py, "Words":
     [E, O*I/8], [E, O*I/128]), never dequantised in the network and not widened by the parser (which
     widens UINT8 initializers to INT32, one byte per int32): each constant layer feeding the plugin
     holds exactly the checkpoint's bytes of its experts, so the network holds the packed experts at

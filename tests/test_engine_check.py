@@ -9,11 +9,11 @@ import json
 import pytest
 from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
+from k3export.check.driver import run_check
+from k3export.check.runners import engine as engine_check
+from k3export.check.runners.engine import EngineRunner, engine_targets
 from k3export.cli import main
-from k3export.engine import engine_check
-from k3export.engine.engine_check import EngineRunner, engine_targets
 from k3export.errors import UserError
-from k3export.onnx.check import run_check
 
 
 def test_check_takes_exactly_one_artifact(tiny_export, capsys):

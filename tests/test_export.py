@@ -9,14 +9,15 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from polygraphy.json import load_json
 
 from k3export.artifacts import file_record, sha256
-from k3export.checkpoint import build_model, save_checkpoint
+from k3export.check.driver import run_check
 from k3export.cli import main
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.check import run_check
 from k3export.onnx.export import bank_rows
+from k3export.weights.checkpoint import build_model, save_checkpoint
 
 PLUGIN = {"plugin_namespace": b"k3", "plugin_version": b"1"}
 
@@ -69,11 +70,24 @@ def test_census_and_checker(tiny_export, bf16_export):
     assert "56x" in manifest["moe"]
 
 
+# The verdict line `k3export check --onnx out/tiny` prints in the README (made by the code before the
+# check moved into k3export/check, and the same since).
+README_VERDICT = ("PASSED (float32, relative error <= 0.0001; greedy streams identical: True; token "
+                  "mismatches 0, ties 0 of 137 positions)")
+
+
 @pytest.mark.parametrize(("batch", "prompt_len", "steps"), [(2, 70, 16), (1, 1, 2), (3, 5, 2)])
-def test_onnxruntime_matches_eager_fp32(tiny_export, batch, prompt_len, steps):
+def test_onnxruntime_matches_eager_fp32(tiny_export, batch, prompt_len, steps, capsys):
     """Prefill (length 1, short, and past KDA's chunk of 64), then greedy decode feeding each side
-    its own caches: logits and every cache within 1e-4 relative, identical greedy tokens."""
-    report = run_check(tiny_export, steps=steps, batch=batch, prompt_len=prompt_len, log=lambda _: None)
+    its own caches: logits and every cache within 1e-4 relative, identical greedy tokens. The first
+    case is the README's example, every option at its default, through the command line."""
+    if (batch, prompt_len, steps) == (2, 70, 16):
+        assert main(["check", "--onnx", str(tiny_export)]) == 0
+        assert README_VERDICT in capsys.readouterr().out.splitlines()
+        assert f"    {README_VERDICT}" in (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+        report = load_json(str(tiny_export / "check" / "report.json"))
+    else:
+        report = run_check(tiny_export, steps=steps, batch=batch, prompt_len=prompt_len, log=lambda _: None)
     assert report["passed"], report["failed_outputs"]
     assert report["greedy_streams_identical"] and report["token_mismatches"] == 0
     assert len(report["steps"]) == steps + 1

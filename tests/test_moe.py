@@ -17,8 +17,8 @@ from reference import rel_error
 from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
-from k3export import mxfp4
 from k3export.errors import UserError
+from k3export.ops import mxfp4
 
 E, I, L = 8, 64, 32
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -315,7 +315,7 @@ def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, ti
     layer and two MoE layers) give MXFP4 nodes whose experts are int32 word inputs. Parsed in a
     subprocess: some TensorRT failures abort the process."""
     from k3export.cli import main
-    from k3export.published import write_published
+    from k3export.weights.published import write_published
 
     config = tiny_model.config
     layers = range(config.num_hidden_layers)

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from reference import kda_inputs
 
 from k3export.artifacts import file_record
+from k3export.check.runners.network import run_network_check
 from k3export.cli import main
 from k3export.engine.network import (
     LAYERS,
@@ -26,7 +27,6 @@ from k3export.engine.network import (
     NotImplementedLayer,
     evaluate_network,
     parse_network,
-    run_network_check,
     to_numpy,
 )
 from k3export.onnx.functions import attach_functions
@@ -275,9 +275,9 @@ def test_latent_mla_plugin_matches_its_onnx_function(tmp_path: Path) -> None:
 @pytest.mark.parametrize("packed", [False, True], ids=["float", "mxfp4"])
 def test_routed_experts_plugin_matches_its_onnx_function(packed: bool, tmp_path: Path) -> None:
     """A PLUGIN_V3 layer runs torch.ops.k3.routed_experts(_mxfp4) (the packed constants as int32 words,
-    k3export/mxfp4.py "Words", viewed back to bytes); ONNX Runtime runs the node's function body (a Loop
+    k3export/ops/mxfp4.py "Words", viewed back to bytes); ONNX Runtime runs the node's function body (a Loop
     over the used experts)."""
-    from k3export import mxfp4
+    from k3export.ops import mxfp4
 
     gen = torch.Generator().manual_seed(7)
     E, I, L, N = 4, 32, 32, 5

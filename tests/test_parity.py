@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from k3export.parity import (
+from k3export.check.compare import (
     HALF_REL_CAP,
     MAX_TIE_FRACTION,
     TOLERANCES,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from k3export.cli import main
-from k3export.plan import LINK_GB_PER_S, partition, plan_recipe
-from k3export.recipe import load_recipe
+from k3export.shards.plan import LINK_GB_PER_S, partition, plan_recipe
+from k3export.shards.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,13 @@ from reference import rel_error
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import k3export.checkpoint as checkpoint
-from k3export import mxfp4
-from k3export.checkpoint import (
+import k3export.weights.checkpoint as checkpoint
+from k3export.check.driver import run_check
+from k3export.cli import main
+from k3export.config import K3Config
+from k3export.model import K3ForCausalLM
+from k3export.ops import mxfp4
+from k3export.weights.checkpoint import (
     INDEX_NAME,
     CheckpointError,
     checkpoint_slots,
@@ -22,11 +26,7 @@ from k3export.checkpoint import (
     read_layout,
     weight_map,
 )
-from k3export.cli import main
-from k3export.config import K3Config
-from k3export.model import K3ForCausalLM
-from k3export.onnx.check import run_check
-from k3export.published import FLOAT32_SUFFIXES, write_published
+from k3export.weights.published import FLOAT32_SUFFIXES, write_published
 
 PREFIX = "language_model.model.layers"
 
@@ -379,7 +379,7 @@ def test_cli_info_and_export_on_a_published_checkpoint(mxfp4_dir, tmp_path, caps
     assert "tensors from 3 of those 10 files" in capsys.readouterr().out  # layers 7, 8 and the globals
     manifest = json.loads((out_dir / "export.json").read_text())
     assert manifest["weights"]["packed_experts"] is True and manifest["layers"] == [7, 9]
-    # The file carries the experts as published (their bytes, declared as int32 words: k3export/mxfp4.py),
+    # The file carries the experts as published (their bytes, declared as int32 words: k3export/ops/mxfp4.py),
     # dequantised by the graph itself.
     graph = onnx.load(out_dir / "model.onnx", load_external_data=False)
     experts = {t.name.rsplit(".", 1)[-1]: t for t in graph.graph.initializer if ".experts." in t.name}

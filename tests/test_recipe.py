@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from k3export.errors import UserError
-from k3export.recipe import load_recipe
+from k3export.shards.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from PIL import Image
 
 from k3export.artifacts import verify
 from k3export.cli import main
-from k3export.taps import SUBLAYERS
+from k3export.onnx.taps import SUBLAYERS
 
 STEPS = 2
 

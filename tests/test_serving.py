@@ -13,10 +13,12 @@ import pytest
 import torch
 from reference import rel_error
 
+from k3export.check.driver import run_check
+from k3export.check.runners.eager import EagerRunner
 from k3export.errors import UserError
-from k3export.onnx import check
-from k3export.onnx.check import BoundOnnxrtRunner, EagerRunner, Signature, run_check
+from k3export.onnx import runner as onnx_runner
 from k3export.onnx.export import ExportGraph
+from k3export.onnx.runner import BoundOnnxrtRunner, Signature
 
 PROMPTS = (5, 17, 64)
 STEPS = 8
@@ -171,7 +173,7 @@ def test_overflowing_request_is_refused_before_any_session(tiny_export, monkeypa
     def no_session(*args, **kwargs):
         raise AssertionError("an ONNX Runtime session was created")
 
-    monkeypatch.setattr(check.ort, "InferenceSession", no_session)
+    monkeypatch.setattr(onnx_runner.ort, "InferenceSession", no_session)
     with pytest.raises(UserError, match=r"request refused: row 0 holds 4099 cached tokens and this call "
                                         r"writes 1 \(padding included\), 4100 > the cache capacity 4096"):
         run_check(tiny_export, steps=10, batch=2, prompt_len=4090, log=lambda _: None)

@@ -19,16 +19,17 @@ import onnx
 import pytest
 
 from k3export.artifacts import file_record, verify
+from k3export.check.compare import TOLERANCES, top1_agreement
+from k3export.check.runners.chain import run_build_check
+from k3export.check.runners.eager import EagerRunner
 from k3export.cli import main
 from k3export.errors import UserError
-from k3export.onnx.check import EagerRunner, Signature
 from k3export.onnx.export import ExportGraph
-from k3export.parity import TOLERANCES, top1_agreement
-from k3export.recipe import load_recipe
+from k3export.onnx.runner import Signature
+from k3export.onnx.taps import SUBLAYERS, tap_names
 from k3export.runtime import Pipeline, Sampler, generate, last_positions, random_prompts, stage_exports
-from k3export.runtime.check import run_build_check
-from k3export.stages import MANIFEST, _previous, build_recipe
-from k3export.taps import SUBLAYERS, tap_names
+from k3export.shards.recipe import load_recipe
+from k3export.shards.stages import MANIFEST, _previous, build_recipe
 
 TINY = Path(__file__).resolve().parents[1] / "engines/k3-tiny.toml"
 
@@ -296,6 +297,20 @@ def test_check_build_names_the_divergent_stage(onnx_build, tmp_path: Path) -> No
     report = run_build_check(bad, steps=2, batch=2, prompt_len=12, log=lambda _: None)
     assert not report["passed"] and report["first_divergent_stage"] == 1
     assert report["steps"][0]["stages"][0]["passed"]
+
+
+def test_the_documented_build_check(onnx_build, capsys) -> None:
+    """docs/sharding.md's check of a tapped build (2 stages there, 3 here: its lines do not depend on
+    the count), as the code printed them before the check moved into k3export/check."""
+    out, _ = onnx_build
+    assert main(["check", "--build", str(out), "--taps", "--steps", "4", "--prompt-len", "24"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    documented = (Path(__file__).parents[1] / "docs" / "sharding.md").read_text().splitlines()
+    for line in ["first divergent: none (every tap within its envelope)",
+                 "first divergent stage: none (every stage's outputs within the bound at every step)",
+                 "PASSED (float32, relative error <= 0.0001; greedy streams identical: True; token "
+                 "mismatches 0, ties 0 of 44 positions)"]:
+        assert line in printed and f"    {line}" in documented
 
 
 def rerecord(build: Path, stage: int, changed: list[str]) -> None:

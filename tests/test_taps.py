@@ -1,4 +1,4 @@
-"""Taps and localisation: `export --taps` adds per-layer outputs (k3export.taps), the eager model
+"""Taps and localisation: `export --taps` adds per-layer outputs (k3export.onnx.taps), the eager model
 gives the same tensors through hooks, and `check --taps` names the layer whose weights were changed
 in the exported files as the first divergent one."""
 
@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from k3export.artifacts import file_record
+from k3export.check.compare import TOLERANCES
+from k3export.check.driver import run_check
+from k3export.check.taps import compare_taps, first_divergent
 from k3export.cli import main
 from k3export.errors import UserError
-from k3export.onnx.check import run_check
 from k3export.onnx.export import ExportGraph, example_inputs, graph_signature
-from k3export.parity import TOLERANCES
-from k3export.taps import SUBLAYERS, compare_taps, first_divergent, tap_names
+from k3export.onnx.taps import SUBLAYERS, tap_names
 
 
 def test_taps_are_existing_values_and_the_graph_is_otherwise_unchanged(taps_export, tiny_export):
@@ -144,6 +145,22 @@ def test_check_taps_names_the_corrupted_layer(taps_export, tmp_path, capsys, art
                   < (layer, SUBLAYERS.index(sublayer))]
         assert before and all(t["rel"] <= 1e-4 for t in before)
     assert first["rel"] > 1e-4
+
+
+def test_the_documented_failing_check(taps_export, tmp_path, capsys):
+    """docs/check.md's run (layer 5's routed up-projection scaled by 1.5): its first divergent tap and
+    verdict lines, as the code printed them before the check moved into k3export/check."""
+    broken = corrupt(taps_export, tmp_path / "broken", CORRUPTIONS[2][0])
+    assert main(["check", "--onnx", str(broken), "--taps", "--steps", "4", "--prompt-len", "24"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    documented = (Path(__file__).parents[1] / "docs" / "check.md").read_text().splitlines()
+    for line in ["first divergent: layer 5 ffn (taps.5.ffn) at prefill: rel 4.35e-01 > bound 1.0e-04, "
+                 "cos 0.985791",
+                 "FAILED: logits, present.6.k_conv, present.6.kda_state, present.6.q_conv, present.6.v_conv, "
+                 "present.7.mla_latent, present.8.mla_latent; 17 greedy tokens differ past the tie margin "
+                 "(float32, relative error <= 0.0001; greedy streams identical: False; token mismatches 17, "
+                 "ties 0 of 44 positions)"]:
+        assert line in out and f"    {line}" in documented
 
 
 def test_first_divergent_takes_the_earliest_tap_of_any_step():

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from revisions import checkout, run_in
+from revisions import checkout, moved, run_in
 from torch import Tensor, nn
 
 MIXER_FILE = "mixer.onnx"
@@ -66,10 +66,11 @@ class ConcatMixer(Mixer):
 def export_mixer(out: Path, capacity: int) -> None:
     """k3-small's first MLA layer alone, as the importable k3export defines it (this checkout's, or
     the old one's when PYTHONPATH points at its worktree)."""
-    from k3export.checkpoint import build_model
     from k3export.config import K3Config
     from k3export.model.mla import LatentMLA
     from k3export.onnx.ops import export_onnx
+
+    build_model = moved("build_model", "k3export.weights.checkpoint", "k3export.checkpoint")
 
     config = K3Config.from_preset("k3-small")
     index = config.mla_layers[0]

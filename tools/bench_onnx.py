@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from revisions import checkout, run_in
+from revisions import checkout, moved, run_in
 
 OUT = Path("out/bench-onnx")
 
@@ -43,10 +43,11 @@ def measure(onnx_dir: Path, threads: int, prefill: list[int], pasts: list[int],
             repeats: int) -> list[dict]:
     """One row per shape: phase, shape, unit and the eager and ONNX Runtime figures (tokens/s for
     prefill, ms/token for decode)."""
-    from k3export.checkpoint import build_model
     from k3export.config import K3Config
-    from k3export.onnx.check import onnxrt_session
     from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, example_inputs, export_model
+
+    build_model = moved("build_model", "k3export.weights.checkpoint", "k3export.checkpoint")
+    onnxrt_session = moved("onnxrt_session", "k3export.onnx.runner", "k3export.onnx.check")
 
     torch.set_num_threads(threads)
     config = K3Config.from_preset("k3-small")

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from k3export.accounting import parameter_report
 from k3export.config import K3Config
+from k3export.model.accounting import parameter_report
 
 
 def main() -> None:

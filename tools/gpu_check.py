@@ -339,7 +339,7 @@ def moe_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
 
 def moe_kernel_inputs(c: Case, inputs: Sequence[Tensor]) -> list[Tensor]:
     """The inputs as the kernels and the plugin take them: packed experts as int32 words (views of
-    the same bytes, k3export/mxfp4.py "Words"); the eager reference keeps the uint8 bytes."""
+    the same bytes, k3export/ops/mxfp4.py "Words"); the eager reference keeps the uint8 bytes."""
     from k3plugins import moe
 
     return [*inputs[:3], *map(moe.words, inputs[3:])] if c.packed else list(inputs)

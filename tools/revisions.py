@@ -3,6 +3,7 @@ that nothing uncommitted in this working tree (another change in progress) enter
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -29,3 +30,14 @@ def checkout(out: Path, rev: str) -> tuple[str, Path]:
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit],
                        check=True)
     return commit, folder
+
+
+def moved(name: str, now: str, before: str) -> object:
+    """`name` from module `now`, or from `before` in a revision older than the move (k3export's
+    top-level modules went into packages in issue 17: k3export.checkpoint -> k3export.weights.checkpoint,
+    k3export.onnx.check -> k3export.onnx.runner and k3export.check, ...)."""
+    try:
+        module = importlib.import_module(now)
+    except ModuleNotFoundError:
+        module = importlib.import_module(before)
+    return getattr(module, name)

@@ -29,13 +29,13 @@ import sys
 import tempfile
 import time
 
-from k3export.plan import plan_recipe
-from k3export.recipe import load_recipe
+from k3export.shards.plan import plan_recipe
+from k3export.shards.recipe import load_recipe
 
 CHILD = """
 import dataclasses, gc, sys
-from k3export import stages
-from k3export.recipe import load_recipe
+from k3export.shards import stages
+from k3export.shards.recipe import load_recipe
 backend, _, variant = sys.argv[4].partition(":")
 if variant in ("before", "unreleased"):
     stages._release_exporter_graph = gc.collect

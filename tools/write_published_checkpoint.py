@@ -1,4 +1,4 @@
-"""Writes a seeded model as a checkpoint in the published Kimi-K3 layout (k3export/published.py).
+"""Writes a seeded model as a checkpoint in the published Kimi-K3 layout (k3export/weights/published.py).
 
     python tools/write_published_checkpoint.py --out /tmp/k3-tiny-published [--experts bf16]
     k3export info --checkpoint /tmp/k3-tiny-published
@@ -12,7 +12,7 @@ import torch
 
 from k3export.config import PRESETS, K3Config
 from k3export.model import K3ForCausalLM
-from k3export.published import write_published
+from k3export.weights.published import write_published
 
 
 def main() -> None:

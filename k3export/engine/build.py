@@ -32,8 +32,8 @@ import onnx
 from k3export.artifacts import atomic_path, require, verify
 from k3export.engine.rtx_setup import ensure_symlink
 from k3export.errors import UserError
+from k3export.onnx.domain import DOMAIN
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
-from k3export.onnx.functions import DOMAIN
 
 # The names TensorRT-RTX's ComputeCapability enum knows; it has no SM90.
 TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")

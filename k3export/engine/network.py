@@ -1,4 +1,4 @@
-"""`k3export check --network DIR`: the TensorRT network the builder receives, evaluated on CPU.
+"""The TensorRT network the builder receives, evaluated on CPU (`k3export check --network DIR`).
 
 TensorRT-RTX parses the export (k3 plugins registered) into an `INetworkDefinition`, exactly as
 `k3export build` does; this module then runs that network layer by layer in topological order with
@@ -23,14 +23,14 @@ arithmetic, the plugin fields and bindings. It does not cover the optimizer, its
   Every result is held to the dtype and the static dims TensorRT declared for that tensor.
 
     evaluate_network(export_dir, feeds)   # numpy in, numpy out, by the network's tensor names
-    run_network_check(export_dir)         # eager vs the network: prefill, then greedy decode steps
+
+`check --network DIR` runs it as one of check's runners (k3export.check.runners.network).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,23 +42,13 @@ import onnx
 import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
-from polygraphy.backend.base import BaseRunner
-from polygraphy.common import TensorMetadata
-from polygraphy.logger import G_LOGGER
 from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*, the plugins' reference computations)
 from k3export.engine.build import load_tensorrt_rtx, parse
 from k3export.errors import UserError
-from k3export.onnx.check import (
-    NUMPY_CARRIER,
-    PRESENT,
-    Signature,
-    compare_with_eager,
-    planned,
-    present_to_past,
-)
-from k3export.onnx.export import GRAPH_FILE, resolve_shape
+from k3export.onnx.export import GRAPH_FILE
+from k3export.onnx.runner import NUMPY_CARRIER
 from k3export.progress import track
 
 _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16,
@@ -676,73 +666,3 @@ def evaluate_network(export_dir: str | Path, feeds: dict[str, np.ndarray]) -> di
     tensor names (a bfloat16 tensor is fed and returned as float32)."""
     evaluator = NetworkEvaluator(parse_network(Path(export_dir) / GRAPH_FILE))
     return {name: to_numpy(value) for name, value in evaluator.evaluate(feeds).items()}
-
-
-class NetworkRunner(BaseRunner):
-    """The parsed network evaluated on CPU, as a check runner: like EagerRunner it holds its caches
-    between calls (in the network's own dtypes once written), `reset` starts rows fresh, and `infer`
-    takes the call's feeds and returns every output. `signature` may declare bfloat16 tensors
-    float32 (_carried): they cross numpy as float32 and are cast to the network's dtypes."""
-
-    def __init__(self, net: ParsedNetwork, signature: Signature, name: str = "network",
-                 extra_outputs: list[str] | None = None) -> None:
-        super().__init__(name=name)
-        self.evaluator, self.signature = NetworkEvaluator(net, extra_outputs), signature
-        self.caches: dict[str, Tensor] = {}
-        self.seconds = 0.0  # evaluating, over every call
-
-    def reset(self, batch: int, rows: list[int] | None = None) -> None:
-        """Empty caches for `batch` rows, or only `rows` made fresh (the rest kept; latent rows need
-        nothing: a cache length of 0 hides them)."""
-        if rows is None:
-            sizes = {"batch": batch, "capacity": self.signature.capacity}
-            self.caches = {s.name: torch.zeros(resolve_shape(s, sizes), dtype=getattr(torch, s.dtype))
-                           for s in self.signature.caches}
-        else:
-            for name, cache in self.caches.items():
-                if not name.endswith("mla_latent"):
-                    cache[rows] = 0
-
-    def get_input_metadata_impl(self) -> TensorMetadata:
-        return self.signature.metadata()
-
-    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        self.signature.check(feed_dict)
-        start = time.perf_counter()
-        with torch.no_grad():
-            outputs = self.evaluator.evaluate({**feed_dict, **self.caches})
-        self.inference_time = time.perf_counter() - start
-        self.seconds += self.inference_time
-        for name, value in outputs.items():
-            if name.startswith(PRESENT):
-                self.caches[present_to_past(name)] = value
-        return OrderedDict((name, to_numpy(value)) for name, value in outputs.items())
-
-
-def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, batch: int = 2,
-                      prompt_len: int = 70, log: Any = print,
-                      net: ParsedNetwork | None = None, taps: bool = False,
-                      kernels: bool = False) -> dict[str, Any]:
-    """The parsed network against the eager model through check's one driver
-    (k3export.onnx.check.compare_with_eager: the same requests, bounds, held routing and verdict as
-    `check --onnx`). Returns the report (see "passed"). `net`: an already parsed network (tests
-    alter one after parsing). `taps`: also compare the export's taps and name the first divergent
-    layer (report["taps"]). `kernels`: plugin layers launch their Triton kernels (TRITON_INTERPRET=1
-    must be set before triton is first imported; the cli does it) instead of the reference ops."""
-    export_dir = Path(export_dir)
-    G_LOGGER.module_severity = G_LOGGER.WARNING
-    manifest, config, lengths = planned(export_dir, taps, batch, prompt_len, steps)
-    start = time.perf_counter()
-    net = net or parse_network(export_dir / GRAPH_FILE)
-    net.kernels = kernels
-    log(f"network: {net.network.num_layers} layers parsed by TensorRT-RTX, evaluated on CPU")
-    report, runner = compare_with_eager(
-        manifest, config, export_dir / GRAPH_FILE,
-        lambda signature, extra: NetworkRunner(net, signature, extra_outputs=extra),
-        steps, seed, lengths, log, taps)
-    report["network"] = {"layers": net.network.num_layers, "seconds": runner.seconds,
-                         "seconds_by_layer_type": runner.evaluator.layer_seconds,
-                         "plugins": "triton kernels" if net.kernels else "reference ops",
-                         "kernel_launches": net.kernel_launches}
-    report["seconds"] = time.perf_counter() - start
-    return report

@@ -8,9 +8,9 @@ import torch
 from torch import Tensor, nn
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
-from k3export import mxfp4
 from k3export.config import K3Config
 from k3export.model.layers import RMSNorm, SituMLP
+from k3export.ops import mxfp4
 
 
 class Router(nn.Module):
@@ -35,7 +35,7 @@ class Router(nn.Module):
         return experts, weights
 
     def choose(self, scores: Tensor) -> Tensor:
-        """The top-k experts [N, k] by score plus correction bias (k3export.routing holds them to
+        """The top-k experts [N, k] by score plus correction bias (k3export.check.routing holds them to
         another backend's choices in half-precision checks)."""
         ranking = scores + self.e_score_correction_bias
         return torch.sort(ranking, dim=-1, descending=True, stable=True).indices[..., :self.top_k]
@@ -63,7 +63,7 @@ class RoutedExperts(nn.Module):
         """Replaces w1/w2/w3 [E, O, I] by MXFP4 buffers `{w}_packed` [E, O, I/2] and `{w}_scale`
         [E, O, I/32] (uint8, 4.25 bits a weight instead of 16), as the published checkpoint
         stores them; the exported file keeps the same bytes, declared as int32 words
-        (k3export/mxfp4.py, "Words")."""
+        (k3export/ops/mxfp4.py, "Words")."""
         for name in self.PROJECTIONS:
             weight = getattr(self, name)
             E, O, I = weight.shape

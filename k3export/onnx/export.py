@@ -34,18 +34,18 @@ import onnxscript
 import torch
 from torch import Tensor, nn
 
-from k3export.accounting import moe_cost_note
 from k3export.artifacts import write_atomic
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM, KDACache, MLACache
+from k3export.model.accounting import moe_cost_note
 from k3export.model.cache import LayerCache
 from k3export.model.k3 import last_positions
 from k3export.onnx.functions import DOMAIN
 from k3export.onnx.ops import export_onnx
-from k3export.taps import MEANINGS as TAP_MEANINGS
-from k3export.taps import SUBLAYERS as TAP_SUBLAYERS
-from k3export.taps import recording, tap_name, tap_names
+from k3export.onnx.taps import MEANINGS as TAP_MEANINGS
+from k3export.onnx.taps import SUBLAYERS as TAP_SUBLAYERS
+from k3export.onnx.taps import recording, tap_name, tap_names
 
 GRAPH_FILE = "model.onnx"
 MANIFEST_FILE = "export.json"

@@ -13,12 +13,8 @@ from collections.abc import Iterable
 import onnx
 from onnx import TensorProto, helper
 
-DOMAIN = "k3"
-DOMAIN_VERSION = 1
-PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
-# Optional INT on a k3 node: 1 asks full TensorRT's ONNX parser for a `tensorrt.plugin` plugin's AOT form
-# (k3plugins.trt_aot), 0 for its JIT form; IPluginV3 creators (TensorRT-RTX) do not declare it.
-AOT_ATTRIBUTE = "aot"
+from k3export.onnx.domain import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES
+from k3export.onnx.moe import MOE_FUNCTIONS
 
 
 def _const(name: str, value: list[int]) -> onnx.NodeProto:
@@ -140,7 +136,6 @@ _BUILDERS = {"KDA": kda_function, "LatentMLA": latent_mla_function}
 def k3_functions(op_types: Iterable[str], opset_version: int) -> list[onnx.FunctionProto]:
     """The functions for those of `op_types` that are k3 ops, at the model's standard opset (ONNX
     requires a function's opset to match its model's)."""
-    from k3export.onnx.moe import MOE_FUNCTIONS  # here: onnx/moe.py builds on this module
     builders = {**_BUILDERS, **MOE_FUNCTIONS}
     return [builders[name](opset_version) for name in sorted(set(op_types) & builders.keys())]
 

@@ -8,7 +8,7 @@ packed form) that one expert's weights, running it as three Gemms on its tokens,
 results, times the tokens' routing weights, into their rows of u (ScatterND, reduction add). So the
 cost is tokens x k expert passes, in prefill as in decode, and the working set one expert's weights
 and its tokens' [n_e, I] intermediate. The packed experts keep their checkpoint bytes in the file,
-declared as int32 words (k3export/mxfp4.py, "Words"; `packed_experts_as_words` rewrites the saved
+declared as int32 words (k3export/ops/mxfp4.py, "Words"; `packed_experts_as_words` rewrites the saved
 file's headers); the function decodes the words to bytes with int64 arithmetic. u is float32, as in
 eager; the experts run in float32.
 
@@ -29,9 +29,9 @@ from onnx import TensorProto, helper
 from onnx.defs import OpSchema
 from onnxscript import values
 
-from k3export import mxfp4
 from k3export.artifacts import write_atomic
-from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES
+from k3export.onnx.domain import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES
+from k3export.ops import mxfp4
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 _PROJECTIONS = ("w1", "w3", "w2")
@@ -57,7 +57,7 @@ def _schema(name: str, weights: list[tuple[str, str]], weight_types: list[str]) 
 ROUTED_EXPERTS_SCHEMA = _schema("RoutedExperts", [(w, "TW") for w in _PROJECTIONS], _FLOATS)
 ROUTED_EXPERTS_MXFP4_SCHEMA = _schema(
     "RoutedExpertsMXFP4", [(f"{w}_{part}", "TW") for w in _PROJECTIONS for part in ("packed", "scale")],
-    ["tensor(int32)"])  # words: k3export/mxfp4.py
+    ["tensor(int32)"])  # words: k3export/ops/mxfp4.py
 
 _K3 = values.Opset(DOMAIN, DOMAIN_VERSION)
 _ROUTED_EXPERTS = values.Op(_K3, "RoutedExperts", ROUTED_EXPERTS_SCHEMA)
@@ -108,7 +108,7 @@ def _word_bytes(words: str, out: str) -> list[onnx.NodeProto]:
 
 
 def _dequantize(w: str) -> list[onnx.NodeProto]:
-    """Expert e's `{w}_packed` / `{w}_scale` words -> float32 `{w}_e` [O, I], as k3export.mxfp4
+    """Expert e's `{w}_packed` / `{w}_scale` words -> float32 `{w}_e` [O, I], as k3export.ops.mxfp4
     decodes: the expert's bytes in order, each looking up its two values (low nibble first) in a
     [256, 2] table, each group of 32 values (in the flat expert) times its scale 2^(s - 127) from a
     [256] table; then [I, L] rows for w1 / w3 and [L, I] for w2 (L is z's width)."""
@@ -263,7 +263,7 @@ def routed_experts_mxfp4_function(opset_version: int) -> onnx.FunctionProto:
 
 def packed_experts_as_words(path: str | Path) -> list[str]:
     """Declares the six expert tensors of every k3.RoutedExpertsMXFP4 node in the saved ONNX file
-    `path` as int32 words (k3export/mxfp4.py, "Words"): uint8 [E, O, n] initializers (or, from an
+    `path` as int32 words (k3export/ops/mxfp4.py, "Words"): uint8 [E, O, n] initializers (or, from an
     export without weights, graph inputs) become int32 [E, O*n/4]. Only the headers in `path` change:
     external data keeps its bytes, offsets and lengths, inline raw data its bytes. Returns the names
     rewritten; tensors already int32 are left as they are."""

@@ -1,4 +1,5 @@
-"""The custom ops the model calls through `torch.ops.k3.*`; importing registers them."""
+"""The custom ops the model calls through `torch.ops.k3.*` (importing registers them), and the MXFP4
+format (mxfp4.py) that the routed-experts op decodes."""
 
 from k3export.ops.kda import chunk_kda, kda, recurrent_kda
 from k3export.ops.mla import latent_mla, tensor_scatter

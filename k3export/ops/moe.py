@@ -10,9 +10,9 @@ in z's dtype and SiTU-GLU in float32, as the model's dense layers do. Only the s
 run: the (token, slot) pairs are grouped by expert and each used expert is one matmul per
 projection over its tokens, so the cost is top_k / num_experts of running every expert on every
 token (plus a few ops per used expert). `routed_experts_mxfp4` takes the
-experts as the published checkpoint stores them (k3export.mxfp4: packed [E, O, I/2] uint8, low
+experts as the published checkpoint stores them (k3export.ops.mxfp4: packed [E, O, I/2] uint8, low
 nibble first, E8M0 scales [E, O, I/32]) and dequantises only the experts that receive a token. The
-exported file and the plugin hold the same bytes as int32 words (k3export/mxfp4.py, "Words"); the
+exported file and the plugin hold the same bytes as int32 words (k3export/ops/mxfp4.py, "Words"); the
 plugin definition views them back to these bytes for this op.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from k3export import mxfp4
 from k3export.errors import UserError
+from k3export.ops import mxfp4
 
 ExpertWeight = Callable[[int, str, torch.dtype], Tensor]
 

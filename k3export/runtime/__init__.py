@@ -4,12 +4,12 @@
     torchrun --nproc-per-node N -m k3export.runtime DIR --prompt-len 32   # one process a stage (gloo)
 
 A stage takes named tensors and gives named tensors; what backs it is its own business. Here it is
-ONNX Runtime through IO binding (check's BoundOnnxrtRunner: the MLA cache written in place), driven
+ONNX Runtime through IO binding (onnx.runner.BoundOnnxrtRunner: the MLA cache written in place), driven
 by the stage's export.json, so no tensor name is written here: a stage's feeds are the previous
 stage's outputs of the same name, or the request's own (token ids, cache and input lengths). A
 TensorRT engine per stage would be another runner of the same shape; none can run here (no GPU).
 A build with taps (`build RECIPE --taps`) has more outputs per stage; nothing here reads them.
-`check --build` runs this same chain as one check runner (k3export.runtime.check.ChainRunner).
+`check --build` runs this same chain as one check runner (k3export.check.runners.chain.ChainRunner).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import numpy as np
 
 from k3export.artifacts import require, verify
 from k3export.errors import UserError
-from k3export.onnx.check import BoundOnnxrtRunner, Signature
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
+from k3export.onnx.runner import BoundOnnxrtRunner, Signature
 
 BUILD_MANIFEST = "manifest.json"
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from k3export.errors import UserError
 from k3export.onnx.export import resolve_shape
+from k3export.onnx.taps import parse_tap
 from k3export.runtime import (
     Generation,
     Sampler,
@@ -31,7 +32,6 @@ from k3export.runtime import (
     report,
     stage_exports,
 )
-from k3export.taps import parse_tap
 
 RUN, RESET_AND_RUN, STOP = 1, 2, 0
 

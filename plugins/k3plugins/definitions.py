@@ -154,7 +154,7 @@ def _launch_routed_experts(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
 
 
 def _mxfp4_bytes(inputs: Sequence[Tensor]) -> list[Tensor]:
-    """The MXFP4 plugin's int32 words (k3export/mxfp4.py, "Words": [E, O*I/8] codes, [E, O*I/128]
+    """The MXFP4 plugin's int32 words (k3export/ops/mxfp4.py, "Words": [E, O*I/8] codes, [E, O*I/128]
     scales) viewed back as the bytes torch.ops.k3.routed_experts_mxfp4 takes ([E, O, I/2],
     [E, O, I/32] uint8). O is I (the intermediate width) for w1 / w3 and L (z's width) for w2."""
     z, rest, words = inputs[0], list(inputs[:3]), inputs[3:]
@@ -185,7 +185,7 @@ def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[st
 
 
 ROUTED_EXPERTS = _routed_experts("RoutedExperts", ("w1", "w3", "w2"), FLOATS)
-# The packed experts arrive as int32 words holding the checkpoint's bytes (k3export/mxfp4.py, "Words"):
+# The packed experts arrive as int32 words holding the checkpoint's bytes (k3export/ops/mxfp4.py, "Words"):
 # the export declares them so, since TensorRT-RTX 1.7's parser widens UINT8 initializers to INT32
 # (one byte per int32) but keeps INT32 ones as they are. The kernels read the words.
 ROUTED_EXPERTS_MXFP4 = _routed_experts(

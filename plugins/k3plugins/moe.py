@@ -16,7 +16,7 @@ In the style of fused-MoE kernels (vLLM / SGLang `fused_moe`), three steps:
              atomically added into u (float32), which sums the k slots of each token.
 Weights are the model's float tensors or MXFP4 dequantised in registers, weight-only: the products
 run in z's dtype with float32 accumulation. MXFP4 experts come as the plugin receives them, int32
-words of the checkpoint's bytes (k3export/mxfp4.py, "Words"): codes [E, O*K/8] (E2M1, eight per
+words of the checkpoint's bytes (k3export/ops/mxfp4.py, "Words"): codes [E, O*K/8] (E2M1, eight per
 word, the lowest nibble first), E8M0 scales [E, O*K/128] (2^(s - 127), four per word, one per 32
 inputs), each expert flattened row-major. A scale byte of 0 or 1 decodes as 0 instead of 2^-127 or
 2^-126 (values below 1e-37; the export refuses 255, NaN). `words` makes them from uint8 bytes.
@@ -275,7 +275,7 @@ def routed_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Tensor, w3: 
 
 def words(stacked: Tensor) -> Tensor:
     """packed [E, O, K/2] or scale [E, O, K/32] uint8 bytes -> the int32 words the kernels read,
-    [E, O*K/8] or [E, O*K/128]: a view of the same bytes (k3export.mxfp4.to_words, without the import)."""
+    [E, O*K/8] or [E, O*K/128]: a view of the same bytes (k3export.ops.mxfp4.to_words, without the import)."""
     return stacked.contiguous().view(stacked.shape[0], -1).view(torch.int32)
 
 

@@ -2,7 +2,7 @@
 and `routed_experts_mxfp4`, run in float64 on the same (rounded) inputs: float32 and float16
 activations, float and MXFP4 experts, both tile sets of each dtype (decode: 16-row blocks, prefill:
 64), random routing, k = 1, experts that receive no token, every token on one expert. The MXFP4 kernels
-take int32 words (k3export/mxfp4.py, "Words"), made here by viewing k3export.mxfp4.quantize's bytes;
+take int32 words (k3export/ops/mxfp4.py, "Words"), made here by viewing k3export.ops.mxfp4.quantize's bytes;
 the eager op takes the bytes. bfloat16 is not tested: the interpreter's bf16 arithmetic is silently
 wrong."""
 
@@ -14,7 +14,7 @@ from reference import rel_error
 from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
-from k3export import mxfp4
+from k3export.ops import mxfp4
 from k3plugins import moe
 from k3plugins.definitions import ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
 

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from k3export.artifacts import OutputDir, write_atomic, write_json
+from k3export.check.taps import per_layer
 from k3export.errors import UserError
-from k3export.taps import SUBLAYERS, per_layer
+from k3export.onnx.taps import SUBLAYERS
 
 MANIFEST = "check.json"
 # Log-scale plots cannot draw 0: a relative error of exactly 0 is drawn (and recorded) at this floor.

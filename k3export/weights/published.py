@@ -23,9 +23,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from k3export import mxfp4
 from k3export.artifacts import write_atomic
-from k3export.checkpoint import (
+from k3export.model import K3ForCausalLM
+from k3export.ops import mxfp4
+from k3export.weights.checkpoint import (
     EXPERT_WEIGHT,
     LAYER_NAME,
     MXFP4_FORMAT,
@@ -35,7 +36,6 @@ from k3export.checkpoint import (
     write_index,
     write_shard,
 )
-from k3export.model import K3ForCausalLM
 
 FLOAT32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
 

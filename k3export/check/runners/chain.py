@@ -2,7 +2,7 @@
 
 The build's stages, chained as `k3export run` chains them (k3export.runtime.Pipeline: one ONNX
 Runtime session a stage, each fed the stage before's outputs), are one more runner of check's
-driver (k3export.onnx.check.compare_with_eager, as --onnx, --network and --engine use): the
+driver (k3export.check.driver.compare_with_eager, as --onnx, --network and --engine use): the
 `ChainRunner` takes the request's feeds and returns every stage's outputs, the AttnRes bank and
 partial block each stage sends on included. The eager side is the eager model run as the same
 chain (`EagerChain`: one ExportGraph a stage over one model, each fed the one before's outputs), so
@@ -25,17 +25,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from polygraphy.backend.base import BaseRunner
-from polygraphy.common import TensorMetadata
 from polygraphy.logger import G_LOGGER
 
+from k3export.check.driver import compare_with_eager, fitting_lengths, read_export
+from k3export.check.routing import routing_outputs
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.check import Signature, compare_with_eager, fitting_lengths, read_export
 from k3export.onnx.export import GRAPH_FILE, ExportGraph
-from k3export.routing import routing_outputs
+from k3export.onnx.runner import Signature, StatefulRunner
+from k3export.onnx.taps import parse_tap
 from k3export.runtime import Pipeline, stage_exports
-from k3export.taps import parse_tap
 
 ROUTING_SEPARATOR = ":"  # a routing output of stage i is named "stage{i}:{tensor}" (tensor names repeat)
 
@@ -92,20 +91,19 @@ class EagerChain:
         return tuple(named[n] for n in self.outputs)
 
 
-class ChainRunner(BaseRunner):
+class ChainRunner(StatefulRunner):
     """The build's stages chained in this process (k3export.runtime.Pipeline, as `k3export run`
-    runs them) as one check runner holding every stage's caches: it takes the request's feeds and
+    runs them) as one check runner; the caches are the stages' own: it takes the request's feeds and
     returns the chain's outputs in `signature`'s order, then `extra_outputs` ("stage{i}:{tensor}",
     a stage's routing choices)."""
 
     def __init__(self, exports: list[Path], signature: Signature, extra_outputs: list[str]) -> None:
-        super().__init__(name="build")
-        self.exports, self.signature, self.extra_outputs = exports, signature, extra_outputs
+        super().__init__(signature, "build")
+        self.exports, self.extra_outputs = exports, extra_outputs
         self.per_stage: list[list[str]] = [[] for _ in exports]
         for name in extra_outputs:
             stage, tensor = name.split(ROUTING_SEPARATOR, 1)
             self.per_stage[int(stage.removeprefix("stage"))].append(tensor)
-        self.aliased: dict[str, bool] = {}
 
     def activate_impl(self) -> None:
         self.pipeline = Pipeline(self.exports, extra_outputs=self.per_stage)
@@ -118,19 +116,14 @@ class ChainRunner(BaseRunner):
         for stage in self.pipeline.stages:
             stage.runner.reset(batch, rows)
 
-    def get_input_metadata_impl(self) -> TensorMetadata:
-        return self.signature.metadata()
-
-    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        self.signature.check(feed_dict)
+    def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         produced: dict[str, np.ndarray] = {}
-        for i, outputs in enumerate(self.pipeline.calls(feed_dict)):
+        for i, outputs in enumerate(self.pipeline.calls(feeds)):
             # A stage's non-cache outputs are its own arrays; its caches stay valid until its next call.
             produced.update(outputs)
             produced.update({f"stage{i}{ROUTING_SEPARATOR}{t}": outputs[t] for t in self.per_stage[i]})
         for stage in self.pipeline.stages:
             self.aliased.update(stage.runner.aliased)
-        self.inference_time = sum(s.runner.inference_time for s in self.pipeline.stages)
         names = [s.name for s in self.signature.outputs] + self.extra_outputs
         return OrderedDict((name, produced[name]) for name in names)
 

@@ -27,11 +27,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from k3export import mxfp4
 from k3export.artifacts import atomic_path, write_atomic
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
+from k3export.ops import mxfp4
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

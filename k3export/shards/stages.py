@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
-from k3export.checkpoint import build_model
 from k3export.errors import UserError
-from k3export.plan import Plan, plan_recipe
 from k3export.progress import track
-from k3export.recipe import BACKENDS, Recipe, load_recipe
+from k3export.shards.plan import Plan, plan_recipe
+from k3export.shards.recipe import BACKENDS, Recipe, load_recipe
+from k3export.weights.checkpoint import build_model
 
 MANIFEST = "manifest.json"
 

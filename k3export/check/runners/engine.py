@@ -3,7 +3,7 @@ NVIDIA GPU and TensorRT (full TensorRT, or TensorRT-RTX through Polygraphy's USE
 
 NOT RUN HERE: no machine this project tests on has a GPU, and engines cannot be deserialized
 without one, so this module is written thin and only its argument handling and refusals are tested.
-It reuses check --onnx's driver (k3export.onnx.check.run_check: prefill of right-padded prompts,
+It reuses check --onnx's driver (k3export.check.driver.run_check: prefill of right-padded prompts,
 greedy decode steps, valid entries, taps, verdict) and swaps ONNX Runtime for `EngineRunner`, a
 stateful wrapper of Polygraphy's TrtRunner that carries the caches from call to call.
 
@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from polygraphy.backend.base import BaseRunner
-from polygraphy.common import TensorMetadata
 
+from k3export.check.driver import run_check
 from k3export.errors import UserError
-from k3export.onnx.check import PRESENT, Signature, _zero_rows, present_to_past, run_check
+from k3export.onnx.runner import Signature, StatefulRunner
 
 
 def engine_targets(path: str | Path) -> list[tuple[Path, Path]]:
@@ -71,15 +70,12 @@ def require_engine_runtime() -> None:
                         "instead: `k3export check --network DIR` (CPU)")
 
 
-class EngineRunner(BaseRunner):
-    """A TensorRT engine as a check runner that holds its caches between calls (numpy, copied in and
-    out by Polygraphy's TrtRunner), like check's other runners: `reset`, then `infer(feeds)`."""
+class EngineRunner(StatefulRunner):
+    """A TensorRT engine through Polygraphy's TrtRunner, which copies the caches in and out (numpy)."""
 
     def __init__(self, engine: Path, signature: Signature, name: str = "engine") -> None:
-        super().__init__(name=name)
-        self.engine, self.signature = engine, signature
-        self.caches: dict[str, np.ndarray] = {}
-        self.aliased: dict[str, bool] = {}  # Polygraphy copies caches; nothing is bound in place
+        super().__init__(signature, name)
+        self.engine = engine
 
     def activate_impl(self) -> None:
         from polygraphy import config
@@ -99,23 +95,10 @@ class EngineRunner(BaseRunner):
     def deactivate_impl(self) -> None:
         self.runner.deactivate()
 
-    def reset(self, batch: int, rows: list[int] | None = None) -> None:
-        if rows is None:
-            self.caches = self.signature.empty_caches(batch)
-        else:
-            _zero_rows(self.caches, rows)
-
-    def get_input_metadata_impl(self) -> TensorMetadata:
-        return self.signature.metadata()
-
-    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        self.signature.check(feed_dict)
-        outputs = self.runner.infer({**feed_dict, **self.caches}, check_inputs=False)
+    def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        outputs = self.runner.infer({**feeds, **self.caches}, check_inputs=False)
         results = OrderedDict((s.name, np.array(outputs[s.name])) for s in self.signature.outputs)
-        for name, value in results.items():
-            if name.startswith(PRESENT):
-                self.caches[present_to_past(name)] = value
-        self.inference_time = self.runner.last_inference_time()
+        self.keep_caches(results)
         return results
 
 
@@ -128,7 +111,7 @@ def run_engine_check(path: str | Path, log: Any = print, **options: Any) -> dict
     for engine, export in targets:
         log(f"engine {engine} (export {export})")
 
-        def runner(signature: Signature, extra_outputs: list[str], engine: Path = engine) -> BaseRunner:
+        def runner(signature: Signature, extra_outputs: list[str], engine: Path = engine) -> StatefulRunner:
             if extra_outputs:
                 raise UserError(f"--engine {engine}: a half-precision check holds the eager model to the "
                                 "graph's expert choices, which an engine does not output; check the export "

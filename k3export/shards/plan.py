@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from k3export.accounting import MXFP4_BITS, component
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
+from k3export.model.accounting import MXFP4_BITS, component
 
 H200_BYTES = 141 * 10**9  # HBM3e as NVIDIA states it
 LINK_GB_PER_S = 50.0  # one 400 Gb/s InfiniBand NDR port per GPU, the usual link between hosts
@@ -251,7 +251,7 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
 
 
 def plan_recipe(recipe: Any, link_gb_per_s: float = LINK_GB_PER_S) -> Plan:
-    """The plan a recipe (k3export.recipe.Recipe) builds: its stage ranges, or balanced ones."""
+    """The plan a recipe (k3export.shards.recipe.Recipe) builds: its stage ranges, or balanced ones."""
     model = recipe.preset or str(recipe.config_path)
     return make_plan(recipe.config, list(recipe.stage_ranges) if recipe.stage_ranges else recipe.stage_count,
                      model=model, dtype=recipe.dtype, packed_experts=recipe.packed_experts,
@@ -301,7 +301,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from k3export.recipe import load_recipe
+    from k3export.shards.recipe import load_recipe
 
     if (args.recipe is None) == (args.preset is None):
         raise UserError("plan: expected a RECIPE file or --preset NAME --stages N (one of them)")

@@ -1,13 +1,15 @@
-"""`k3export check --onnx DIR`: the exported graph in ONNX Runtime against the eager model.
+"""Check's one driver: the same requests to an artifact's runner and to the eager model, compared
+step by step, and the verdict.
 
-Both sides are Polygraphy runners that hold their own caches between calls, as a serving runtime
-does: `EagerRunner` (the PyTorch model) and `BoundOnnxrtRunner` (ONNX Runtime through IO binding,
-the MLA caches written in place). One driver feeds them the same requests: a prefill of a
-right-padded batch of prompts of different lengths from empty caches, then greedy decode steps in
-which both take the reference's token, so that a near-tie cannot derail the comparison. Only the
-valid entries are compared: each row's first input_lengths[b] positions, the cache rows written so
-far, and the KDA states and conv tails. A request that does not fit the cache capacity is refused
-before any session runs.
+`compare_with_eager` serves every artifact: it takes the artifact's runner (k3export.check.runners,
+on k3export.onnx.runner.StatefulRunner) and runs it beside `EagerRunner` (the PyTorch model), each
+holding its own caches, as a serving runtime does. The requests: a prefill of a right-padded batch
+of prompts of different lengths from empty caches, then greedy decode steps in which every side
+takes the reference's token, so that a near-tie cannot derail the comparison. Only the valid entries
+are compared (k3export.check.compare): each row's first input_lengths[b] positions, the cache rows
+written so far, and the KDA states and conv tails. A request that does not fit the cache capacity is
+refused before any runner runs. `run_check` is `check --onnx DIR` (and, with an engine's runner,
+`check --engine`): the driver over one export folder, its replay files and report in DIR/check.
 
 A half-precision export is held to what its dtype allows: the eager model also runs in float32
 on the same weights and inputs, and at each step the outputs may differ from the eager
@@ -15,7 +17,8 @@ half-precision ones by up to twice the largest difference between eager half pre
 float32 in that step (never less than the dtype's fixed bound), and a greedy position is a tie
 when its margin is within twice the step's largest logit spread. The spread is taken over the step
 because rounding flips the router's choice on near-tied experts, a discrete change that lands in
-one backend's layer 4 and the other's layer 6 and then spreads through the caches. With random
+one backend's layer 4 and the other's layer 6 and then spreads through the caches; so the eager
+routers are also held to the graph's own expert choices (k3export.check.routing). With random
 weights such near-ties are common and the bound is loose; with trained weights it tightens.
 The prefill's inputs (caches included) and the eager outputs are saved in Polygraphy's format, so
 that
@@ -29,29 +32,19 @@ repeats the prefill comparison from the command line (the report prints the exac
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import torch
-from polygraphy.backend.base import BaseRunner
-from polygraphy.common import TensorMetadata
 from polygraphy.comparator import IterationResult, RunResults
 from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
 from k3export.artifacts import OutputDir, require, verify, write_json
-from k3export.checkpoint import build_model
-from k3export.config import K3Config
-from k3export.errors import UserError
-from k3export.model.cache import check_request
-from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
-from k3export.parity import (
+from k3export.check.compare import (
     TOLERANCES,
     Tolerance,
     compare,
@@ -60,207 +53,21 @@ from k3export.parity import (
     top1_agreement,
     verdict,
 )
+from k3export.check.routing import held_routing, routing_outputs
+from k3export.check.runners.eager import EagerRunner, Float32Boundary
+from k3export.check.taps import compare_taps, first_divergent
+from k3export.config import K3Config
+from k3export.errors import UserError
+from k3export.model.cache import check_request
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
+from k3export.onnx.runner import BoundOnnxrtRunner, Signature, StatefulRunner, numpy_dtype
 from k3export.progress import track
-from k3export.routing import held_routing, routing_outputs
-from k3export.taps import compare_taps, first_divergent, parse_tap
+from k3export.weights.checkpoint import build_model
 
-# Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
 CHECK_DIR, CHECK_MANIFEST = "check", "check.json"
+# Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
 POLYGRAPHY_TOLERANCES = {"float32": (1e-3, 1e-3), "float16": (0.1, 0.05), "bfloat16": (0.5, 0.1)}
-PAST, PRESENT = "past.", "present."
-
-
-def _numpy_dtype(name: str) -> np.dtype:
-    return torch.empty(0, dtype=getattr(torch, name)).numpy().dtype
-
-
-def present_to_past(name: str) -> str:
-    return PAST + name.removeprefix(PRESENT)
-
-
-class Signature:
-    """A graph's inputs and outputs as export.json lists them, split into what a caller feeds
-    (tokens or AttnRes tensors, lengths) and the caches a runner carries from call to call."""
-
-    def __init__(self, manifest: dict[str, Any]) -> None:
-        self.inputs = [TensorSpec(**s) for s in manifest["inputs"]]
-        self.outputs = [TensorSpec(**s) for s in manifest["outputs"]]
-        self.capacity: int = manifest["capacity"]
-        self.feeds = [s for s in self.inputs if not s.name.startswith(PAST)]
-        self.caches = [s for s in self.inputs if s.name.startswith(PAST)]
-        # Taps (export --taps) are compared on their own, for localisation, not for the verdict.
-        self.taps = [s for s in self.outputs if parse_tap(s.name)]
-        self.compared = [s for s in self.outputs if not parse_tap(s.name)]
-
-    def sizes(self, feed: dict[str, np.ndarray]) -> dict[str, int]:
-        """batch, seq and capacity of a feed, read from the fed tensors' named dims."""
-        sizes = {"capacity": self.capacity}
-        for spec in self.feeds:
-            for axis, dim in enumerate(spec.shape):
-                if isinstance(dim, str):
-                    sizes.setdefault(dim, np.shape(feed[spec.name])[axis])
-        return sizes
-
-    def check(self, feed: dict[str, np.ndarray]) -> None:
-        """Refuses a request that does not fit the cache (UserError), before anything runs."""
-        sizes = self.sizes(feed)
-        check_request(torch.as_tensor(feed["cache_lengths"]), torch.as_tensor(feed["input_lengths"]),
-                      sizes["seq"], self.capacity)
-
-    def empty_caches(self, batch: int) -> dict[str, np.ndarray]:
-        sizes = {"batch": batch, "capacity": self.capacity}
-        return {s.name: np.zeros(resolve_shape(s, sizes), _numpy_dtype(s.dtype)) for s in self.caches}
-
-    def metadata(self) -> TensorMetadata:
-        meta = TensorMetadata()
-        for spec in self.feeds:
-            shape = [None if isinstance(d, str) else d for d in spec.shape]
-            meta.add(spec.name, _numpy_dtype(spec.dtype), shape)
-        return meta
-
-
-def _zero_rows(caches: dict[str, Any], rows: list[int]) -> None:
-    """Zeroes `rows` of every KDA state and conv tail in place: the rows start fresh sequences
-    (their latent rows need nothing: a cache length of 0 hides them)."""
-    for name, array in caches.items():
-        if not name.endswith("mla_latent"):
-            array[rows] = 0
-
-
-class EagerRunner(BaseRunner):
-    """The eager model as a runner that holds its caches: `reset` starts rows fresh, `infer` takes
-    the call's feeds (not the caches) and returns every output, logits and present caches. It casts
-    feeds to the model's own dtypes, so a float32 model can take a float16 graph's feeds."""
-
-    def __init__(self, graph: ExportGraph, name: str, signature: Signature) -> None:
-        super().__init__(name=name)
-        self.graph, self.signature = graph, signature
-        self.caches: dict[str, torch.Tensor] = {}
-
-    def reset(self, batch: int, rows: list[int] | None = None) -> None:
-        """Empty caches for `batch` rows, or only `rows` made fresh (the rest kept)."""
-        if rows is None:
-            dtype = self.graph.model.dtype
-            # KDA states are float32 in every model; the other caches take the model's dtype.
-            self.caches = {name: torch.from_numpy(a).to(torch.float32 if "kda_state" in name else dtype)
-                           for name, a in self.signature.empty_caches(batch).items()}
-        else:
-            _zero_rows(self.caches, rows)
-
-    def get_input_metadata_impl(self) -> TensorMetadata:
-        return self.signature.metadata()
-
-    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        self.signature.check(feed_dict)
-        start = time.perf_counter()
-        model_dtype = self.graph.model.dtype
-        tensors = []
-        for spec in self.signature.inputs:
-            if spec.name in self.caches:
-                tensors.append(self.caches[spec.name])
-            else:
-                x = torch.from_numpy(np.asarray(feed_dict[spec.name]))
-                tensors.append(x.to(model_dtype) if x.is_floating_point() else x)
-        with torch.no_grad():
-            outputs = self.graph(*tensors)
-        self.inference_time = time.perf_counter() - start
-        for spec, value in zip(self.signature.outputs, outputs, strict=True):
-            if spec.name.startswith(PRESENT):
-                self.caches[present_to_past(spec.name)] = value
-        return OrderedDict((s.name, o.numpy()) for s, o in zip(self.signature.outputs, outputs, strict=True))
-
-
-def onnxrt_session(path: Path, threads: int | None = None,
-                   extra_outputs: list[str] | None = None) -> ort.InferenceSession:
-    """A CPU session of the graph at `path`; `extra_outputs` names intermediate tensors to output too
-    (the graph is then loaded from memory, its weights from beside `path`)."""
-    options = ort.SessionOptions()
-    # Spinning worker threads would slow the eager model running beside them in this process.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if threads:
-        options.intra_op_num_threads = threads
-    if not extra_outputs:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    model = onnx.load(path, load_external_data=False)
-    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra_outputs)
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-class BoundOnnxrtRunner(BaseRunner):
-    """ONNX Runtime through IO binding, holding its caches between calls in numpy buffers that
-    OrtValues wrap without copying. A present output that `aliases` a past input (the MLA cache,
-    written by TensorScatter) is bound to that input's OrtValue, so ONNX Runtime writes the call's
-    rows in place and copies no cache. The other present outputs (KDA state and conv tails, which
-    a Scan and a Concat rewrite whole) are double-buffered: written into a spare buffer that becomes
-    the next call's past. Returned caches are those buffers, valid until the next call.
-    `extra_outputs`: graph outputs beyond the signature's (a copy's exposed routing), returned too."""
-
-    def __init__(self, path: Path, signature: Signature, name: str = "onnxrt", threads: int | None = None,
-                 extra_outputs: list[str] | None = None):
-        super().__init__(name=name)
-        self.path, self.signature, self.threads = path, signature, threads
-        self.extra_outputs = extra_outputs or []
-        self.caches: dict[str, np.ndarray] = {}
-        self.spares: dict[str, np.ndarray] = {}
-        self.aliased: dict[str, bool] = {}  # after a call: did each aliased output keep past's buffer?
-
-    def activate_impl(self) -> None:
-        self.session = onnxrt_session(self.path, self.threads, self.extra_outputs)
-
-    def deactivate_impl(self) -> None:
-        del self.session
-
-    def reset(self, batch: int, rows: list[int] | None = None) -> None:
-        """Empty caches for `batch` rows, or only `rows` made fresh (the rest kept)."""
-        if rows is None:
-            self.caches = self.signature.empty_caches(batch)
-            self.spares = {s.name: np.empty_like(self.caches[present_to_past(s.name)])
-                           for s in self.signature.outputs if s.name.startswith(PRESENT) and not s.aliases}
-        else:
-            _zero_rows(self.caches, rows)
-
-    def get_input_metadata_impl(self) -> TensorMetadata:
-        return self.signature.metadata()
-
-    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        self.signature.check(feed_dict)
-        binding = self.session.io_binding()
-        values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.caches.items()}
-        for spec in self.signature.inputs:
-            if spec.name in values:
-                binding.bind_ortvalue_input(spec.name, values[spec.name])
-            else:
-                binding.bind_cpu_input(spec.name, np.ascontiguousarray(feed_dict[spec.name]))
-        for spec in self.signature.outputs:
-            if spec.aliases:
-                binding.bind_ortvalue_output(spec.name, values[spec.aliases])
-            elif spec.name in self.spares:
-                spare = ort.OrtValue.ortvalue_from_numpy(self.spares[spec.name])
-                binding.bind_ortvalue_output(spec.name, spare)
-            else:
-                binding.bind_output(spec.name, "cpu")
-        for name in self.extra_outputs:
-            binding.bind_output(name, "cpu")
-        start = time.perf_counter()
-        self.session.run_with_iobinding(binding)
-        self.inference_time = time.perf_counter() - start
-        results = OrderedDict()
-        values_out = binding.get_outputs()
-        count = len(self.signature.outputs)
-        for name, value in zip(self.extra_outputs, values_out[count:], strict=True):
-            results[name] = value.numpy()
-        for spec, value in zip(self.signature.outputs, values_out[:count], strict=True):
-            if spec.aliases:
-                self.aliased[spec.name] = value.data_ptr() == values[spec.aliases].data_ptr()
-                results[spec.name] = self.caches[spec.aliases]
-            elif spec.name in self.spares:
-                past = present_to_past(spec.name)
-                self.caches[past], self.spares[spec.name] = self.spares[spec.name], self.caches[past]
-                results[spec.name] = self.caches[past]
-            else:
-                results[spec.name] = value.numpy()
-        return results
+Arrays = dict[str, np.ndarray]
 
 
 def valid_entries(spec: TensorSpec, array: np.ndarray, lengths_after: np.ndarray,
@@ -304,7 +111,7 @@ def request(signature: Signature, tokens: np.ndarray | None, cache_lengths: list
             feed[spec.name] = (torch.randint(0, vocab, shape, generator=gen).numpy() if tokens is None
                                else tokens.astype(np.int64))
         elif spec.name.startswith("attn_res."):
-            feed[spec.name] = torch.randn(shape, generator=gen).numpy().astype(_numpy_dtype(spec.dtype))
+            feed[spec.name] = torch.randn(shape, generator=gen).numpy().astype(numpy_dtype(spec.dtype))
     return feed
 
 
@@ -340,7 +147,7 @@ def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
 
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
               prompt_len: int = 70, log: Any = print, taps: bool = False,
-              graph_runner: Callable[[Signature, list[str]], BaseRunner] | None = None) -> dict[str, Any]:
+              graph_runner: Callable[[Signature, list[str]], StatefulRunner] | None = None) -> dict[str, Any]:
     """A prefill of `batch` prompts of different lengths (the longest `prompt_len`), right-padded,
     then `steps` decode steps, ONNX Runtime against eager; returns the report (see "passed"). The
     replay files and the report go to DIR/check (a folder of check's own, replaced each run).
@@ -363,7 +170,7 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
             graph_runner or (lambda sig, extra: BoundOnnxrtRunner(graph, sig, extra_outputs=extra)),
             steps, seed, lengths, log, taps,
             on_prefill=lambda feed, golden: _save_replay(stage, signature, feed, golden, len(lengths)))
-        report["aliased"] = dict(getattr(session, "aliased", {}))
+        report["aliased"] = dict(session.aliased)
         atol, rtol = POLYGRAPHY_TOLERANCES[manifest["dtype"]]
         # Elementwise replay tolerance: at least what the prefill comparison itself accepted.
         atol = max(atol, 2 * max(c["max_abs"] for c in report["steps"][0]["outputs"]))
@@ -384,16 +191,11 @@ def require_taps(manifest: dict[str, Any], folder: Path) -> None:
 
 def tap_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]], lengths_after: np.ndarray,
              input_lengths: np.ndarray, tolerance: Tolerance) -> dict[str, Any]:
-    """One step's taps compared (k3export.taps.compare_taps): outs as _compare_step's."""
+    """One step's taps compared (k3export.check.taps.compare_taps): outs as _compare_step's."""
     valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.taps}
              for out in outs]
     return {"step": label, "taps": compare_taps(valid[0], valid[1], valid[2] if len(outs) > 2 else None,
                                                 tolerance)}
-
-
-Arrays = dict[str, np.ndarray]
-# numpy has no bfloat16: such tensors cross it as float32, which holds every bfloat16 value exactly.
-NUMPY_CARRIER = {torch.bfloat16: torch.float32}
 
 
 def carried(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -404,33 +206,20 @@ def carried(manifest: dict[str, Any]) -> dict[str, Any]:
     return {**manifest, "inputs": widen(manifest["inputs"]), "outputs": widen(manifest["outputs"])}
 
 
-class Float32Boundary:
-    """An ExportGraph whose bfloat16 tensors cross numpy as float32 (exact): inputs are cast to the
-    graph's dtypes, bfloat16 outputs widened, so that EagerRunner serves a bfloat16 model."""
-
-    def __init__(self, graph: ExportGraph, inputs: list[TensorSpec]) -> None:
-        self.graph, self.model, self.layers = graph, graph.model, graph.layers
-        self.dtypes = [getattr(torch, s.dtype) for s in inputs]
-
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outputs = self.graph(*(x.to(d) for x, d in zip(inputs, self.dtypes, strict=True)))
-        return tuple(o.to(NUMPY_CARRIER.get(o.dtype, o.dtype)) for o in outputs)
-
-
 def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path | None,
-                       graph_runner: Callable[[Signature, list[str]], BaseRunner], steps: int, seed: int,
+                       graph_runner: Callable[[Signature, list[str]], StatefulRunner], steps: int, seed: int,
                        lengths: list[int], log: Any, taps: bool = False,
                        on_prefill: Callable[[Arrays, Arrays], None] | None = None,
                        eager_graph: Callable[[torch.nn.Module, bool], Any] | None = None,
                        routing: list[str] | None = None,
                        on_step: Callable[[dict[str, Any]], None] | None = None,
-                       ) -> tuple[dict[str, Any], BaseRunner]:
+                       ) -> tuple[dict[str, Any], StatefulRunner]:
     """The one check driver, for every backend: `graph_runner(signature, extra_outputs)` (ONNX
     Runtime, the parsed TensorRT network) against the eager model, and for half precision the eager
     float32 model, all fed the same requests: a prefill of right-padded prompts of `lengths` from
     empty caches, then `steps` greedy decode steps in which each side keeps its own caches and all
     take the eager model's token. Half precision holds the eager routers to the graph's expert
-    choices (k3export.routing; `extra_outputs` are those tensors). Valid entries only are compared.
+    choices (k3export.check.routing; `extra_outputs` are those tensors). Valid entries only are compared.
     Returns the report, verdict included, and the graph's runner.
 
     For an artifact that is not one graph (check --build: a chain of stage sessions) the caller

@@ -1,0 +1,221 @@
+"""An export as something that runs: its signature, the stateful runner that every artifact's runner
+builds on, and ONNX Runtime's runner, which `check` and the sharded runtime (`k3export run`) share.
+
+A runner is a Polygraphy runner that holds its caches between calls, as a serving runtime does:
+`reset(batch)` empties them (`reset(batch, rows)` starts only those rows fresh), then each
+`infer(feeds)` takes one call's feeds (token ids or AttnRes tensors, and the lengths; never the
+caches) and returns every output, present caches included. `StatefulRunner` does once what every
+artifact shares: the caches' reset, the input metadata, refusing a request that does not fit the
+cache, the call's time, and carrying present caches over to the next call's past. A runner only says
+how its caches are held (`empty_caches`) and how one call runs (`call`):
+
+    BoundOnnxrtRunner            here: ONNX Runtime through IO binding, the MLA cache written in place
+    EagerRunner                  k3export.check.runners.eager: the PyTorch model
+    NetworkRunner                k3export.check.runners.network: the parsed TensorRT network on CPU
+    EngineRunner                 k3export.check.runners.engine: a TensorRT engine (GPU)
+    ChainRunner                  k3export.check.runners.chain: a sharded build's stages in order
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+
+from k3export.model.cache import check_request
+from k3export.onnx.export import TensorSpec, resolve_shape
+from k3export.onnx.taps import parse_tap
+
+PAST, PRESENT = "past.", "present."
+# numpy has no bfloat16: such tensors cross it as float32, which holds every bfloat16 value exactly.
+NUMPY_CARRIER = {torch.bfloat16: torch.float32}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a torch dtype name (export.json's)."""
+    return torch.empty(0, dtype=getattr(torch, name)).numpy().dtype
+
+
+def present_to_past(name: str) -> str:
+    return PAST + name.removeprefix(PRESENT)
+
+
+class Signature:
+    """A graph's inputs and outputs as export.json lists them, split into what a caller feeds
+    (tokens or AttnRes tensors, lengths) and the caches a runner carries from call to call."""
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        self.inputs = [TensorSpec(**s) for s in manifest["inputs"]]
+        self.outputs = [TensorSpec(**s) for s in manifest["outputs"]]
+        self.capacity: int = manifest["capacity"]
+        self.feeds = [s for s in self.inputs if not s.name.startswith(PAST)]
+        self.caches = [s for s in self.inputs if s.name.startswith(PAST)]
+        # Taps (export --taps) are compared on their own, for localisation, not for the verdict.
+        self.taps = [s for s in self.outputs if parse_tap(s.name)]
+        self.compared = [s for s in self.outputs if not parse_tap(s.name)]
+
+    def sizes(self, feed: dict[str, np.ndarray]) -> dict[str, int]:
+        """batch, seq and capacity of a feed, read from the fed tensors' named dims."""
+        sizes = {"capacity": self.capacity}
+        for spec in self.feeds:
+            for axis, dim in enumerate(spec.shape):
+                if isinstance(dim, str):
+                    sizes.setdefault(dim, np.shape(feed[spec.name])[axis])
+        return sizes
+
+    def check(self, feed: dict[str, np.ndarray]) -> None:
+        """Refuses a request that does not fit the cache (UserError), before anything runs."""
+        sizes = self.sizes(feed)
+        check_request(torch.as_tensor(feed["cache_lengths"]), torch.as_tensor(feed["input_lengths"]),
+                      sizes["seq"], self.capacity)
+
+    def empty_caches(self, batch: int) -> dict[str, np.ndarray]:
+        sizes = {"batch": batch, "capacity": self.capacity}
+        return {s.name: np.zeros(resolve_shape(s, sizes), numpy_dtype(s.dtype)) for s in self.caches}
+
+    def metadata(self) -> TensorMetadata:
+        meta = TensorMetadata()
+        for spec in self.feeds:
+            shape = [None if isinstance(d, str) else d for d in spec.shape]
+            meta.add(spec.name, numpy_dtype(spec.dtype), shape)
+        return meta
+
+
+class StatefulRunner(BaseRunner):
+    """The base of every runner: a graph of `signature` that holds its caches between calls.
+    Subclasses give `call` (one call with `self.caches`, returning every output by name as numpy)
+    and, if they hold caches other than as the signature's numpy arrays, `empty_caches`."""
+
+    def __init__(self, signature: Signature, name: str) -> None:
+        super().__init__(name=name)
+        self.signature = signature
+        self.caches: dict[str, Any] = {}
+        self.seconds = 0.0  # in calls, over every call
+        # After a call: did each output that aliases a past input keep that input's buffer (written in
+        # place)? Only runners that bind outputs to inputs fill it.
+        self.aliased: dict[str, bool] = {}
+
+    def empty_caches(self, batch: int) -> dict[str, Any]:
+        """Zeroed caches for `batch` rows, as the signature's numpy arrays."""
+        return self.signature.empty_caches(batch)
+
+    def reset(self, batch: int, rows: list[int] | None = None) -> None:
+        """Empty caches for `batch` rows, or only `rows` made fresh (the rest kept): their KDA states
+        and conv tails zeroed (their latent rows need nothing: a cache length of 0 hides them)."""
+        if rows is None:
+            self.caches = self.empty_caches(batch)
+            return
+        for name, cache in self.caches.items():
+            if not name.endswith("mla_latent"):
+                cache[rows] = 0
+
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        return self.signature.metadata()
+
+    def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        self.signature.check(feed_dict)
+        start = time.perf_counter()
+        outputs = self.call(feed_dict)
+        self.inference_time = time.perf_counter() - start
+        self.seconds += self.inference_time
+        return outputs
+
+    def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        """One call with the runner's caches, which it leaves as the next call's past."""
+        raise NotImplementedError
+
+    def keep_caches(self, outputs: dict[str, Any]) -> None:
+        """The call's present caches become the next call's past ones."""
+        for name, value in outputs.items():
+            if name.startswith(PRESENT):
+                self.caches[present_to_past(name)] = value
+
+
+def onnxrt_session(path: Path, threads: int | None = None,
+                   extra_outputs: list[str] | None = None) -> ort.InferenceSession:
+    """A CPU session of the graph at `path`; `extra_outputs` names intermediate tensors to output too
+    (the graph is then loaded from memory, its weights from beside `path`)."""
+    options = ort.SessionOptions()
+    # Spinning worker threads would slow the eager model running beside them in this process.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads:
+        options.intra_op_num_threads = threads
+    if not extra_outputs:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    model = onnx.load(path, load_external_data=False)
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra_outputs)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+class BoundOnnxrtRunner(StatefulRunner):
+    """ONNX Runtime through IO binding, holding its caches between calls in numpy buffers that
+    OrtValues wrap without copying. A present output that `aliases` a past input (the MLA cache,
+    written by TensorScatter) is bound to that input's OrtValue, so ONNX Runtime writes the call's
+    rows in place and copies no cache. The other present outputs (KDA state and conv tails, which
+    a Scan and a Concat rewrite whole) are double-buffered: written into a spare buffer that becomes
+    the next call's past. Returned caches are those buffers, valid until the next call.
+    `extra_outputs`: graph outputs beyond the signature's (a copy's exposed routing), returned too."""
+
+    def __init__(self, path: Path, signature: Signature, name: str = "onnxrt", threads: int | None = None,
+                 extra_outputs: list[str] | None = None):
+        super().__init__(signature, name)
+        self.path, self.threads = path, threads
+        self.extra_outputs = extra_outputs or []
+        self.spares: dict[str, np.ndarray] = {}
+
+    def activate_impl(self) -> None:
+        self.session = onnxrt_session(self.path, self.threads, self.extra_outputs)
+
+    def deactivate_impl(self) -> None:
+        del self.session
+
+    def reset(self, batch: int, rows: list[int] | None = None) -> None:
+        super().reset(batch, rows)
+        if rows is None:
+            self.spares = {s.name: np.empty_like(self.caches[present_to_past(s.name)])
+                           for s in self.signature.outputs if s.name.startswith(PRESENT) and not s.aliases}
+
+    def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        binding = self.session.io_binding()
+        values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.caches.items()}
+        for spec in self.signature.inputs:
+            if spec.name in values:
+                binding.bind_ortvalue_input(spec.name, values[spec.name])
+            else:
+                binding.bind_cpu_input(spec.name, np.ascontiguousarray(feeds[spec.name]))
+        for spec in self.signature.outputs:
+            if spec.aliases:
+                binding.bind_ortvalue_output(spec.name, values[spec.aliases])
+            elif spec.name in self.spares:
+                spare = ort.OrtValue.ortvalue_from_numpy(self.spares[spec.name])
+                binding.bind_ortvalue_output(spec.name, spare)
+            else:
+                binding.bind_output(spec.name, "cpu")
+        for name in self.extra_outputs:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        results = OrderedDict()
+        values_out = binding.get_outputs()
+        count = len(self.signature.outputs)
+        for name, value in zip(self.extra_outputs, values_out[count:], strict=True):
+            results[name] = value.numpy()
+        for spec, value in zip(self.signature.outputs, values_out[:count], strict=True):
+            if spec.aliases:
+                self.aliased[spec.name] = value.data_ptr() == values[spec.aliases].data_ptr()
+                results[spec.name] = self.caches[spec.aliases]
+            elif spec.name in self.spares:
+                past = present_to_past(spec.name)
+                self.caches[past], self.spares[spec.name] = self.spares[spec.name], self.caches[past]
+                results[spec.name] = self.caches[past]
+            else:
+                results[spec.name] = value.numpy()
+        return results

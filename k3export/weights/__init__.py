@@ -1,0 +1,1 @@
+"""Weights in and out: safetensors checkpoints (ours and the published layout)."""
