@@ -91,8 +91,8 @@ def _tensor_scatter(past, update, write_indices):
 
 
 def _to_dtype(self, dtype: int, non_blocking: bool = False, copy: bool = False, memory_format: str = ""):
-    """`x.to(dtype)` as the capture records it (the decomposition this export skips would turn it
-    into `_to_copy`, or nothing where the dtype is already x's: constant folding removes that Cast)."""
+    """`x.to(dtype)` as the capture records it, where it changes the dtype (`_drop_no_op_casts`
+    removes the others, as the decomposition this export skips would)."""
     return op.Cast(self, to=dtype)
 
 
@@ -147,6 +147,19 @@ class _PromoteFromMetadata(type_promotion._TypePromotionInterpreter):
         return n.meta["val"]
 
 
+def _drop_no_op_casts(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Removes each `x.to(dtype)` where x already has the dtype (the capture records `.float()` on a
+    float32 tensor). Left in, it would be a Cast that constant folding turns into an anonymous copy
+    of a named weight."""
+    graph = program.graph_module.graph
+    for node in list(graph.nodes):
+        if node.target == torch.ops.aten.to.dtype and node.args[0].meta["val"].dtype == node.args[1]:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    program.graph_module.recompile()
+    return program
+
+
 def _insert_type_promotion(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for module in graph_module.modules():
         promotion = type_promotion.InsertTypePromotion(module)
@@ -162,12 +175,12 @@ def _lean_preparation() -> Iterator[None]:
     re-runs every node under fake tensors. Our graph needs no decomposition: every op the capture
     records has a translation, in torchlib or in TRANSLATION_TABLE (the model avoids the few that
     have none, such as `Tensor.T` and `torch.promote_types`), and an op without one fails the
-    translation by name rather than giving a different graph. So that step is the identity here,
-    and type promotion reads the captured values (`_PromoteFromMetadata`). Both hooks are private
-    (alike in torch 2.11 to 2.13); the tests pin that they are used and that exports still match
-    the eager model."""
+    translation by name rather than giving a different graph. So that step only drops the casts
+    that change nothing (`_drop_no_op_casts`), and type promotion reads the captured values
+    (`_PromoteFromMetadata`). Both hooks are private (alike in torch 2.11 to 2.13); the tests pin
+    that they are used and that exports still match the eager model."""
     decompose, promote = _fx_passes.decompose_with_registry, _fx_passes.insert_type_promotion_nodes
-    _fx_passes.decompose_with_registry = lambda program, registry: program
+    _fx_passes.decompose_with_registry = lambda program, registry: _drop_no_op_casts(program)
     _fx_passes.insert_type_promotion_nodes = _insert_type_promotion
     try:
         yield
@@ -177,16 +190,16 @@ def _lean_preparation() -> Iterator[None]:
 
 def fold_constants(model: ir.Model) -> None:
     """What the graph needs of an optimizer, and no more: constants folded (the axes and shapes
-    TensorRT needs as constants), constants as initializers, repeated subexpressions and unused
-    nodes removed. onnxscript's full optimizer adds pattern rewrites that find little in this
-    graph and took a third of the export (191,509 match attempts for k3-tiny)."""
+    TensorRT needs as constants), repeated subexpressions and unused nodes removed, constants as
+    initializers. Initializers are not deduplicated: every weight keeps its checkpoint name, even
+    where two hold the same numbers (norm weights of ones). onnxscript's full optimizer adds
+    pattern rewrites that find little in this graph and took a third of the export (191,509
+    match attempts for k3-tiny)."""
     onnxscript.optimizer.fold_constants(model, onnx_shape_inference=True)
     ir.passes.Sequential(
+        common_passes.CommonSubexpressionEliminationPass(),  # before lifting: equal Constant nodes merge
         common_passes.RemoveUnusedNodesPass(),
         common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
-        common_passes.DeduplicateInitializersPass(),
-        common_passes.CommonSubexpressionEliminationPass(),
-        common_passes.RemoveUnusedNodesPass(),
         common_passes.RemoveUnusedFunctionsPass(),
         common_passes.RemoveUnusedOpsetsPass(),
         common_passes.OutputFixPass(),
