@@ -279,3 +279,12 @@ def test_type_promotion_from_metadata_inserts_torchs_casts():
         graphs.append(str(module.graph))
     assert "convert_element_type" in graphs[0]
     assert graphs[1] == graphs[0]
+
+
+def test_equal_weights_keep_their_own_names(tiny_export):
+    """Norm weights start as ones in every layer: the graph keeps each under its checkpoint name
+    rather than one deduplicated initializer, so a weight can be found (and checked) by name."""
+    graph = onnx.load(tiny_export / "model.onnx", load_external_data=False).graph
+    names = {t.name for t in graph.initializer}
+    layers = K3Config.from_preset("k3-tiny").num_hidden_layers
+    assert {f"model.model.layers.{i}.input_layernorm.weight" for i in range(layers)} <= names
