@@ -113,3 +113,13 @@ def test_wrong_imports_are_found(tmp_path: Path) -> None:
         "k3export.shards.plan (floor 8) imports k3export.runtime (floor 8)"]
     functions, moe = "k3export.onnx.functions", "k3export.onnx.moe"
     assert find_cycle({functions: {moe}, moe: {functions}}) == [functions, moe, functions]
+
+
+def test_the_readme_states_the_same_floors() -> None:
+    """The README's one-line form of the table ("cli > check, demo > ... > errors, progress")."""
+    readme = (ROOT.parent / "README.md").read_text().splitlines()
+    line = next(text.strip() for text in readme if text.strip().startswith("cli > "))
+    stated = [set(group.replace(",", " ").split()) for group in reversed(line.split(" > "))]
+    table = floors()
+    floor_names = [{name for name, f in table.items() if f == floor} for floor in sorted(set(table.values()))]
+    assert stated == floor_names
