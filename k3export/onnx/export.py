@@ -128,7 +128,7 @@ LENGTH_SPECS = [
 
 def graph_signature(config: K3Config, layers: range, dtype: torch.dtype, last_logits: bool = False,
                     taps: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs in graph order; `taps` appends k3export.taps' per-layer outputs last."""
+    """Inputs and outputs in graph order; `taps` appends k3export.onnx.taps' per-layer outputs last."""
     D, name = config.hidden_size, _dtype_name(dtype)
 
     def boundary(at: int) -> list[TensorSpec]:
@@ -161,7 +161,7 @@ def graph_signature(config: K3Config, layers: range, dtype: torch.dtype, last_lo
 
 class ExportGraph(nn.Module):
     """The model over `layers` with flat tensors in and out, in graph_signature's order. With `taps`
-    the layers' taps follow, recorded by forward hooks for the call (k3export.taps)."""
+    the layers' taps follow, recorded by forward hooks for the call (k3export.onnx.taps)."""
 
     def __init__(self, model: K3ForCausalLM, layers: range, last_logits: bool = False,
                  taps: bool = False) -> None:
@@ -225,7 +225,7 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
     for full TensorRT's AOT plugins (export_onnx). `capacity` is the MLA cache's static row count;
     `last_logits` gives logits only at each row's last valid token (a range that does not end at
     the last layer has no logits and ignores it). `taps` adds each layer's taps as outputs
-    (k3export.taps; the graph is otherwise the same). Returns the manifest."""
+    (k3export.onnx.taps; the graph is otherwise the same). Returns the manifest."""
     if capacity < 8:
         raise UserError(f"--capacity {capacity}: expected at least 8 cached tokens per sequence")
     out_dir = Path(out_dir)
