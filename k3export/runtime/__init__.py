@@ -178,7 +178,8 @@ class Sampler:
                 order = order[:self.top_k]
             p = np.exp(row[order] - row[order[0]])
             p /= p.sum()
-            keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
+            # At most every token: the sum can fall short of top_p = 1 by a rounding error.
+            keep = min(int(np.searchsorted(np.cumsum(p), self.top_p)) + 1, len(p))
             p = p[:keep] / p[:keep].sum()
             tokens.append(order[self.rng.choice(keep, p=p)])
         return np.array(tokens)
