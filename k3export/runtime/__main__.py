@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -126,7 +127,11 @@ class Links:
                 raise StageFailed(f"stage {peer} (rank {peer}) took nothing or sent nothing for "
                                   f"{self.timeout} s (--timeout): it died or hangs, or a stage before it did"
                                   ) from None
-            raise StageFailed(f"the link with stage {peer} (rank {peer}) failed: {e}") from None
+            # gloo says "[file:line] Connection reset by peer [address]. This is typically ..."
+            reason = re.search(r"\] ([^.\[]*)", str(e))
+            reason = reason.group(1).strip() if reason else str(e)
+            raise StageFailed(f"the link with stage {peer} (rank {peer}) broke ({reason}): it died, or a "
+                              "stage before it did") from None
 
     def flush(self) -> None:
         """Waits until every message sent has been taken."""
@@ -252,13 +257,16 @@ def run_rank(args: argparse.Namespace) -> None:
 def watch_signals(rank: str) -> None:
     """SIGINT (Ctrl-C) and SIGTERM (torchrun stopping the others when one fails) end this process at
     once with a message, even while its main thread is blocked in gloo or ONNX Runtime, where a
-    Python handler would wait for the call to return: every thread started from now on blocks them,
-    and one thread waits for them."""
-    signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    Python handler would wait for the call to return: Python's C-level handler, in whichever thread
+    the signal lands, writes its number to a pipe that a thread of ours reads."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda *_: None)  # the thread below acts
 
     def watch() -> None:
-        interrupted = signal.sigwait(signals) == signal.SIGINT
+        interrupted = os.read(read, 1)[0] == signal.SIGINT
         why = ("interrupted (Ctrl-C)" if interrupted else
                "stopped by SIGTERM: torchrun stops every stage when one fails (its report names which)")
         print(f"k3export.runtime: stage {rank} (rank {rank}): {why}", file=sys.stderr, flush=True)
