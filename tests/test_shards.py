@@ -34,12 +34,11 @@ from k3export.runtime import (
     Pipeline,
     Sampler,
     generate,
-    last_positions,
     random_prompts,
     stage_exports,
 )
 from k3export.runtime.check import run_build_check
-from k3export.runtime.schedule import default_micro_batches, split_rows
+from k3export.runtime.schedule import default_micro_batches, last_positions, split_rows
 from k3export.stages import MANIFEST, _previous, build_recipe
 from k3export.taps import SUBLAYERS, tap_names
 

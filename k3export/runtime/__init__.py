@@ -38,7 +38,6 @@ from k3export.runtime.schedule import (
     StageTimes,
     Tokens,
     default_micro_batches,
-    last_positions,  # noqa: F401 (the runtime's API; it lives with the schedule)
     nbytes,
     round_robin,
     split_prompts,
@@ -109,10 +108,14 @@ def passed_on(stages: list[Stage], index: int) -> list[str]:
     return [s.name for s in stages[index + 1].signature.feeds if s.name in produced]
 
 
-def default_threads(processes: int) -> int:
-    """ONNX Runtime's intra-op threads for one of `processes` on this host: its share of the cores
-    this process may run on (at least one), so the stages do not fight over them."""
-    return max(1, len(os.sched_getaffinity(0)) // processes)
+def intra_op_threads(args: argparse.Namespace, processes: int) -> int:
+    """ONNX Runtime's intra-op threads for one of `processes` stage processes on this host: --threads,
+    or its share of the cores this process may run on (at least one), so the stages do not fight."""
+    if args.threads is None:
+        return max(1, len(os.sched_getaffinity(0)) // processes)
+    if args.threads < 1:
+        raise UserError(f"--threads {args.threads}: expected at least 1")
+    return args.threads
 
 
 class Pipeline:
@@ -304,7 +307,7 @@ def stage_name(stage: Stage) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     exports = stage_exports(args.build)
-    threads = args.threads or default_threads(1)
+    threads = intra_op_threads(args, 1)
     pipeline = Pipeline(exports, threads)
     prompts = prompts_of(args, exports[0])
     try:

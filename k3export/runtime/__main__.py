@@ -50,8 +50,8 @@ from k3export.runtime import (
     Sampler,
     Stage,
     add_run_arguments,
-    default_threads,
     generate,
+    intra_op_threads,
     passed_on,
     prompts_of,
     report,
@@ -201,10 +201,13 @@ def run_rank(args: argparse.Namespace) -> None:
     if world != len(exports):
         raise UserError(f"{args.build}: {len(exports)} stages, started with {world} processes; expected "
                         f"torchrun --nproc-per-node {len(exports)}")
-    threads = args.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    threads = intra_op_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if args.timeout < 1:
+        raise UserError(f"--timeout {args.timeout}: expected at least 1 second")
     prompts = prompts_of(args, exports[0])
     count = args.micro_batches or default_micro_batches(len(prompts), world)
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    batches = split_prompts(prompts, count)  # refuses a bad --micro-batches before any session loads
     if world == 1:  # one stage: no messages
         pipeline = Pipeline(exports, threads)
         try:
@@ -219,7 +222,6 @@ def run_rank(args: argparse.Namespace) -> None:
     stage = stages[rank]
     stage.runner.activate()
     try:
-        batches = split_prompts(prompts, count)
         stage.reset_slots([b.size for b in batches])
         clock = StageTimes(stage.runner.name)
         passed = passed_on(stages, rank) if rank + 1 < world else []
