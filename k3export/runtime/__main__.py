@@ -14,8 +14,8 @@ in order, and send it on; the last one samples and sends each micro-batch's toke
 step). With M at least the number of stages, every stage has a micro-batch to work on while the
 others compute theirs. A receiver posts its next header before it computes, so the header arrives
 meanwhile; the tensors it posts once the header has given their shapes (gloo moves a send once its
-receive is posted, so on the receiving side the transfer itself is not hidden: tens of microseconds
-for k3-small's 12 KB a row over the loopback).
+receive is posted, so on the receiving side the transfer itself is not hidden; k3-small sends 12 KB
+a row, over the loopback here).
 
 Faults: every wait for a message has a deadline (`--timeout`, 60 s): a stage that sends nothing for
 that long is named (it died or hangs, or a stage before it did) and this process exits 1. A stage
