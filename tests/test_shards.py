@@ -319,6 +319,14 @@ def test_split_rows() -> None:
             split_rows(3, count)
 
 
+def test_run_refuses_bad_micro_batches_and_threads(onnx_build, capsys) -> None:
+    out, _ = onnx_build
+    assert main(["run", str(out), "--batch", "3", "--micro-batches", "4"]) == 2
+    assert "--micro-batches 4: expected 1 up to the batch's 3 sequences" in capsys.readouterr().err
+    assert main(["run", str(out), "--threads", "0"]) == 2
+    assert "--threads 0: expected at least 1" in capsys.readouterr().err
+
+
 def started_worker(torchrun: subprocess.Popen, rank: int) -> int:
     """The pid of torchrun's worker of `rank` (its child whose environment says RANK=rank)."""
     for proc in Path("/proc").iterdir():
