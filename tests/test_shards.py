@@ -261,10 +261,10 @@ def torchrun_command(build: Path, *options: str) -> list[str]:
 
 
 def in_process(build: Path, prompts: list[list[int]], new_tokens: int, sampler: Sampler,
-               micro_batches: int = 1) -> Generation:
+               micro_batches: int = 1, stop: frozenset[int] = frozenset()) -> Generation:
     pipeline = Pipeline(stage_exports(build))
     try:
-        return generate(pipeline, prompts, new_tokens, sampler, frozenset(), micro_batches)
+        return generate(pipeline, prompts, new_tokens, sampler, stop, micro_batches)
     finally:
         pipeline.close()
 
@@ -295,19 +295,26 @@ def test_torchrun_micro_batches_give_the_tokens_of_one_batch(sharded: Path, micr
 
 
 def test_micro_batches_in_one_process_change_only_the_grouping(onnx_build) -> None:
-    """In one process the rows' greedy tokens are the same in 1, 2 or 3 micro-batches; sampling with a
-    seed draws the same tokens again for the same micro-batches, and under torchrun too."""
+    """In one process the rows' greedy tokens are the same in 1, 2 or 3 micro-batches. Sampling with a
+    seed draws the same tokens again for the same micro-batches, and under torchrun too, also when a
+    stop token ends one micro-batch (row 2 alone) before the other."""
     out, _ = onnx_build
     prompts = random_prompts(3, 12, 256, seed=4)
     greedy = [in_process(out, prompts, 8, Sampler(), m).tokens for m in (1, 2, 3)]
     assert greedy[0] == greedy[1] == greedy[2]
-    sampled = [in_process(out, prompts, 8, Sampler(temperature=0.8, top_k=20, seed=7), 2).tokens
-               for _ in range(2)]
-    assert sampled[0] == sampled[1] != greedy[0]
+
+    def sampler() -> Sampler:  # torchrun's with --seed 4, which also drew the prompts
+        return Sampler(temperature=0.8, top_k=20, seed=4)
+
+    free = in_process(out, prompts, 8, sampler(), 2).tokens
+    assert free != greedy[0]
+    stop = frozenset({free[2][2]})
+    sampled = [in_process(out, prompts, 8, sampler(), 2, stop).tokens for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0][2]) <= 3 < len(sampled[0][0])
     distributed = torchrun(out, "--prompt-len", "12", "--batch", "3", "--max-new-tokens", "8", "--seed", "4",
-                           "--micro-batches", "2", "--temperature", "0.8", "--top-k", "20")
-    # The prompts come from --seed 4 and the sampler from it too: draw again in process with seed 4.
-    assert distributed["tokens"] == in_process(out, prompts, 8, Sampler(0.8, 20, 1.0, 4), 2).tokens
+                           "--micro-batches", "2", "--temperature", "0.8", "--top-k", "20",
+                           "--stop", str(*stop))
+    assert distributed["tokens"] == sampled[0]
 
 
 def test_split_rows() -> None:

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -147,50 +148,64 @@ def compute(stage: Stage, batch: MicroBatch,
     return stage(stage.feeds(feed, {})), started
 
 
+@dataclass(frozen=True)
+class Peers:
+    """The ranks a stage process exchanges messages with: the stage before it (None: it is the first)
+    and after it (None: the last), and the first one, to which the last sends the tokens. One rank a
+    stage here; in a grid of ranks each would name its counterpart in the neighbouring stages."""
+
+    previous: int | None
+    next: int | None
+    first: int
+
+    @classmethod
+    def of(cls, rank: int, world: int) -> Peers:
+        return cls(rank - 1 if rank else None, rank + 1 if rank + 1 < world else None, 0)
+
+
 def first_stage(stage: Stage, batches: list[MicroBatch], links: Links, clock: StageTimes, passed: list[str],
-                world: int) -> None:
-    """Rank 0: each micro-batch's prefill, then its decode steps as its tokens come back."""
-    links.expect(world - 1)  # the first tokens, posted ahead as every later message
+                peers: Peers, last: int) -> None:
+    """Stage 0: each micro-batch's prefill, then its decode steps as its tokens come back from `last`."""
+    links.expect(last)  # the first tokens, posted ahead as every later message
     for batch in round_robin(batches):
         if batch.calls:
-            kind, index, received = links.receive(world - 1, [TOKENS])
+            kind, index, received = links.receive(last, [TOKENS])
             assert index == batch.index, "the last stage's tokens come in round-robin order"
             batch.finished = kind == FINISHED
             if not all(b.finished for b in batches):
-                links.expect(world - 1)
+                links.expect(last)
             if batch.finished:
-                links.send(1, STOP, batch, [])
+                links.send(peers.next, STOP, batch, [])
                 continue
             batch.input_ids = received["tokens"][:, None]
         outputs, started = compute(stage, batch, batch.request())
-        sent = links.send(1, RUN, batch, [outputs[n] for n in passed])
+        sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed])
         clock.record(batch, started, stage.runner.inference_time, sent)
         batch.advance()
 
 
 def later_stage(stage: Stage, batches: list[MicroBatch], links: Links, clock: StageTimes, passed: list[str],
-                received: list[TensorSpec], tokens: Tokens) -> None:
-    """Ranks 1..: what comes in, in order; the last rank samples and sends the tokens back to rank 0."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    last = rank == world - 1
+                peers: Peers, received: list[TensorSpec], tokens: Tokens) -> None:
+    """Stages 1..: what comes in, in order, sent on; the last one samples and sends the tokens back to
+    the first."""
     running = len(batches)
-    links.expect(rank - 1)
+    links.expect(peers.previous)
     while running:
-        kind, index, tensors = links.receive(rank - 1, received)
+        kind, index, tensors = links.receive(peers.previous, received)
         batch = batches[index]
         running -= kind == STOP
         if running:
-            links.expect(rank - 1)
+            links.expect(peers.previous)
         if kind == STOP:
-            if not last:
-                links.send(rank + 1, STOP, batch, [])
+            if peers.next is not None:
+                links.send(peers.next, STOP, batch, [])
             continue
         outputs, started = compute(stage, batch, {**batch.lengths(), **tensors})
-        if last:
+        if peers.next is None:
             ids = tokens.take(batch, outputs["logits"])
-            sent = links.send(0, FINISHED if batch.finished else RUN, batch, [ids])
+            sent = links.send(peers.first, FINISHED if batch.finished else RUN, batch, [ids])
         else:
-            sent = links.send(rank + 1, RUN, batch, [outputs[n] for n in passed])
+            sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed])
         clock.record(batch, started, stage.runner.inference_time, sent)
         batch.advance()
 
@@ -235,10 +250,11 @@ def run_rank(args: argparse.Namespace) -> None:
                   f"rows, {threads} thread{'s' if threads > 1 else ''} a stage, --timeout {args.timeout:g} s",
                   file=sys.stderr, flush=True)
         start = time.perf_counter()
+        peers = Peers.of(rank, world)
         if rank == 0:
-            first_stage(stage, batches, links, clock, passed, world)
+            first_stage(stage, batches, links, clock, passed, peers, last=world - 1)
         else:
-            later_stage(stage, batches, links, clock, passed, received, tokens)
+            later_stage(stage, batches, links, clock, passed, peers, received, tokens)
         links.flush()
         mine = {"seconds": stage.seconds, "times": clock.summary()}
         if rank == world - 1:
