@@ -384,7 +384,8 @@ def test_a_failed_stage_stops_the_others(onnx_build, fault: str) -> None:
         for rank in (0, 2):
             why = r"stopped by SIGTERM: torchrun stops every stage|the link with stage \d \(rank \d\) broke"
             assert re.search(rf"k3export.runtime: stage {rank} \(rank {rank}\): ({why})", err), err
-        assert re.search(r"Root Cause[^=]*rank\s*: 1 [^=]*exitcode\s*: -9", err), err[-2000:]
+        # torchrun lists every failed process (its "Root Cause" is whichever it saw first).
+        assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", err), err[-2000:]
 
 
 def test_sampling_is_seeded() -> None:

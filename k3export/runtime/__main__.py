@@ -17,13 +17,13 @@ meanwhile; the tensors it posts once the header has given their shapes (gloo mov
 receive is posted, so on the receiving side the transfer itself is not hidden; k3-small sends 12 KB
 a row, over the loopback here).
 
-Faults: every wait for a message has a deadline (`--timeout`, 60 s): a stage that sends nothing for
-that long is named (it died or hangs, or a stage before it did) and this process exits 1. A stage
-process that dies is seen first by torchrun, which stops the others within a second (SIGTERM: each
-says so and exits 1) and names the one that died in its report ("Root Cause"). Ctrl-C (SIGINT to
-every process) stops each at once, exit 130. Loading the sessions and the closing exchange of
-timings use the process group's own timeout. gloo on CPU; with NCCL (`--dist-backend nccl`) the same
-tensors would go through the GPUs.
+Faults: every wait for another stage has a deadline (`--timeout`, 60 s): a stage that sends or takes
+nothing for that long is named (it died or hangs, or a stage before it did) and this process exits 1.
+A stage process that dies breaks its gloo links (its neighbours name it and exit 1), and torchrun,
+which checks its processes every 0.1 s, stops the others (SIGTERM: each says so and exits 1) and
+lists the dead one in its report. Ctrl-C (SIGINT to every process) stops each at once, exit 130.
+Loading the sessions and the closing exchange of timings use the process group's own timeout.
+gloo on CPU; with NCCL (`--dist-backend nccl`) the same tensors would go through the GPUs.
 """
 
 from __future__ import annotations
