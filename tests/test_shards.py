@@ -8,9 +8,13 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,15 @@ from k3export.errors import UserError
 from k3export.onnx.export import ExportGraph
 from k3export.onnx.runner import Signature
 from k3export.onnx.taps import SUBLAYERS, tap_names
-from k3export.runtime import Pipeline, Sampler, generate, last_positions, random_prompts, stage_exports
+from k3export.runtime import (
+    Generation,
+    Pipeline,
+    Sampler,
+    generate,
+    random_prompts,
+    stage_exports,
+)
+from k3export.runtime.schedule import default_micro_batches, last_positions, split_rows
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import MANIFEST, _previous, build_recipe
 
@@ -236,22 +248,145 @@ def test_sharded_run_matches_unsharded_and_eager(sharded: Path, tiny_export: Pat
     sharded.close()
 
 
-def test_torchrun_one_process_a_stage_matches_in_process(sharded: Path) -> None:
-    out = sharded
-    stages = len(stage_exports(out))
-    options = ["--prompt-len", "12", "--batch", "2", "--max-new-tokens", "16", "--seed", "3", "--json"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages),
-                           "-m", "k3export.runtime", str(out), *options],
-                          capture_output=True, text=True, timeout=300)
+def torchrun(build: Path, *options: str, timeout: float = 300) -> dict[str, Any]:
+    """`torchrun -m k3export.runtime BUILD OPTIONS --json`, one process a stage: its summary."""
+    proc = subprocess.run(torchrun_command(build, *options, "--json"), capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    distributed = json.loads(proc.stdout.strip().splitlines()[-1])
-    pipeline = Pipeline(stage_exports(out))
-    prompts = random_prompts(2, 12, 256, seed=3)
-    pipeline.reset(2)
-    local = generate(pipeline, prompts, 16, Sampler(), frozenset())
-    pipeline.close()
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def torchrun_command(build: Path, *options: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(stage_exports(build))),
+            "-m", "k3export.runtime", str(build), *options]
+
+
+def in_process(build: Path, prompts: list[list[int]], new_tokens: int, sampler: Sampler,
+               micro_batches: int = 1, stop: frozenset[int] = frozenset()) -> Generation:
+    pipeline = Pipeline(stage_exports(build))
+    try:
+        return generate(pipeline, prompts, new_tokens, sampler, stop, micro_batches)
+    finally:
+        pipeline.close()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_torchrun_micro_batches_give_the_tokens_of_one_batch(sharded: Path, micro_batches: int) -> None:
+    """3 prompts, 16 greedy tokens each, one process a stage with the rows in 1 micro-batch or 2 (of 2
+    and 1 rows, in flight together): the tokens of the whole batch run in one process."""
+    stages = len(stage_exports(sharded))
+    distributed = torchrun(sharded, "--prompt-len", "12", "--batch", "3", "--max-new-tokens", "16",
+                           "--seed", "3", "--micro-batches", str(micro_batches))
+    local = in_process(sharded, random_prompts(3, 12, 256, seed=3), 16, Sampler())
     assert distributed["tokens"] == local.tokens and all(len(t) == 16 for t in local.tokens)
-    assert len(distributed["stage_seconds"]) == stages
+    assert distributed["micro_batches"] == micro_batches and distributed["threads"] >= 1
+    assert len(distributed["stage_seconds"]) == len(distributed["stages"]) == stages
+    for times in distributed["stages"]:
+        assert 0 < times["busy_seconds"] <= times["window_seconds"]
+        assert times["busy_seconds"] + times["waiting_seconds"] == pytest.approx(times["window_seconds"])
+    # Bytes a decoded token: the next stage's AttnRes inputs (float32, one row of seq 1) and each
+    # message's header (4 int64) shared by its micro-batch's rows; the last stage sends a token back.
+    header = 32 * micro_batches / 3
+    stage_specs = json.loads((sharded / MANIFEST).read_text())["stages"]
+    for times, following in zip(distributed["stages"], stage_specs[1:], strict=False):
+        floats = sum(np.prod([d for d in spec["shape"] if isinstance(d, int)]) for spec in following["inputs"]
+                     if spec["name"].startswith("attn_res."))
+        assert times["sent_bytes_per_token"] == pytest.approx(4 * floats + header)
+    assert distributed["stages"][-1]["sent_bytes_per_token"] == pytest.approx(8 + header)
+
+
+def test_micro_batches_in_one_process_change_only_the_grouping(onnx_build) -> None:
+    """In one process the rows' greedy tokens are the same in 1, 2 or 3 micro-batches. Sampling with a
+    seed draws the same tokens again for the same micro-batches, and under torchrun too, also when a
+    stop token ends one micro-batch (row 2 alone) before the other."""
+    out, _ = onnx_build
+    prompts = random_prompts(3, 12, 256, seed=4)
+    greedy = [in_process(out, prompts, 8, Sampler(), m).tokens for m in (1, 2, 3)]
+    assert greedy[0] == greedy[1] == greedy[2]
+
+    def sampler() -> Sampler:  # torchrun's with --seed 4, which also drew the prompts
+        return Sampler(temperature=0.8, top_k=20, seed=4)
+
+    free = in_process(out, prompts, 8, sampler(), 2).tokens
+    assert free != greedy[0]
+    stop = frozenset({free[2][2]})
+    sampled = [in_process(out, prompts, 8, sampler(), 2, stop).tokens for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0][2]) <= 3 < len(sampled[0][0])
+    distributed = torchrun(out, "--prompt-len", "12", "--batch", "3", "--max-new-tokens", "8", "--seed", "4",
+                           "--micro-batches", "2", "--temperature", "0.8", "--top-k", "20",
+                           "--stop", str(*stop))
+    assert distributed["tokens"] == sampled[0]
+
+
+def test_split_rows() -> None:
+    assert split_rows(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert split_rows(16, 2) == [range(0, 8), range(8, 16)] and split_rows(3, 1) == [range(3)]
+    assert default_micro_batches(16, 2) == 2 and default_micro_batches(1, 4) == 1
+    for count in (0, 4):
+        with pytest.raises(UserError, match=f"--micro-batches {count}: expected 1 up to the batch's 3"):
+            split_rows(3, count)
+
+
+def test_run_refuses_bad_micro_batches_and_threads(onnx_build, capsys) -> None:
+    out, _ = onnx_build
+    assert main(["run", str(out), "--batch", "3", "--micro-batches", "4"]) == 2
+    assert "--micro-batches 4: expected 1 up to the batch's 3 sequences" in capsys.readouterr().err
+    assert main(["run", str(out), "--threads", "0"]) == 2
+    assert "--threads 0: expected at least 1" in capsys.readouterr().err
+
+
+def started_worker(torchrun: subprocess.Popen, rank: int) -> int:
+    """The pid of torchrun's worker of `rank` (its child whose environment says RANK=rank)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == torchrun.pid and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_failed_stage_stops_the_others(onnx_build, fault: str) -> None:
+    """Stage 1 of 3 killed (SIGKILL) or stopped (SIGSTOP, a hang) while the others decode: the others
+    exit within the stated time, non-zero, naming it: a dead one through torchrun, which stops the
+    others (each says so) and names it; a hung one through the deadline (--timeout 3) of the stage
+    waiting for it."""
+    out, _ = onnx_build
+    command = torchrun_command(out, "--prompt-len", "12", "--batch", "2", "--max-new-tokens", "200",
+                               "--timeout", "3")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:  # the sessions are loaded and the ranks start
+        err.append(line)
+        if line.startswith("k3export.runtime: 3 stages"):
+            break
+    time.sleep(0.5)
+    victim = started_worker(proc, 1)
+    os.kill(victim, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    stopped = time.monotonic()
+    if fault == "hung":
+        expected = ("k3export.runtime: stage 2 (rank 2): stage 1 (rank 1) took nothing or sent nothing for "
+                    "3 s (--timeout): it died or hangs")
+        for line in proc.stderr:
+            err.append(line)
+            if line.startswith(expected):
+                break
+        assert time.monotonic() - stopped < 3 + 5, "".join(err)[-3000:]
+        os.kill(victim, signal.SIGCONT)  # so that torchrun's SIGTERM ends it
+    _, rest = proc.communicate(timeout=15)
+    err = "".join(err) + rest
+    assert proc.returncode != 0
+    assert time.monotonic() - stopped < 3 + 15
+    if fault == "killed":
+        # Each other stage says why it stops: torchrun stopped it, or its link with a dead stage broke.
+        for rank in (0, 2):
+            why = r"stopped by SIGTERM: torchrun stops every stage|the link with stage \d \(rank \d\) broke"
+            assert re.search(rf"k3export.runtime: stage {rank} \(rank {rank}\): ({why})", err), err
+        # torchrun lists every failed process (its "Root Cause" is whichever it saw first).
+        assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", err), err[-2000:]
 
 
 def test_sampling_is_seeded() -> None:

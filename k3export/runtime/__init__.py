@@ -3,6 +3,11 @@
     k3export run DIR --prompt-len 32 --seed 0 --max-new-tokens 16        # in-process, one session a stage
     torchrun --nproc-per-node N -m k3export.runtime DIR --prompt-len 32   # one process a stage (gloo)
 
+The batch's rows go through in micro-batches (`--micro-batches M`, k3export.runtime.schedule), each
+with its own rows of every stage's caches; under torchrun they are in flight together, one stage
+computing a micro-batch while the next computes the one before. In one process M changes nothing
+but the grouping.
+
 A stage takes named tensors and gives named tensors; what backs it is its own business. Here it is
 ONNX Runtime through IO binding (onnx.runner.BoundOnnxrtRunner: the MLA cache written in place), driven
 by the stage's export.json, so no tensor name is written here: a stage's feeds are the previous
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +34,14 @@ from k3export.artifacts import require, verify
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 from k3export.onnx.runner import BoundOnnxrtRunner, Signature
+from k3export.runtime.schedule import (
+    StageTimes,
+    Tokens,
+    default_micro_batches,
+    nbytes,
+    round_robin,
+    split_prompts,
+)
 
 BUILD_MANIFEST = "manifest.json"
 
@@ -75,6 +89,34 @@ class Stage:
         self.seconds += self.runner.inference_time
         return outputs
 
+    def reset_slots(self, sizes: list[int]) -> None:
+        """Empty caches for each micro-batch of `sizes` rows: every micro-batch its own rows of every
+        cache, as if each were the only batch; `use(i)` picks micro-batch i's for the next calls."""
+        self.slots = []
+        for size in sizes:
+            self.runner.reset(size)
+            # The runner swaps its double-buffered caches inside these two dicts, so they stay its own.
+            self.slots.append((self.runner.caches, self.runner.spares))
+
+    def use(self, index: int) -> None:
+        self.runner.caches, self.runner.spares = self.slots[index]
+
+
+def passed_on(stages: list[Stage], index: int) -> list[str]:
+    """The outputs of stage `index` that the next stage takes (its boundary), in that stage's order."""
+    produced = {s.name for s in stages[index].signature.outputs}
+    return [s.name for s in stages[index + 1].signature.feeds if s.name in produced]
+
+
+def intra_op_threads(args: argparse.Namespace, processes: int) -> int:
+    """ONNX Runtime's intra-op threads for one of `processes` stage processes on this host: --threads,
+    or its share of the cores this process may run on (at least one), so the stages do not fight."""
+    if args.threads is None:
+        return max(1, len(os.sched_getaffinity(0)) // processes)
+    if args.threads < 1:
+        raise UserError(f"--threads {args.threads}: expected at least 1")
+    return args.threads
+
 
 class Pipeline:
     """The stages in order, in this process."""
@@ -90,6 +132,10 @@ class Pipeline:
     def reset(self, batch: int) -> None:
         for stage in self.stages:
             stage.runner.reset(batch)
+
+    def reset_slots(self, sizes: list[int]) -> None:
+        for stage in self.stages:
+            stage.reset_slots(sizes)
 
     def close(self) -> None:
         for stage in self.stages:
@@ -135,26 +181,23 @@ class Sampler:
                 order = order[:self.top_k]
             p = np.exp(row[order] - row[order[0]])
             p /= p.sum()
-            keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
+            # At most every token: the sum can fall short of top_p = 1 by a rounding error.
+            keep = min(int(np.searchsorted(np.cumsum(p), self.top_p)) + 1, len(p))
             p = p[:keep] / p[:keep].sum()
             tokens.append(order[self.rng.choice(keep, p=p)])
         return np.array(tokens)
 
 
-def last_positions(logits: np.ndarray, input_lengths: np.ndarray) -> np.ndarray:
-    """Each row's logits at its last valid position: [batch, vocab]."""
-    if logits.ndim == 2:  # exported with --last-logits
-        return logits
-    return logits[np.arange(len(input_lengths)), input_lengths - 1]
-
-
 @dataclass
 class Generation:
     tokens: list[list[int]]  # per row, the new tokens (up to and including a stop token)
-    prefill_seconds: float
-    decode_seconds: float
-    decode_steps: int
-    stage_seconds: list[float]
+    prefill_seconds: float  # until the last micro-batch's first tokens
+    decode_seconds: float  # from there to the last tokens
+    decode_steps: int  # of the micro-batch with the most
+    stage_seconds: list[float]  # each stage's time in its graph, prefill included
+    micro_batches: int = 1
+    stages: list[dict[str, Any]] = field(default_factory=list)  # StageTimes.summary() each
+    threads: int | None = None  # ONNX Runtime intra-op threads of each stage
 
     def summary(self) -> dict[str, Any]:
         new = sum(len(t) for t in self.tokens)
@@ -162,43 +205,38 @@ class Generation:
                 "decode_seconds": self.decode_seconds, "decode_steps": self.decode_steps,
                 "decode_tokens_per_second": (new - len(self.tokens)) / self.decode_seconds
                 if self.decode_seconds else None,
-                "stage_seconds": self.stage_seconds}
+                "stage_seconds": self.stage_seconds, "micro_batches": self.micro_batches,
+                "threads": self.threads, "stages": self.stages}
 
 
-def generate(run: Any, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
-             stop_tokens: frozenset[int] = frozenset(), stage_seconds: Any = None) -> Generation:
-    """Prefill of the prompts (right-padded to the longest), then decode steps until every row has
-    `max_new_tokens` or a stop token. `run(request) -> outputs` is a Pipeline (or the distributed
-    driver); a row that has stopped still runs with the others, its new tokens dropped."""
-    batch = len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int64)
-    ids = np.zeros((batch, int(lengths.max())), np.int64)
-    for b, p in enumerate(prompts):
-        ids[b, :len(p)] = p
-    request = {"input_ids": ids, "cache_lengths": np.zeros(batch, np.int64), "input_lengths": lengths}
-    tokens: list[list[int]] = [[] for _ in prompts]
-    done = np.zeros(batch, bool)
-    prefill = decode = 0.0
-    steps = 0
-    while True:
-        start = time.perf_counter()
-        logits = last_positions(run(request)["logits"], request["input_lengths"])
-        next_ids = sampler(logits)
-        elapsed = time.perf_counter() - start
-        if steps == 0:
-            prefill = elapsed
-        else:
-            decode += elapsed
-        for b in np.flatnonzero(~done):
-            tokens[b].append(int(next_ids[b]))
-            done[b] = len(tokens[b]) >= max_new_tokens or int(next_ids[b]) in stop_tokens
-        if done.all():
-            break
-        steps += 1
-        request = {"input_ids": next_ids[:, None].astype(np.int64),
-                   "cache_lengths": request["cache_lengths"] + request["input_lengths"],
-                   "input_lengths": np.ones(batch, np.int64)}
-    return Generation(tokens, prefill, decode, steps, stage_seconds() if stage_seconds else [])
+def generate(pipeline: Pipeline, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
+             stop_tokens: frozenset[int] = frozenset(), micro_batches: int = 1) -> Generation:
+    """Prefill of the prompts (right-padded to the longest of each micro-batch), then decode steps
+    until every row has `max_new_tokens` or a stop token, micro-batch after micro-batch through the
+    pipeline's stages in this process (k3export.runtime.schedule's order); a row that has stopped
+    runs on with its micro-batch, its new tokens dropped."""
+    batches = split_prompts(prompts, micro_batches)
+    pipeline.reset_slots([b.size for b in batches])
+    stages = pipeline.stages
+    tokens = Tokens(len(prompts), max_new_tokens, sampler, stop_tokens)
+    times = [StageTimes(s.runner.name) for s in stages]
+    start = time.perf_counter()
+    for batch in round_robin(batches):
+        outputs: dict[str, np.ndarray] = {}
+        for i, stage in enumerate(stages):
+            stage.use(batch.index)
+            started = time.perf_counter()
+            outputs = stage(stage.feeds(batch.request(), outputs))
+            # What would cross to the next stage (the last: the tokens back to the first).
+            last = i + 1 == len(stages)
+            sent = 8 * batch.size if last else nbytes([outputs[n] for n in passed_on(stages, i)])
+            times[i].record(batch, started, stage.runner.inference_time, sent)
+        ids = tokens.take(batch, outputs["logits"])
+        batch.advance()
+        batch.input_ids = ids[:, None].astype(np.int64)
+    return Generation(tokens.rows, tokens.prefilled_at - start, tokens.decode_seconds(),
+                      max(b.calls for b in batches) - 1, [s.seconds for s in stages], len(batches),
+                      [t.summary() for t in times])
 
 
 def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -223,6 +261,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--stop", type=int, action="append", default=[], metavar="ID", help="stop token")
+    parser.add_argument("--micro-batches", type=int, metavar="M",
+                        help="the batch's rows in M groups of consecutive rows, sizes differing by at most "
+                        "one, in flight together under torchrun (default: as many as stages, at most the "
+                        "batch); in one process only the grouping changes")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="ONNX Runtime intra-op threads of each stage process (default: this host's "
+                        "cores / the stage processes on it)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -235,7 +280,7 @@ def prompts_of(args: argparse.Namespace, first_stage: Path) -> list[list[int]]:
     return random_prompts(args.batch, args.prompt_len, vocab_size(first_stage), args.seed)
 
 
-def report(args: argparse.Namespace, result: Generation, stages: list[Stage] | list[str]) -> None:
+def report(args: argparse.Namespace, result: Generation, names: list[str]) -> None:
     summary = result.summary()
     if args.json:
         print(json.dumps(summary))
@@ -244,25 +289,35 @@ def report(args: argparse.Namespace, result: Generation, stages: list[Stage] | l
         print(f"row {b}: {row}")
     rate = summary["decode_tokens_per_second"]
     print(f"prefill {result.prefill_seconds * 1e3:.1f} ms; {result.decode_steps} decode steps in "
-          f"{result.decode_seconds:.2f} s" + (f" ({rate:.1f} tokens/s)" if rate else ""))
-    names = [s if isinstance(s, str) else f"{s.runner.name} (layers {s.layers.start}..{s.layers.stop - 1})"
-             for s in stages]
-    for name, seconds in zip(names, result.stage_seconds, strict=True):
-        print(f"  {name}: {seconds:.3f} s")
+          f"{result.decode_seconds:.2f} s" + (f" ({rate:.1f} tokens/s)" if rate else "")
+          + f"; {result.micro_batches} micro-batch{'es' if result.micro_batches > 1 else ''}, "
+          f"{result.threads} thread{'s' if result.threads != 1 else ''} a stage")
+    for name, seconds, times in zip(names, result.stage_seconds, result.stages, strict=True):
+        line = f"  {name}: {seconds:.3f} s in its graph"
+        if times["busy_fraction"] is not None:
+            line += (f"; decode: busy {times['busy_seconds']:.3f} s, waiting "
+                     f"{times['waiting_seconds']:.3f} s ({times['busy_fraction']:.0%} busy), sends "
+                     f"{times['sent_bytes_per_token']:.0f} B a token")
+        print(line)
+
+
+def stage_name(stage: Stage) -> str:
+    return f"{stage.runner.name} (layers {stage.layers.start}..{stage.layers.stop - 1})"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     exports = stage_exports(args.build)
-    pipeline = Pipeline(exports)
+    threads = intra_op_threads(args, 1)
+    pipeline = Pipeline(exports, threads)
     prompts = prompts_of(args, exports[0])
-    pipeline.reset(len(prompts))
     try:
         result = generate(pipeline, prompts, args.max_new_tokens,
                           Sampler(args.temperature, args.top_k, args.top_p, args.seed), frozenset(args.stop),
-                          lambda: [s.seconds for s in pipeline.stages])
+                          args.micro_batches or default_micro_batches(len(prompts), len(exports)))
     finally:
         pipeline.close()
-    report(args, result, pipeline.stages)
+    result.threads = threads
+    report(args, result, [stage_name(s) for s in pipeline.stages])
     return 0
 
 
