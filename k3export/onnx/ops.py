@@ -242,7 +242,7 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     with _quiet_exporter(), _lean_preparation():
         program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
                                     dynamic_shapes=dynamic_shapes, opset_version=opset_version,
-                                    input_names=input_names, output_names=output_names, verbose=False,
+                                    input_names=input_names, verbose=False,
                                     optimize=False)
     model = program.model
     if not with_weights:
@@ -251,6 +251,10 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
             value.const_value = None
             model.graph.inputs.append(value)
     fold_constants(model)  # before the k3 functions are attached: their bodies stay as written
+    # Named after fold_constants' OutputFixPass has given an output that is another's tensor (a tap
+    # that is also the stage's boundary) an Identity of its own; naming first would merge them.
+    for value, name in zip(model.graph.outputs, output_names or [], strict=bool(output_names)):
+        value.name = name
     attach_functions_ir(model)
     if aot_plugins:
         request_aot_plugins(model)
