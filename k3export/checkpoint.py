@@ -32,6 +32,7 @@ from k3export.artifacts import atomic_path, write_atomic
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
+from k3export.options import available_memory
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -424,17 +425,6 @@ def _refuse_mismatch(directory: Path, loader: _Loader, wanted: list[str], unexpe
         lines = [f"{label} ({len(items)}): " + ", ".join(items[:10]) + (" ..." if len(items) > 10 else "")
                  for label, items in problems]
         raise CheckpointError(f"{directory}: checkpoint does not match the model:\n  " + "\n  ".join(lines))
-
-
-def available_memory() -> int:
-    """Bytes this machine can still allocate without swapping (MemAvailable), or 0 if unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _refuse_if_too_large(parts: list[nn.Module], config: K3Config, dtype: torch.dtype,

@@ -15,14 +15,26 @@ from k3export.accounting import COMPONENTS, moe_cost_note, parameter_report
 from k3export.checkpoint import read_layout
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
+from k3export.options import (
+    capacity,
+    dimension,
+    existing_dir,
+    existing_file,
+    existing_path,
+    non_negative_int,
+    positive_int,
+    seed,
+)
 
 
 def _add_model_source(parser: argparse.ArgumentParser, checkpoint: bool = False) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=list(PRESETS), help="a built-in configuration")
-    source.add_argument("--config", metavar="PATH", help="an HF config.json (text_config is read)")
+    source.add_argument("--config", metavar="PATH", type=existing_file,
+                        help="an HF config.json (text_config is read)")
     if checkpoint:
-        source.add_argument("--checkpoint", metavar="DIR", help="safetensors weights with their config.json "
+        source.add_argument("--checkpoint", metavar="DIR", type=existing_dir,
+                            help="safetensors weights with their config.json "
                             "(ours, or the published layout with the language model under language_model.)")
 
 
@@ -295,13 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="parameters, active parameters, cache and weight bytes")
     _add_model_source(info, checkpoint=True)
-    info.add_argument("--context", type=int, default=131072, help="tokens for the per-sequence cache")
+    info.add_argument("--context", type=positive_int, default=131072,
+                      help="tokens for the per-sequence cache")
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=cmd_info)
 
     export = sub.add_parser("export", help="the model (or a layer range) as one ONNX graph")
     _add_model_source(export, checkpoint=True)
-    export.add_argument("--seed", type=int, default=0, help="seeded random weights (no --checkpoint)")
+    export.add_argument("--seed", type=seed, default=0, help="seeded random weights (no --checkpoint)")
     export.add_argument("--out", required=True, metavar="DIR",
                         help="a new or empty folder, or one a previous export wrote (it is replaced)")
     export.add_argument("--overwrite", action="store_true",
@@ -320,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mark every k3 node aot=1: full TensorRT with k3plugins.trt_aot then builds "
                              "the plugins' AOT forms (PTX in the engine, no Python at run time); "
                              "TensorRT-RTX and ONNX Runtime ignore it")
-    export.add_argument("--capacity", type=int, default=4096,
+    export.add_argument("--capacity", type=capacity, default=4096,
                         help="tokens the MLA cache holds per sequence (a static dimension of the graph)")
     export.add_argument("--last-logits", action="store_true",
                         help="logits [batch, vocab] at each row's last valid token instead of every position")
@@ -332,19 +345,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")
     artifact = check.add_mutually_exclusive_group(required=True)
-    artifact.add_argument("--onnx", metavar="DIR", help="a `k3export export` folder, in ONNX Runtime")
-    artifact.add_argument("--network", metavar="DIR", help="a `k3export export` folder, parsed by "
+    artifact.add_argument("--onnx", metavar="DIR", type=existing_dir,
+                          help="a `k3export export` folder, in ONNX Runtime")
+    artifact.add_argument("--network", metavar="DIR", type=existing_dir, help="a `k3export export` folder, "
+                          "parsed by "
                           "TensorRT-RTX (k3 plugins registered) and the network evaluated on CPU")
-    artifact.add_argument("--engine", metavar="FILE", help="an engine `k3export build` wrote (or a `build "
+    artifact.add_argument("--engine", metavar="FILE", type=existing_path,
+                          help="an engine `k3export build` wrote (or a `build "
                           "RECIPE` folder: every stage's engine), through Polygraphy's TensorRT runner; "
                           "needs an NVIDIA GPU and TensorRT, so it cannot run on CPU-only machines")
-    artifact.add_argument("--build", metavar="DIR", help="a `k3export build RECIPE` folder: its stages "
+    artifact.add_argument("--build", metavar="DIR", type=existing_dir,
+                          help="a `k3export build RECIPE` folder: its stages "
                           "chained in ONNX Runtime against the eager model run as the same chain, compared "
                           "at every stage boundary; names the first divergent stage")
-    check.add_argument("--steps", type=int, default=16, help="greedy decode steps after the prefill")
-    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    check.add_argument("--batch", type=int, default=2)
-    check.add_argument("--prompt-len", type=int, default=70)
+    check.add_argument("--steps", type=non_negative_int, default=16,
+                       help="greedy decode steps after the prefill")
+    check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
+    check.add_argument("--batch", type=positive_int, default=2)
+    check.add_argument("--prompt-len", type=positive_int, default=70)
     check.add_argument("--json", action="store_true")
     check.add_argument("--kernels", action="store_true", help="with --network: plugin layers launch their "
                        "Triton kernels under the interpreter (slow) instead of the reference ops")
@@ -361,13 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
     from k3export.engine.build import TARGETS, Limits
 
     build = sub.add_parser("build", help="a TensorRT-RTX engine from an export, k3 plugins in place")
-    build.add_argument("--onnx", metavar="DIR", help="a `k3export export` folder")
+    build.add_argument("--onnx", metavar="DIR", type=existing_dir, help="a `k3export export` folder")
     build.add_argument("--out", required=True, metavar="FILE",
                        help="the engine file to write, FILE.json beside it recording how it was built (with "
                        "RECIPE: the folder of the stages and their manifest.json)")
     build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
-    build.add_argument("--max-batch", type=int, default=Limits.batch)
-    build.add_argument("--max-seq", type=int, default=Limits.seq, help="prefill tokens per call")
+    build.add_argument("--max-batch", type=dimension, default=Limits.batch)
+    build.add_argument("--max-seq", type=dimension, default=Limits.seq, help="prefill tokens per call")
     from k3export.stages import add_build_arguments
     add_build_arguments(build)
     _add_quiet(build)
@@ -379,14 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
 
     verify = sub.add_parser("verify", help="hash every file of an output folder against its manifest")
-    verify.add_argument("dir", metavar="DIR")
+    verify.add_argument("dir", metavar="DIR", type=existing_dir)
     verify.set_defaults(run=cmd_verify)
 
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then export, "
                                        "check (ONNX Runtime with a report, the parsed network) and build")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--prompt-len", type=int, default=80)
-    demo.add_argument("--steps", type=int, default=8)
+    demo.add_argument("--seed", type=seed, default=0)
+    demo.add_argument("--prompt-len", type=positive_int, default=80)
+    demo.add_argument("--steps", type=non_negative_int, default=8)
     demo.add_argument("--out", default="out/demo", metavar="DIR",
                       help="where the export (DIR/export) and the engine go")
     demo.set_defaults(run=cmd_demo)

@@ -98,8 +98,7 @@ class Ring:
         return result
 
 
-def drive(ring: Ring, args: argparse.Namespace, stages: list[Stage]) -> Generation:
-    prompts = prompts_of(args, stages[0].runner.path.parent)
+def drive(ring: Ring, args: argparse.Namespace, prompts: list[list[int]]) -> Generation:
     fresh = [True]
 
     def run(request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -131,13 +130,14 @@ def run_rank(args: argparse.Namespace) -> None:
     if world != len(exports):
         raise UserError(f"{args.build}: {len(exports)} stages, started with {world} processes; expected "
                         f"torchrun --nproc-per-node {len(exports)}")
+    prompts = prompts_of(args, exports)  # on every rank, so that all refuse a bad request alike
     # Every rank reads every stage's signature (to agree on what crosses); each activates its own.
     stages = [Stage(d, f"stage{i}") for i, d in enumerate(exports)]
     stages[rank].runner.activate()
     try:
         ring = Ring(stages, rank)
         if rank == 0:
-            result = drive(ring, args, stages)
+            result = drive(ring, args, prompts)
         else:
             serve(ring)
         seconds = [None] * world
@@ -150,12 +150,16 @@ def run_rank(args: argparse.Namespace) -> None:
         stages[rank].runner.deactivate()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m k3export.runtime",
                                      description=__doc__.split("\n")[0])
     add_run_arguments(parser)
-    parser.add_argument("--dist-backend", default="gloo", help="gloo (CPU) or nccl")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dist-backend", default="gloo", choices=["gloo", "nccl"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     dist.init_process_group(args.dist_backend)
     try:
         run_rank(args)
