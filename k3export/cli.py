@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 
 from k3export.accounting import COMPONENTS, moe_cost_note, parameter_report
-from k3export.checkpoint import read_layout
+from k3export.checkpoint import CheckpointLayout, ShardFile, holdings, read_layout
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
 from k3export.options import (
@@ -53,11 +53,34 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.5g}{unit}"
 
 
+def _checkpoint_files(layout: CheckpointLayout, shards: list[ShardFile]) -> list[str]:
+    """What of the checkpoint is on disk, as lines: the files present and complete (bytes, layers
+    held), each missing or incomplete one; warns when any is (export refuses the layers it holds)."""
+    good = [f for f in shards if f.bytes is not None and not f.problem]
+    bad = [f for f in shards if f not in good]
+    layers = sorted({n for f in good for n in f.layers})
+    other = sorted({o for f in good for o in f.other})
+    lines = [f"files: {len(good)} of {len(shards)} present and complete, "
+             f"{_human(sum(f.bytes for f in good), 'B')}, holding {holdings(layers, other)}"]
+    for f in bad:
+        state = "missing" if f.bytes is None else f"{f.problem} ({_human(f.bytes, 'B')})"
+        lines.append(f"  {f.path.name}: {state}; it holds {f.holds()}")
+    if bad:
+        logging.getLogger("k3export").warning(
+            f"checkpoint {layout.directory}: {len(bad)} of {len(shards)} files its index names are missing "
+            "or incomplete; the sizes shown are the whole model's (from config.json), not what is on disk. "
+            "A host holding only its stage's shards can export those layers (export --layers A:B); "
+            "the other layers are refused until their files are there")
+    return lines
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     config = _config(args)
     report = parameter_report(config)
     cache = report.cache(args.context)
     layout = read_layout(args.checkpoint) if args.checkpoint else None
+    shards = layout.shard_files() if layout else []
+    files = _checkpoint_files(layout, shards) if layout else []
     if args.json:
         print(json.dumps({
             "parameters": {"total": report.total, "active_per_token": report.active,
@@ -67,11 +90,15 @@ def cmd_info(args: argparse.Namespace) -> int:
             "decode_cache_bytes": cache,
             **({"checkpoint": {"published": layout.published, "language_model_tensors": len(layout.tensors),
                                "mxfp4_expert_matrices": layout.mxfp4_experts,
-                               "skipped": dict(layout.skipped)}} if layout else {}),
+                               "skipped": dict(layout.skipped),
+                               "files": [{"file": f.path.name, "bytes": f.bytes, "problem": f.problem,
+                                          "layers": f.layers, "other": f.other} for f in shards]}}
+               if layout else {}),
         }, indent=2))
         return 0
     if layout:
         print(layout.summary())
+        print("\n".join(files))
         if layout.mxfp4_experts:
             print(f"its MXFP4 routed experts load dequantised to {config.torch_dtype} "
                   f"({_human(report.weight_bytes, 'B')} of weights in all), or kept packed with "
