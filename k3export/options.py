@@ -80,30 +80,64 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def _kind(text: str) -> str | None:
+    """'folder', 'file' or None (nothing there); a name the system refuses is refused here."""
+    try:
+        path = Path(text)
+        return "folder" if path.is_dir() else "file" if path.exists() else None
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte
+        raise argparse.ArgumentTypeError(f"{text[:80]}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def existing_dir(text: str) -> str:
     """A folder that exists (an input)."""
-    path = Path(text)
-    if not path.exists():
+    kind = _kind(text)
+    if kind is None:
         raise argparse.ArgumentTypeError(f"{text}: no such folder")
-    if not path.is_dir():
+    if kind == "file":
         raise argparse.ArgumentTypeError(f"{text} is a file; expected a folder")
     return text
 
 
 def existing_file(text: str) -> str:
     """A file that exists (an input)."""
-    path = Path(text)
-    if not path.exists():
+    kind = _kind(text)
+    if kind is None:
         raise argparse.ArgumentTypeError(f"{text}: no such file")
-    if path.is_dir():
+    if kind == "folder":
         raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file")
     return text
 
 
 def existing_path(text: str) -> str:
     """A file or folder that exists (an input that may be either)."""
-    if not Path(text).exists():
+    if _kind(text) is None:
         raise argparse.ArgumentTypeError(f"{text}: no such file or folder")
+    return text
+
+
+def _under_a_folder(text: str) -> None:
+    """Refuses an output path below a file (`notes.txt/out`): its nearest existing parent is a folder."""
+    for parent in Path(text).parents:
+        kind = _kind(str(parent))
+        if kind == "file":
+            raise argparse.ArgumentTypeError(f"{text}: {parent} is a file, not a folder")
+        if kind == "folder":
+            return
+
+
+def output_dir(text: str) -> str:
+    """A folder to write: new, or one that exists (what is in it is the command's to judge)."""
+    if _kind(text) == "file":
+        raise argparse.ArgumentTypeError(f"{text} is a file; expected a folder to write into")
+    _under_a_folder(text)
+    return text
+
+
+def output_path(text: str) -> str:
+    """A file or folder to write (the command knows which it expects)."""
+    _kind(text)
+    _under_a_folder(text)
     return text
 
 
