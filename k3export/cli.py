@@ -397,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "Triton kernels under the interpreter (slow) instead of the reference ops")
     check.add_argument("--report", metavar="DIR", type=output_dir,
                        help="write report.json (every number), report.md (the verdict, worst outputs, first "
-                       "divergent layer, token agreement) and plots of the error per layer and per step into DIR")
+                       "divergent layer, token agreement) and plots of the error per layer and per step "
+                       "into DIR")
     check.add_argument("--taps", action="store_true",
                        help="compare an `export --taps` export's per-layer taps too: per layer the relative "
                        "error and cosine of the mixer and FFN outputs and the AttnRes partial, and the first "

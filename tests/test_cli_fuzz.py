@@ -97,7 +97,8 @@ def paths(build: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     (root / "empty").mkdir()
     return [str(p) for p in (build, build / "stage-0", build / "manifest.json", build / "stage-0/config.json",
                              build / "stage-0/model.onnx", checkpoint, recipe, theirs, root / "notes.txt",
-                             root / "empty", root / "missing", root / "missing/deeper", root / "notes.txt/below")]
+                             root / "empty", root / "missing", root / "missing/deeper",
+                             root / "notes.txt/below")]
 
 
 def values(action: argparse.Action, paths: list[str]) -> st.SearchStrategy[str]:
