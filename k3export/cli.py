@@ -451,7 +451,10 @@ class _StderrHandler(logging.Handler):
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (a check passed), 1 a check failed, 2 bad input (one message naming the
     culprit; --debug adds the traceback), 3 an internal error (a bug: its traceback is printed)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its message (a refused option value: 2; --help: 0)
+        return e.code if isinstance(e.code, int) else 2
     from k3export.progress import set_quiet
     set_quiet(getattr(args, "quiet", False))
     if not logging.getLogger("k3export").handlers:
