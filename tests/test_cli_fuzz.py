@@ -165,7 +165,7 @@ def argument_vectors(draw: st.DrawFn, paths: dict[str, str]) -> tuple[str, list[
     if not based:
         chosen += [a for a in actions if a.required and a.option_strings and draw(st.integers(0, 9))]
     optional = [a for a in actions if a.option_strings and not a.required]
-    chosen += draw(st.lists(st.sampled_from(optional), max_size=4)) if optional else []
+    chosen += draw(st.lists(st.sampled_from(optional), max_size=2 if based else 4)) if optional else []
     for action in chosen:
         argv.append(draw(st.sampled_from(action.option_strings)))
         if action.nargs != 0:
