@@ -22,7 +22,6 @@ from k3export.options import (
     existing_file,
     existing_path,
     non_negative_int,
-    output_dir,
     output_path,
     positive_int,
     seed,
@@ -344,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="the model (or a layer range) as one ONNX graph")
     _add_model_source(export, checkpoint=True)
     export.add_argument("--seed", type=seed, default=0, help="seeded random weights (no --checkpoint)")
-    export.add_argument("--out", required=True, metavar="DIR", type=output_dir,
+    export.add_argument("--out", required=True, metavar="DIR", type=output_path,
                         help="a new or empty folder, or one a previous export wrote (it is replaced)")
     export.add_argument("--overwrite", action="store_true",
                         help="write into a folder that holds other files too (they are kept)")
@@ -395,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     check.add_argument("--kernels", action="store_true", help="with --network: plugin layers launch their "
                        "Triton kernels under the interpreter (slow) instead of the reference ops")
-    check.add_argument("--report", metavar="DIR", type=output_dir,
+    check.add_argument("--report", metavar="DIR", type=output_path,
                        help="write report.json (every number), report.md (the verdict, worst outputs, first "
                        "divergent layer, token agreement) and plots of the error per layer and per step "
                        "into DIR")
@@ -435,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=seed, default=0)
     demo.add_argument("--prompt-len", type=positive_int, default=80)
     demo.add_argument("--steps", type=non_negative_int, default=8)
-    demo.add_argument("--out", default="out/demo", metavar="DIR", type=output_dir,
+    demo.add_argument("--out", default="out/demo", metavar="DIR", type=output_path,
                       help="where the export (DIR/export) and the engine go")
     demo.set_defaults(run=cmd_demo)
     return parser

@@ -126,16 +126,9 @@ def _under_a_folder(text: str) -> None:
             return
 
 
-def output_dir(text: str) -> str:
-    """A folder to write: new, or one that exists (what is in it is the command's to judge)."""
-    if _kind(text) == "file":
-        raise argparse.ArgumentTypeError(f"{text} is a file; expected a folder to write into")
-    _under_a_folder(text)
-    return text
-
-
 def output_path(text: str) -> str:
-    """A file or folder to write (the command knows which it expects)."""
+    """A file or folder to write: a name the system takes, not below a file (whether what is
+    there may be replaced is the command's to judge: k3export.artifacts)."""
     _kind(text)
     _under_a_folder(text)
     return text
