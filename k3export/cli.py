@@ -17,10 +17,10 @@ from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
 from k3export.options import (
     capacity,
-    dimension,
     existing_dir,
     existing_file,
     existing_path,
+    integer,
     non_negative_int,
     output_path,
     positive_int,
@@ -292,6 +292,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+# The demo's eager prefill holds attention scores of prompt_len^2 per head: it stays a demonstration.
+DEMO_TOKENS = integer(1, 4096)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The eager model, then the pipeline on it: export (with taps), check in ONNX Runtime with a
     report, and when TensorRT-RTX is there check the parsed network and build."""
@@ -413,8 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the engine file to write, FILE.json beside it recording how it was built (with "
                        "RECIPE: the folder of the stages and their manifest.json)")
     build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
-    build.add_argument("--max-batch", type=dimension, default=Limits.batch)
-    build.add_argument("--max-seq", type=dimension, default=Limits.seq, help="prefill tokens per call")
+    build.add_argument("--max-batch", type=positive_int, default=Limits.batch)
+    build.add_argument("--max-seq", type=positive_int, default=Limits.seq, help="prefill tokens per call")
     from k3export.stages import add_build_arguments
     add_build_arguments(build)
     _add_quiet(build)
@@ -432,8 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then export, "
                                        "check (ONNX Runtime with a report, the parsed network) and build")
     demo.add_argument("--seed", type=seed, default=0)
-    demo.add_argument("--prompt-len", type=positive_int, default=80)
-    demo.add_argument("--steps", type=non_negative_int, default=8)
+    demo.add_argument("--prompt-len", type=DEMO_TOKENS, default=80, help="1..4096 (an eager prefill)")
+    demo.add_argument("--steps", type=DEMO_TOKENS, default=8, help="decode steps, 1..4096")
     demo.add_argument("--out", default="out/demo", metavar="DIR", type=output_path,
                       help="where the export (DIR/export) and the engine go")
     demo.set_defaults(run=cmd_demo)

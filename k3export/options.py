@@ -19,23 +19,27 @@ from k3export.errors import UserError
 
 MIN_CAPACITY = 8  # cached tokens per sequence of an export (its MLA cache's static row count)
 MAX_SEED = 2**63 - 1  # torch and numpy both take seeds in 0..2**63-1
-MAX_DIM = 2**31 - 1  # TensorRT profile dimensions are 32-bit
+# Counts (tokens, sequences, steps, stages, token ids) are 32-bit, as TensorRT's dimensions are;
+# byte estimates over them stay well within a float.
+MAX_COUNT = 2**31 - 1
 
 
-def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+def integer(minimum: int, maximum: int) -> Callable[[str], int]:
     """An integer in [minimum, maximum]."""
-    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer {bounds}, got {text!r}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"expected an integer {bounds}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected an integer in {minimum}..{maximum}, "
+                                             f"got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {maximum}, got {value}")
         return value
 
-    parse.__name__ = f"integer {bounds}"
+    parse.__name__ = f"integer in {minimum}..{maximum}"
     return parse
 
 
@@ -58,11 +62,10 @@ def real(minimum: float, maximum: float = math.inf, *, above_minimum: bool = Fal
     return parse
 
 
-positive_int = integer(1)
-non_negative_int = integer(0)
+positive_int = integer(1, MAX_COUNT)
+non_negative_int = integer(0, MAX_COUNT)
 seed = integer(0, MAX_SEED)
-dimension = integer(1, MAX_DIM)
-capacity = integer(MIN_CAPACITY, MAX_DIM)
+capacity = integer(MIN_CAPACITY, MAX_COUNT)
 probability = real(0.0, 1.0)
 non_negative_real = real(0.0)
 positive_real = real(0.0, above_minimum=True)
@@ -74,9 +77,9 @@ def token_ids(text: str) -> list[int]:
         ids = [int(t) for t in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
-    negative = [t for t in ids if t < 0]
-    if negative:
-        raise argparse.ArgumentTypeError(f"expected token ids >= 0, got {negative[0]}")
+    outside = [t for t in ids if not 0 <= t <= MAX_COUNT]
+    if outside:
+        raise argparse.ArgumentTypeError(f"expected token ids in 0..{MAX_COUNT}, got {outside[0]}")
     return ids
 
 

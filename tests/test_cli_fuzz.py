@@ -23,6 +23,7 @@ import shutil
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -32,6 +33,7 @@ from k3export.config import K3Config
 from k3export.model import K3ForCausalLM
 from k3export.published import write_published
 from k3export.recipe import load_recipe
+from k3export.runtime import Sampler
 from k3export.runtime.__main__ import build_parser as runtime_parser
 from k3export.stages import build_recipe
 
@@ -230,7 +232,7 @@ def refused(argv: list[str], *culprits: str) -> str:
 @pytest.mark.parametrize("argv, culprit", [
     (["run", "{build}", "--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),  # was exit 3
     (["check", "--build", "{build}", "--batch", "0"], "argument --batch"),  # was exit 3
-    (["check", "--build", "{build}", "--steps", "-3"], "argument --steps: expected an integer >= 0"),  # was 3
+    (["check", "--build", "{build}", "--steps", "-3"], "argument --steps: expected an integer >= 0, got -3"),
     (["check", "--build", "{build}", "--prompt-len", "0"], "argument --prompt-len"),  # named input_lengths
     (["run", "{build}", "--temperature", "-1"], "argument --temperature"),  # was accepted
     (["run", "{build}", "--temperature", "nan"], "argument --temperature"),
@@ -256,6 +258,16 @@ def test_documented_meanings_of_zero_stay_valid(build: Path) -> None:
                                       "--top-p", "0"])
     assert (args.top_k, args.temperature, args.top_p) == (0, 0.0, 0.0)
     assert build_parser().parse_args(["check", "--build", str(build), "--steps", "0"]).steps == 0
+
+
+def test_sampling_with_top_p_1_keeps_at_most_every_token() -> None:
+    """Found by the fuzz: `run --temperature 1` (top-p 1, the default) failed inside numpy whenever
+    the rounded probabilities summed to less than 1, as they do for these logits."""
+    logits = np.random.default_rng(0).standard_normal((1, 256))
+    p = np.exp(logits[0] - logits.max())
+    assert np.cumsum(np.sort(p / p.sum())[::-1])[-1] < 1.0  # the case: short of top_p = 1
+    tokens = [int(Sampler(temperature=1.0, top_p=1.0, seed=seed)(logits)[0]) for seed in range(50)]
+    assert all(0 <= t < 256 for t in tokens) and len(set(tokens)) > 10  # drawn, not greedy
 
 
 @pytest.mark.parametrize("argv, culprits", [

@@ -145,7 +145,8 @@ class Sampler:
                 order = order[:self.top_k]
             p = np.exp(row[order] - row[order[0]])
             p /= p.sum()
-            keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
+            # At most every token: a sum of probabilities can fall short of top_p = 1 by rounding.
+            keep = min(int(np.searchsorted(np.cumsum(p), self.top_p)) + 1, len(p))
             p = p[:keep] / p[:keep].sum()
             tokens.append(order[self.rng.choice(keep, p=p)])
         return np.array(tokens)
