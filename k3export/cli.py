@@ -24,6 +24,7 @@ from k3export.options import (
     non_negative_int,
     output_path,
     positive_int,
+    require_memory,
     seed,
 )
 
@@ -147,6 +148,14 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UserError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts, or "
                             "--no-weights (the graph with MXFP4 expert inputs, at real shapes)")
         weights["packed_experts"] = True
+    if not args.no_weights:  # (without weights the trace's inputs are on the meta device too)
+        from k3export.plan import layer_cache_bytes
+
+        # The trace feeds example caches of 2 sequences at the capacity, and holds their outputs.
+        cache = sum(layer_cache_bytes(config, i, args.capacity, getattr(torch, dtype_name).itemsize)
+                    for i in layers)
+        require_memory(4 * cache, f"--capacity {args.capacity}",
+                       "the trace's example caches, 2 sequences at that capacity, and their outputs")
     print(f"building the eager model: layers {layers.start}..{layers.stop - 1} of "
           f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
     model = build_model(config, getattr(torch, dtype_name), weights, layers, log=print)

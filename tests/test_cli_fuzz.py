@@ -281,10 +281,13 @@ def test_sampling_with_top_p_1_keeps_at_most_every_token() -> None:
      ["--prompt-len 250 --steps 7", "250 + 7 = 257"]),
     (["run", "{build}", "--prompt-ids", "1,2,256"], ["--prompt-ids: token id 256", "ids 0..255"]),  # was 3
     (["run", "{build}", "--stop", "300"], ["--stop: token id 300"]),  # was accepted
+    (["export", "--preset", "k3-tiny", "--capacity", "2147483647", "--out", "{build}-capacity"],
+     ["--capacity 2147483647: needs at least 4,947.8 GB"]),
 ])
 def test_requests_past_the_build_or_this_machine_are_refused_before_any_session(
         build: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], culprits: list[str]) -> None:
     """Refused with the numbers from the build's manifests, before a session or a model exists."""
+    import k3export.checkpoint
     import k3export.onnx.check
     import k3export.runtime
     import k3export.runtime.check
@@ -295,4 +298,5 @@ def test_requests_past_the_build_or_this_machine_are_refused_before_any_session(
     monkeypatch.setattr(k3export.runtime, "Pipeline", never)
     monkeypatch.setattr(k3export.runtime.check, "Pipeline", never)
     monkeypatch.setattr(k3export.onnx.check, "build_model", never)
+    monkeypatch.setattr(k3export.checkpoint, "build_model", never)
     refused([a.format(build=build) for a in argv], *culprits)
