@@ -221,8 +221,12 @@ def test_the_fuzz_reaches_every_subcommand_and_option() -> None:
 # -- the defects found, each pinned ------------------------------------------------------------------
 
 def refused(argv: list[str], *culprits: str) -> str:
-    """Exit 2 with one message naming every culprit, no traceback."""
-    code, printed = run(argv[0], argv)
+    """`k3export ARGV` (run whole, in this process): exit 2 with one message naming every culprit,
+    no traceback."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main(argv)
+    printed = out.getvalue()
     assert code == 2 and "Traceback" not in printed, (code, printed[-2000:])
     for culprit in culprits:
         assert culprit in printed, (culprit, printed[-2000:])
