@@ -256,7 +256,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from k3export.artifacts import OutputFile, verify
-    from k3export.engine.build import Limits, build_engine
+    from k3export.engine.build import Limits, build_engine, profile_shapes
     from k3export.onnx.export import MANIFEST_FILE
 
     if args.recipe:
@@ -269,8 +269,9 @@ def cmd_build(args: argparse.Namespace) -> int:
                         "from --onnx DIR has the export's outputs: export it with `k3export export --taps`")
 
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
-    verify(args.onnx, MANIFEST_FILE)  # before the engine's record is begun (build_engine's is then cheap)
     limits = Limits(args.max_batch, args.max_seq)
+    # Verified and the limits refused before the engine's record is begun (build_engine's are then cheap).
+    profile_shapes(verify(args.onnx, MANIFEST_FILE), limits)
     print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
           f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}; the export's "
           f"cache capacity)")

@@ -160,7 +160,8 @@ def call_bytes(manifests: list[dict[str, Any]], batch: int, seq: int) -> int:
     for manifest in manifests:
         sizes["capacity"] = manifest["capacity"]
         in_place = set(manifest.get("in_place", {}))
-        for spec in manifest["inputs"] + [s for s in manifest["outputs"] if s["name"] not in in_place]:
+        outputs = [s for s in manifest.get("outputs", []) if s["name"] not in in_place]
+        for spec in manifest["inputs"] + outputs:
             elements = math.prod(sizes[d] if isinstance(d, str) else d for d in spec["shape"])
             total += elements * getattr(torch, spec["dtype"]).itemsize
     return total

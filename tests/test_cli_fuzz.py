@@ -287,6 +287,9 @@ def test_sampling_with_top_p_1_keeps_at_most_every_token() -> None:
     (["run", "{build}", "--stop", "300"], ["--stop: token id 300"]),  # was accepted
     (["export", "--preset", "k3-tiny", "--capacity", "2147483647", "--out", "{build}-capacity"],
      ["--capacity 2147483647: needs at least 4,947.8 GB"]),
+    # The TensorRT-RTX builder aborted the process on this profile (malloc_consolidate).
+    (["build", "--onnx", "{build}/stage-0", "--out", "{build}.engine", "--max-batch", "2147483647"],
+     ["--max-batch 2147483647 --max-seq 256", "more than an H200's 141 GB"]),
 ])
 def test_requests_past_the_build_or_this_machine_are_refused_before_any_session(
         build: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], culprits: list[str]) -> None:
@@ -304,3 +307,4 @@ def test_requests_past_the_build_or_this_machine_are_refused_before_any_session(
     monkeypatch.setattr(k3export.onnx.check, "build_model", never)
     monkeypatch.setattr(k3export.checkpoint, "build_model", never)
     refused([a.format(build=build) for a in argv], *culprits)
+    assert sorted(p.name for p in build.parent.iterdir()) == ["build"]  # nothing written beside it
