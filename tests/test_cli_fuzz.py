@@ -20,6 +20,7 @@ import dataclasses
 import io
 import os
 import shutil
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -67,6 +68,16 @@ texts = st.one_of(st.sampled_from(["", " ", "-", "--", "abc", "0:2", ":", "3:1",
                   st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"),
                           max_size=12))
 token_lists = st.lists(integers, min_size=1, max_size=4).map(lambda ids: ",".join(map(str, ids)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Relative paths the fuzz draws ("-3", "abc") are written below a folder of its own, not into
+    the checkout (check --report -3 writes a report there)."""
+    previous = Path.cwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(previous)
 
 
 @pytest.fixture(scope="module")
