@@ -85,6 +85,8 @@ def token_ids(text: str) -> list[int]:
 
 def _kind(text: str) -> str | None:
     """'folder', 'file' or None (nothing there); a name the system refuses is refused here."""
+    if not text:  # Path("") is the current folder: never what an empty value meant
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
     try:
         path = Path(text)
         return "folder" if path.is_dir() else "file" if path.exists() else None
