@@ -3,8 +3,8 @@ is refused (`argument --batch: expected an integer >= 1, got 0`, exit 2) before 
 or file read. Every parser of the CLI (and of `python -m k3export.runtime`) uses these.
 
 Also the one check of a request against this machine's memory, made with the numbers from the
-export manifests before anything is allocated. This module imports neither torch nor numpy: the
-CLI imports it to build its parser.
+export manifests before anything is allocated. Importing this module imports neither torch nor
+numpy: the CLI imports it to build its parser.
 """
 
 from __future__ import annotations
