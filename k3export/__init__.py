@@ -14,8 +14,9 @@ The packages, in pipeline order (model -> export -> engine -> shards -> check):
     runtime/    a sharded build run stage after stage (`k3export run`, `torchrun -m k3export.runtime`)
     check/      an artifact against the eager model: the driver, the comparison, one runner each
     cli.py      the command line; demo.py its `demo`
-    config.py, artifacts.py, progress.py, errors.py   the model config, files written whole with
-                their manifests, progress bars, the error a user gets
+    config.py, artifacts.py, options.py, progress.py, errors.py   the model config, files written
+                whole with their manifests, the command-line option types (ranges, paths, requests
+                that fit), progress bars, the error a user gets
 
 Layers: a module imports from its own package and from the floors below its own, never from a
 floor above nor from another package on its floor (tests/test_layers.py reads this table, and also
@@ -30,7 +31,7 @@ refuses any import cycle between modules):
     floor  4   model
     floor  3   ops
     floor  2   config
-    floor  1   artifacts
+    floor  1   artifacts options
     floor  0   errors progress
 
 plugins/k3plugins (the Triton kernels and their TensorRT adapters) is a package of its own that

@@ -14,15 +14,29 @@ from pathlib import Path
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
 from k3export.model.accounting import COMPONENTS, moe_cost_note, parameter_report
-from k3export.weights.checkpoint import read_layout
+from k3export.options import (
+    capacity,
+    existing_dir,
+    existing_file,
+    existing_path,
+    integer,
+    non_negative_int,
+    output_path,
+    positive_int,
+    require_memory,
+    seed,
+)
+from k3export.weights.checkpoint import CheckpointLayout, ShardFile, holdings, read_layout
 
 
 def _add_model_source(parser: argparse.ArgumentParser, checkpoint: bool = False) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=list(PRESETS), help="a built-in configuration")
-    source.add_argument("--config", metavar="PATH", help="an HF config.json (text_config is read)")
+    source.add_argument("--config", metavar="PATH", type=existing_file,
+                        help="an HF config.json (text_config is read)")
     if checkpoint:
-        source.add_argument("--checkpoint", metavar="DIR", help="safetensors weights with their config.json "
+        source.add_argument("--checkpoint", metavar="DIR", type=existing_dir,
+                            help="safetensors weights with their config.json "
                             "(ours, or the published layout with the language model under language_model.)")
 
 
@@ -41,11 +55,34 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.5g}{unit}"
 
 
+def _checkpoint_files(layout: CheckpointLayout, shards: list[ShardFile]) -> list[str]:
+    """What of the checkpoint is on disk, as lines: the files present and complete (bytes, layers
+    held), each missing or incomplete one; warns when any is (export refuses the layers it holds)."""
+    good = [f for f in shards if f.bytes is not None and not f.problem]
+    bad = [f for f in shards if f not in good]
+    layers = sorted({n for f in good for n in f.layers})
+    other = sorted({o for f in good for o in f.other})
+    lines = [f"files: {len(good)} of {len(shards)} present and complete, "
+             f"{_human(sum(f.bytes for f in good), 'B')}, holding {holdings(layers, other)}"]
+    for f in bad:
+        state = "missing" if f.bytes is None else f"{f.problem} ({_human(f.bytes, 'B')})"
+        lines.append(f"  {f.path.name}: {state}; it holds {f.holds()}")
+    if bad:
+        logging.getLogger("k3export").warning(
+            f"checkpoint {layout.directory}: {len(bad)} of {len(shards)} files its index names are missing "
+            "or incomplete; the sizes shown are the whole model's (from config.json), not what is on disk. "
+            "A host holding only its stage's shards can export those layers (export --layers A:B); "
+            "the other layers are refused until their files are there")
+    return lines
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     config = _config(args)
     report = parameter_report(config)
     cache = report.cache(args.context)
     layout = read_layout(args.checkpoint) if args.checkpoint else None
+    shards = layout.shard_files() if layout else []
+    files = _checkpoint_files(layout, shards) if layout else []
     if args.json:
         print(json.dumps({
             "parameters": {"total": report.total, "active_per_token": report.active,
@@ -55,11 +92,15 @@ def cmd_info(args: argparse.Namespace) -> int:
             "decode_cache_bytes": cache,
             **({"checkpoint": {"published": layout.published, "language_model_tensors": len(layout.tensors),
                                "mxfp4_expert_matrices": layout.mxfp4_experts,
-                               "skipped": dict(layout.skipped)}} if layout else {}),
+                               "skipped": dict(layout.skipped),
+                               "files": [{"file": f.path.name, "bytes": f.bytes, "problem": f.problem,
+                                          "layers": f.layers, "other": f.other} for f in shards]}}
+               if layout else {}),
         }, indent=2))
         return 0
     if layout:
         print(layout.summary())
+        print("\n".join(files))
         if layout.mxfp4_experts:
             print(f"its MXFP4 routed experts load dequantised to {config.torch_dtype} "
                   f"({_human(report.weight_bytes, 'B')} of weights in all), or kept packed with "
@@ -107,6 +148,14 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UserError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts, or "
                             "--no-weights (the graph with MXFP4 expert inputs, at real shapes)")
         weights["packed_experts"] = True
+    if not args.no_weights:  # (without weights the trace's inputs are on the meta device too)
+        from k3export.shards.plan import layer_cache_bytes
+
+        # The trace feeds example caches of 2 sequences at the capacity, and holds their outputs.
+        cache = sum(layer_cache_bytes(config, i, args.capacity, getattr(torch, dtype_name).itemsize)
+                    for i in layers)
+        require_memory(4 * cache, f"--capacity {args.capacity}",
+                       "the trace's example caches, 2 sequences at that capacity, and their outputs")
     print(f"building the eager model: layers {layers.start}..{layers.stop - 1} of "
           f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
     model = build_model(config, getattr(torch, dtype_name), weights, layers, log=print)
@@ -207,7 +256,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from k3export.artifacts import OutputFile, verify
-    from k3export.engine.build import Limits, build_engine
+    from k3export.engine.build import Limits, build_engine, profile_shapes
     from k3export.onnx.export import MANIFEST_FILE
 
     if args.recipe:
@@ -220,8 +269,9 @@ def cmd_build(args: argparse.Namespace) -> int:
                         "from --onnx DIR has the export's outputs: export it with `k3export export --taps`")
 
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
-    verify(args.onnx, MANIFEST_FILE)  # before the engine's record is begun (build_engine's is then cheap)
     limits = Limits(args.max_batch, args.max_seq)
+    # Verified and the limits refused before the engine's record is begun (build_engine's are then cheap).
+    profile_shapes(verify(args.onnx, MANIFEST_FILE), limits)
     print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
           f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}; the export's "
           f"cache capacity)")
@@ -250,6 +300,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         size = sum(record["bytes"] for record in manifest["files"].values())
         print(f"{folder / name}: {len(manifest['files'])} files, {_human(size, 'B')}, every sha256 matches")
     return 0
+
+
+# The demo's eager prefill holds attention scores of prompt_len^2 per head: it stays a demonstration.
+DEMO_TOKENS = integer(1, 4096)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -295,14 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="parameters, active parameters, cache and weight bytes")
     _add_model_source(info, checkpoint=True)
-    info.add_argument("--context", type=int, default=131072, help="tokens for the per-sequence cache")
+    info.add_argument("--context", type=positive_int, default=131072,
+                      help="tokens for the per-sequence cache")
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=cmd_info)
 
     export = sub.add_parser("export", help="the model (or a layer range) as one ONNX graph")
     _add_model_source(export, checkpoint=True)
-    export.add_argument("--seed", type=int, default=0, help="seeded random weights (no --checkpoint)")
-    export.add_argument("--out", required=True, metavar="DIR",
+    export.add_argument("--seed", type=seed, default=0, help="seeded random weights (no --checkpoint)")
+    export.add_argument("--out", required=True, metavar="DIR", type=output_path,
                         help="a new or empty folder, or one a previous export wrote (it is replaced)")
     export.add_argument("--overwrite", action="store_true",
                         help="write into a folder that holds other files too (they are kept)")
@@ -320,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mark every k3 node aot=1: full TensorRT with k3plugins.trt_aot then builds "
                              "the plugins' AOT forms (PTX in the engine, no Python at run time); "
                              "TensorRT-RTX and ONNX Runtime ignore it")
-    export.add_argument("--capacity", type=int, default=4096,
+    export.add_argument("--capacity", type=capacity, default=4096,
                         help="tokens the MLA cache holds per sequence (a static dimension of the graph)")
     export.add_argument("--last-logits", action="store_true",
                         help="logits [batch, vocab] at each row's last valid token instead of every position")
@@ -332,25 +387,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")
     artifact = check.add_mutually_exclusive_group(required=True)
-    artifact.add_argument("--onnx", metavar="DIR", help="a `k3export export` folder, in ONNX Runtime")
-    artifact.add_argument("--network", metavar="DIR", help="a `k3export export` folder, parsed by "
+    artifact.add_argument("--onnx", metavar="DIR", type=existing_dir,
+                          help="a `k3export export` folder, in ONNX Runtime")
+    artifact.add_argument("--network", metavar="DIR", type=existing_dir, help="a `k3export export` folder, "
+                          "parsed by "
                           "TensorRT-RTX (k3 plugins registered) and the network evaluated on CPU")
-    artifact.add_argument("--engine", metavar="FILE", help="an engine `k3export build` wrote (or a `build "
+    artifact.add_argument("--engine", metavar="FILE", type=existing_path,
+                          help="an engine `k3export build` wrote (or a `build "
                           "RECIPE` folder: every stage's engine), through Polygraphy's TensorRT runner; "
                           "needs an NVIDIA GPU and TensorRT, so it cannot run on CPU-only machines")
-    artifact.add_argument("--build", metavar="DIR", help="a `k3export build RECIPE` folder: its stages "
+    artifact.add_argument("--build", metavar="DIR", type=existing_dir,
+                          help="a `k3export build RECIPE` folder: its stages "
                           "chained in ONNX Runtime against the eager model run as the same chain, compared "
                           "at every stage boundary; names the first divergent stage")
-    check.add_argument("--steps", type=int, default=16, help="greedy decode steps after the prefill")
-    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    check.add_argument("--batch", type=int, default=2)
-    check.add_argument("--prompt-len", type=int, default=70)
+    check.add_argument("--steps", type=non_negative_int, default=16,
+                       help="greedy decode steps after the prefill")
+    check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
+    check.add_argument("--batch", type=positive_int, default=2)
+    check.add_argument("--prompt-len", type=positive_int, default=70)
     check.add_argument("--json", action="store_true")
     check.add_argument("--kernels", action="store_true", help="with --network: plugin layers launch their "
                        "Triton kernels under the interpreter (slow) instead of the reference ops")
-    check.add_argument("--report", metavar="DIR", help="write report.json (every number), report.md (the "
-                       "verdict, worst outputs, first divergent layer, token agreement) and plots of the "
-                       "error per layer and per step into DIR")
+    check.add_argument("--report", metavar="DIR", type=output_path,
+                       help="write report.json (every number), report.md (the verdict, worst outputs, first "
+                       "divergent layer, token agreement) and plots of the error per layer and per step "
+                       "into DIR")
     check.add_argument("--taps", action="store_true",
                        help="compare an `export --taps` export's per-layer taps too: per layer the relative "
                        "error and cosine of the mixer and FFN outputs and the AttnRes partial, and the first "
@@ -361,13 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
     from k3export.engine.build import TARGETS, Limits
 
     build = sub.add_parser("build", help="a TensorRT-RTX engine from an export, k3 plugins in place")
-    build.add_argument("--onnx", metavar="DIR", help="a `k3export export` folder")
-    build.add_argument("--out", required=True, metavar="FILE",
+    build.add_argument("--onnx", metavar="DIR", type=existing_dir, help="a `k3export export` folder")
+    build.add_argument("--out", required=True, metavar="FILE", type=output_path,
                        help="the engine file to write, FILE.json beside it recording how it was built (with "
                        "RECIPE: the folder of the stages and their manifest.json)")
     build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
-    build.add_argument("--max-batch", type=int, default=Limits.batch)
-    build.add_argument("--max-seq", type=int, default=Limits.seq, help="prefill tokens per call")
+    build.add_argument("--max-batch", type=positive_int, default=Limits.batch)
+    build.add_argument("--max-seq", type=positive_int, default=Limits.seq, help="prefill tokens per call")
     from k3export.shards.stages import add_build_arguments
     add_build_arguments(build)
     _add_quiet(build)
@@ -379,15 +440,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
 
     verify = sub.add_parser("verify", help="hash every file of an output folder against its manifest")
-    verify.add_argument("dir", metavar="DIR")
+    verify.add_argument("dir", metavar="DIR", type=existing_dir)
     verify.set_defaults(run=cmd_verify)
 
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then export, "
                                        "check (ONNX Runtime with a report, the parsed network) and build")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--prompt-len", type=int, default=80)
-    demo.add_argument("--steps", type=int, default=8)
-    demo.add_argument("--out", default="out/demo", metavar="DIR",
+    demo.add_argument("--seed", type=seed, default=0)
+    demo.add_argument("--prompt-len", type=DEMO_TOKENS, default=80, help="1..4096 (an eager prefill)")
+    demo.add_argument("--steps", type=DEMO_TOKENS, default=8, help="decode steps, 1..4096")
+    demo.add_argument("--out", default="out/demo", metavar="DIR", type=output_path,
                       help="where the export (DIR/export) and the engine go")
     demo.set_defaults(run=cmd_demo)
     return parser
@@ -403,7 +464,10 @@ class _StderrHandler(logging.Handler):
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done (a check passed), 1 a check failed, 2 bad input (one message naming the
     culprit; --debug adds the traceback), 3 an internal error (a bug: its traceback is printed)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its message (a refused option value: 2; --help: 0)
+        return e.code if isinstance(e.code, int) else 2
     from k3export.progress import set_quiet
     set_quiet(getattr(args, "quiet", False))
     if not logging.getLogger("k3export").handlers:

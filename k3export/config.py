@@ -234,7 +234,7 @@ class K3Config:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # a binary file is not UTF-8
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(data, source=str(path))
 

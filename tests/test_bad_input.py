@@ -235,13 +235,18 @@ def test_a_model_larger_than_memory_is_refused_before_allocating(tmp_path):
 
 # -- internal errors and --debug ---------------------------------------------------------------------
 
-def test_internal_errors_keep_their_traceback(monkeypatch, capsys):
+def test_internal_errors_keep_their_traceback(monkeypatch, capsys, tmp_path):
     import k3export.cli as cli
 
-    path = "/nonexistent/config.json"
-    assert cli.main(["--debug", "info", "--config", path]) == 2
+    path = tmp_path / "config.json"
+    path.write_text("{")
+    assert cli.main(["--debug", "info", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" in err and f"k3export: error: {path}: no such file" in err
+    assert "Traceback" in err and f"k3export: error: {path}: not valid JSON" in err
+    # A value the parser refuses has no traceback to show: argparse's message, exit 2.
+    assert cli.main(["--debug", "info", "--config", str(tmp_path / "nothing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"argument --config: {tmp_path / 'nothing.json'}: no such file" in err
 
     def broken(args):
         raise KeyError("a bug")

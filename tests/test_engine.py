@@ -96,7 +96,8 @@ def small_export(folder: Path, concat_cache: bool = False) -> Path:
                               opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("k3", 1)])
     folder.mkdir(parents=True)
     onnx.save(model, folder / "model.onnx")
-    manifest = {"capacity": C, "inputs": [{"name": n, "shape": shape} for n, _, shape in specs],
+    manifest = {"capacity": C, "inputs": [{"name": n, "dtype": "float32" if t == f32 else "int64",
+                                           "shape": shape} for n, t, shape in specs],
                 "files": {"model.onnx": file_record(folder / "model.onnx")}}
     (folder / "export.json").write_text(json.dumps(manifest))
     return folder
@@ -127,13 +128,18 @@ def test_census_of_a_small_graph(tmp_path: Path) -> None:
 def test_profiles_keep_the_capacity() -> None:
     shapes = {"input_ids": ["batch", "seq"], "cache_lengths": ["batch"],
               "past.3.mla_latent": ["batch", 1, "capacity", 576]}
-    manifest = {"capacity": 100, "inputs": [{"name": n, "shape": shape} for n, shape in shapes.items()]}
+    manifest = {"capacity": 100, "inputs": [{"name": n, "dtype": "float32", "shape": shape}
+                                            for n, shape in shapes.items()]}
     prefill, decode = profile_shapes(manifest, Limits(batch=4, seq=100))
     assert prefill == {"input_ids": [[1, 1], [4, 100], [4, 100]], "cache_lengths": [[1], [4], [4]],
                        "past.3.mla_latent": [[1, 1, 100, 576], [4, 1, 100, 576], [4, 1, 100, 576]]}
     assert decode["input_ids"] == [[1, 1], [4, 1], [4, 1]]
     with pytest.raises(UserError, match="--max-seq 101 and --max-batch 4: .* capacity 100"):
         profile_shapes(manifest, Limits(batch=4, seq=101))
+    # A row holds 4 x (100 + 1 + 100 x 576) bytes: 138 GB of inputs fit an H200, 231 GB do not.
+    profile_shapes(manifest, Limits(batch=600_000, seq=100))
+    with pytest.raises(UserError, match="--max-batch 1000000 --max-seq 100: .* 230.8 GB, more than an H200"):
+        profile_shapes(manifest, Limits(batch=10**6, seq=100))
     with pytest.raises(UserError, match="no \"capacity\""):
         profile_shapes({"inputs": []}, Limits())
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import onnx
@@ -389,3 +390,31 @@ def test_cli_info_and_export_on_a_published_checkpoint(mxfp4_dir, tmp_path, caps
     onnx.checker.check_model(out_dir / "model.onnx", full_check=True)
     assert run_check(out_dir, steps=2, log=lambda _: None)["passed"]
     assert main(["export", "--preset", "k3-tiny", "--packed-experts", "--out", str(out_dir)]) == 2
+
+
+def test_cli_info_names_missing_and_incomplete_shards(mxfp4_dir, tmp_path, capsys):
+    """`info --checkpoint` answers "is my download complete?": every file the index names, present
+    (its bytes and layers) or not, and a warning that the sizes are the model's, not the disk's."""
+    assert main(["info", "--checkpoint", str(mxfp4_dir)]) == 0
+    complete = capsys.readouterr()
+    assert "files: 12 of 12 present and complete" in complete.out and "warning" not in complete.err
+    partial = tmp_path / "partial"
+    shutil.copytree(mxfp4_dir, partial)
+    (partial / "model-00004-of-000012.safetensors").unlink()  # write_published: one shard a layer
+    truncated = partial / "model-00006-of-000012.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    assert main(["info", "--checkpoint", str(partial)]) == 0
+    shown = capsys.readouterr()
+    assert "2 of 12 files its index names are missing or incomplete" in shown.err
+    assert "the sizes shown are the whole model's" in shown.err
+    assert "files: 10 of 12 present and complete" in shown.out
+    assert "holding layers 0-2, 4, 6-8, embedding, head, other tensors" in shown.out
+    assert "model-00004-of-000012.safetensors: missing; it holds layers 3" in shown.out
+    assert "model-00006-of-000012.safetensors: not a complete safetensors file (1KB); it holds layers 5" \
+        in shown.out
+    assert main(["info", "--checkpoint", str(partial), "--json"]) == 0
+    files = {f["file"]: f for f in json.loads(capsys.readouterr().out)["checkpoint"]["files"]}
+    assert files["model-00004-of-000012.safetensors"]["bytes"] is None
+    assert files["model-00006-of-000012.safetensors"]["problem"] == "not a complete safetensors file"
+    on_disk = {p.name: p.stat().st_size for p in partial.glob("*.safetensors")}
+    assert {name: f["bytes"] for name, f in files.items() if f["bytes"] is not None} == on_disk

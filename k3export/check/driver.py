@@ -58,9 +58,9 @@ from k3export.check.runners.eager import EagerRunner, Float32Boundary
 from k3export.check.taps import compare_taps, first_divergent
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.model.cache import check_request
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
 from k3export.onnx.runner import BoundOnnxrtRunner, Signature, StatefulRunner, numpy_dtype
+from k3export.options import require_request_fits
 from k3export.progress import track
 from k3export.weights.checkpoint import build_model
 
@@ -122,14 +122,13 @@ def last_tokens(logits: np.ndarray, input_lengths: list[int]) -> np.ndarray:
     return np.array([[logits[b, n - 1].argmax()] for b, n in enumerate(input_lengths)])
 
 
-def fitting_lengths(capacity: int, batch: int, prompt_len: int, steps: int) -> list[int]:
-    """The prompt lengths of a check, refused (UserError) unless the prefill and the last decode
-    step of the longest row fit the cache capacity."""
-    lengths = prompt_lengths(batch, prompt_len)
-    rows = torch.tensor(lengths)
-    check_request(torch.zeros_like(rows), rows, prompt_len, capacity)
-    check_request(rows + max(steps - 1, 0), torch.ones_like(rows), 1, capacity)
-    return lengths
+def fitting_lengths(manifests: list[dict[str, Any]], batch: int, prompt_len: int, steps: int) -> list[int]:
+    """The prompt lengths of a check of the exports of `manifests` (one, or a build's stages),
+    refused (UserError) unless the longest row's prompt and decode steps fit their cache capacity
+    and the graph's and the eager model's caches fit this machine's memory."""
+    require_request_fits(f"--batch {batch} --prompt-len {prompt_len} --steps {steps}", manifests, batch,
+                         prompt_len, steps, copies=2)
+    return prompt_lengths(batch, prompt_len)
 
 
 def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
@@ -142,7 +141,7 @@ def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
     if manifest["weights"].get("stripped"):
         raise UserError(f"{export_dir}: exported with --no-weights, so there are no numbers to check; "
                         "it is checked structurally (onnx.checker full_check)")
-    return manifest, config, fitting_lengths(manifest["capacity"], batch, prompt_len, steps)
+    return manifest, config, fitting_lengths([manifest], batch, prompt_len, steps)
 
 
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,

@@ -32,8 +32,10 @@ import onnx
 from k3export.artifacts import atomic_path, require, verify
 from k3export.engine.rtx_setup import ensure_symlink
 from k3export.errors import UserError
+from k3export.model.accounting import H200_BYTES
 from k3export.onnx.domain import DOMAIN
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
+from k3export.options import call_bytes
 
 # The names TensorRT-RTX's ComputeCapability enum knows; it has no SM90.
 TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
@@ -175,6 +177,13 @@ def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, l
         raise UserError(f"build: --max-seq {limits.seq} and --max-batch {limits.batch}: expected a batch "
                         f">= 1 and 1 <= seq <= the export's capacity {capacity} (every call writes its "
                         f"seq rows into the cache)")
+    # An engine whose inputs and outputs alone outgrow the largest GPU could run nowhere (and a
+    # profile far past it makes the TensorRT-RTX builder abort the process).
+    needed = call_bytes([manifest], limits.batch, limits.seq)
+    if needed > H200_BYTES:
+        raise UserError(f"build: --max-batch {limits.batch} --max-seq {limits.seq}: the engine's inputs and "
+                        f"outputs at that shape hold {needed / 1e9:,.1f} GB, more than an H200's "
+                        f"{H200_BYTES / 1e9:.0f} GB; lower --max-batch or --max-seq")
     batch = (1, limits.batch, limits.batch)
     ranges = {"prefill": {"batch": batch, "seq": (1, limits.seq, limits.seq)},
               "decode": {"batch": batch, "seq": (1, 1, 1)}}

@@ -13,6 +13,7 @@ from k3export.config import K3Config
 from k3export.model import K3ForCausalLM
 
 MXFP4_BITS = 4 + 8 / 32  # a 4-bit value plus one 8-bit scale per group of 32
+H200_BYTES = 141 * 10**9  # one H200's HBM3e as NVIDIA states it
 COMPONENTS = ("kda", "mla", "dense_ffn", "routed_experts", "shared_experts", "router",
               "latent_projections", "norms_and_attnres", "embeddings", "lm_head")
 

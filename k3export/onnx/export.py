@@ -46,6 +46,7 @@ from k3export.onnx.ops import export_onnx
 from k3export.onnx.taps import MEANINGS as TAP_MEANINGS
 from k3export.onnx.taps import SUBLAYERS as TAP_SUBLAYERS
 from k3export.onnx.taps import recording, tap_name, tap_names
+from k3export.options import MIN_CAPACITY
 
 GRAPH_FILE = "model.onnx"
 MANIFEST_FILE = "export.json"
@@ -226,8 +227,8 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
     `last_logits` gives logits only at each row's last valid token (a range that does not end at
     the last layer has no logits and ignores it). `taps` adds each layer's taps as outputs
     (k3export.onnx.taps; the graph is otherwise the same). Returns the manifest."""
-    if capacity < 8:
-        raise UserError(f"--capacity {capacity}: expected at least 8 cached tokens per sequence")
+    if capacity < MIN_CAPACITY:
+        raise UserError(f"--capacity {capacity}: expected at least {MIN_CAPACITY} cached tokens per sequence")
     out_dir = Path(out_dir)
     config, dtype = model.config, model.dtype
     layers = layers or range(config.num_hidden_layers)

@@ -34,6 +34,16 @@ from k3export.artifacts import require, verify
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 from k3export.onnx.runner import BoundOnnxrtRunner, Signature
+from k3export.options import (
+    existing_dir,
+    non_negative_int,
+    non_negative_real,
+    positive_int,
+    probability,
+    require_request_fits,
+    seed,
+    token_ids,
+)
 from k3export.runtime.schedule import (
     StageTimes,
     Tokens,
@@ -113,8 +123,6 @@ def intra_op_threads(args: argparse.Namespace, processes: int) -> int:
     or its share of the cores this process may run on (at least one), so the stages do not fight."""
     if args.threads is None:
         return max(1, len(os.sched_getaffinity(0)) // processes)
-    if args.threads < 1:
-        raise UserError(f"--threads {args.threads}: expected at least 1")
     return args.threads
 
 
@@ -251,33 +259,48 @@ def vocab_size(export_dir: Path) -> int:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("build", metavar="DIR", help="a `k3export build RECIPE` folder")
-    parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the longest prompt")
-    parser.add_argument("--prompt-ids", metavar="IDS", help="one prompt, comma-separated token ids")
-    parser.add_argument("--batch", type=int, default=1, help="random prompts of different lengths")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampler")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--stop", type=int, action="append", default=[], metavar="ID", help="stop token")
-    parser.add_argument("--micro-batches", type=int, metavar="M",
+    parser.add_argument("build", metavar="DIR", type=existing_dir, help="a `k3export build RECIPE` folder")
+    parser.add_argument("--prompt-len", type=positive_int, default=32, help="tokens of the longest prompt")
+    parser.add_argument("--prompt-ids", metavar="IDS", type=token_ids,
+                        help="one prompt, comma-separated token ids")
+    parser.add_argument("--batch", type=positive_int, default=1, help="random prompts of different lengths")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the prompts and the sampler")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--temperature", type=non_negative_real, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="0: no cut")
+    parser.add_argument("--top-p", type=probability, default=1.0)
+    parser.add_argument("--stop", type=non_negative_int, action="append", default=[], metavar="ID",
+                        help="stop token")
+    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="the batch's rows in M groups of consecutive rows, sizes differing by at most "
                         "one, in flight together under torchrun (default: as many as stages, at most the "
                         "batch); in one process only the grouping changes")
-    parser.add_argument("--threads", type=int, metavar="N",
+    parser.add_argument("--threads", type=positive_int, metavar="N",
                         help="ONNX Runtime intra-op threads of each stage process (default: this host's "
                         "cores / the stage processes on it)")
     parser.add_argument("--json", action="store_true")
 
 
-def prompts_of(args: argparse.Namespace, first_stage: Path) -> list[list[int]]:
+def prompts_of(args: argparse.Namespace, exports: list[Path]) -> list[list[int]]:
+    """The request's prompts (--prompt-ids, or --batch random ones of up to --prompt-len tokens),
+    refused before any session is made unless its token ids (and --stop's) are in the vocabulary
+    and its longest row fits the stages' cache capacity and this machine's memory."""
+    vocab = vocab_size(exports[0])
+    for option, ids in (("--prompt-ids", args.prompt_ids or []), ("--stop", args.stop)):
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise UserError(f"{option}: token id {outside[0]} is outside the vocabulary of {args.build} "
+                            f"(ids 0..{vocab - 1})")
     if args.prompt_ids:
-        try:
-            return [[int(t) for t in args.prompt_ids.split(",")]]
-        except ValueError:
-            raise UserError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
-    return random_prompts(args.batch, args.prompt_len, vocab_size(first_stage), args.seed)
+        batch, prompt_len = 1, len(args.prompt_ids)
+        request = f"--prompt-ids ({prompt_len} tokens)"
+    else:
+        batch, prompt_len = args.batch, args.prompt_len
+        request = f"--batch {batch} --prompt-len {prompt_len}"
+    manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in exports]
+    require_request_fits(f"{request} --max-new-tokens {args.max_new_tokens}", manifests, batch, prompt_len,
+                         args.max_new_tokens - 1)
+    return [args.prompt_ids] if args.prompt_ids else random_prompts(batch, prompt_len, vocab, args.seed)
 
 
 def report(args: argparse.Namespace, result: Generation, names: list[str]) -> None:
@@ -308,8 +331,8 @@ def stage_name(stage: Stage) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     exports = stage_exports(args.build)
     threads = intra_op_threads(args, 1)
+    prompts = prompts_of(args, exports)
     pipeline = Pipeline(exports, threads)
-    prompts = prompts_of(args, exports[0])
     try:
         result = generate(pipeline, prompts, args.max_new_tokens,
                           Sampler(args.temperature, args.top_k, args.top_p, args.seed), frozenset(args.stop),

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from k3export.errors import UserError
 from k3export.onnx.export import TensorSpec, resolve_shape
+from k3export.options import positive_int
 from k3export.runtime import (
     Generation,
     Pipeline,
@@ -217,9 +218,7 @@ def run_rank(args: argparse.Namespace) -> None:
         raise UserError(f"{args.build}: {len(exports)} stages, started with {world} processes; expected "
                         f"torchrun --nproc-per-node {len(exports)}")
     threads = intra_op_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if args.timeout < 1:
-        raise UserError(f"--timeout {args.timeout}: expected at least 1 second")
-    prompts = prompts_of(args, exports[0])
+    prompts = prompts_of(args, exports)  # on every rank, so that all refuse a bad request alike
     count = args.micro_batches or default_micro_batches(len(prompts), world)
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     batches = split_prompts(prompts, count)  # refuses a bad --micro-batches before any session loads
@@ -293,15 +292,19 @@ def watch_signals(rank: str) -> None:
     threading.Thread(target=watch, name="signals", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m k3export.runtime",
                                      description=__doc__.split("\n")[0])
     add_run_arguments(parser)
-    parser.add_argument("--timeout", type=int, default=60, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_int, default=60, metavar="SECONDS",
                         help="the longest wait for another stage (a message from it, or taking one) "
                         "before naming it and exiting 1")
-    parser.add_argument("--dist-backend", default="gloo", help="gloo (CPU) or nccl")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dist-backend", default="gloo", choices=["gloo", "nccl"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     watch_signals(os.environ.get("RANK", "?"))
     dist.init_process_group(args.dist_backend)
     rank = dist.get_rank()

@@ -31,9 +31,9 @@ import torch
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
-from k3export.model.accounting import MXFP4_BITS, component
+from k3export.model.accounting import H200_BYTES, MXFP4_BITS, component
+from k3export.options import existing_file, positive_int, positive_real
 
-H200_BYTES = 141 * 10**9  # HBM3e as NVIDIA states it
 LINK_GB_PER_S = 50.0  # one 400 Gb/s InfiniBand NDR port per GPU, the usual link between hosts
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -321,16 +321,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """Registers `k3export plan` on the CLI's subparsers."""
     plan = sub.add_parser("plan", help="pipeline stages balanced by weight bytes, and what each holds")
-    plan.add_argument("recipe", nargs="?", metavar="RECIPE", help="a recipe (engines/*.toml)")
+    plan.add_argument("recipe", nargs="?", metavar="RECIPE", type=existing_file,
+                      help="a recipe (engines/*.toml)")
     plan.add_argument("--preset", choices=list(PRESETS), help="plan a preset instead of a recipe")
-    plan.add_argument("--stages", type=int, help="stage count (with --preset)")
+    plan.add_argument("--stages", type=positive_int, help="stage count (with --preset)")
     plan.add_argument("--packed-experts", action="store_true", help="routed experts in MXFP4 (with --preset)")
     plan.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="with --preset")
-    plan.add_argument("--context", type=int, default=131072, help="cache tokens per sequence (with --preset)")
-    plan.add_argument("--batch", type=int, default=1, help="sequences in the cache (with --preset)")
-    plan.add_argument("--prefill-tokens", type=int, default=1024,
+    plan.add_argument("--context", type=positive_int, default=131072,
+                      help="cache tokens per sequence (with --preset)")
+    plan.add_argument("--batch", type=positive_int, default=1, help="sequences in the cache (with --preset)")
+    plan.add_argument("--prefill-tokens", type=positive_int, default=1024,
                       help="batch x seq of the largest prefill, for the activation estimate (with --preset)")
-    plan.add_argument("--link-gb-per-s", type=float, default=LINK_GB_PER_S,
+    plan.add_argument("--link-gb-per-s", type=positive_real, default=LINK_GB_PER_S,
                       help="bandwidth between stages, GB/s (default: 400 Gb/s InfiniBand)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(run=cmd_plan)

@@ -33,6 +33,7 @@ import torch
 
 from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
 from k3export.errors import UserError
+from k3export.options import existing_file, non_negative_int
 from k3export.progress import track
 from k3export.shards.plan import Plan, plan_recipe
 from k3export.shards.recipe import BACKENDS, Recipe, load_recipe
@@ -216,7 +217,7 @@ def cmd_build_recipe(args: argparse.Namespace) -> int:
 
 def add_build_arguments(build: argparse.ArgumentParser) -> None:
     """The sharded form of `k3export build`: a recipe instead of --onnx."""
-    build.add_argument("recipe", nargs="?", metavar="RECIPE",
+    build.add_argument("recipe", nargs="?", metavar="RECIPE", type=existing_file,
                        help="a recipe (engines/*.toml): build every pipeline stage into --out DIR")
     build.add_argument("--backend", choices=BACKENDS, help="with RECIPE: instead of the recipe's backend "
                        "(onnx stops after the export)")
@@ -225,7 +226,7 @@ def add_build_arguments(build: argparse.ArgumentParser) -> None:
     build.add_argument("--taps", action="store_true",
                        help="with RECIPE: every stage exports its layers' taps too (as export --taps; or "
                        "taps = true under the recipe's [build]), for `check --build DIR --taps`")
-    build.add_argument("--stage", type=int, action="append", metavar="I",
+    build.add_argument("--stage", type=non_negative_int, action="append", metavar="I",
                        help="with RECIPE: build only stage I (repeatable); the others keep what they have")
     build.add_argument("--overwrite", action="store_true",
                        help="with RECIPE: write into a folder that holds other files (they are kept)")

@@ -32,6 +32,7 @@ from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
 from k3export.ops import mxfp4
+from k3export.options import available_memory
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -194,6 +195,36 @@ def published_name(name: str) -> str | None:
 
 
 @dataclass
+class ShardFile:
+    """One file a checkpoint's index names, as it is on disk now, and what it holds."""
+
+    path: Path
+    bytes: int | None  # None: missing
+    problem: str | None  # its header does not parse (a truncated download)
+    layers: list[int]  # the language-model layers whose tensors it holds
+    other: list[str]  # "embedding", "head" (final norm, AttnRes output mix, LM head), "other tensors"
+
+    def holds(self) -> str:
+        return holdings(self.layers, self.other)
+
+
+def holdings(layers: list[int], other: list[str]) -> str:
+    """'layers 0-2, 4-8, embedding, head'."""
+    return ", ".join(([f"layers {_spans(layers)}"] if layers else []) + other) or "nothing"
+
+
+def _spans(numbers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    spans: list[list[int]] = []
+    for n in sorted(numbers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+@dataclass
 class CheckpointLayout:
     """What a checkpoint folder holds, from its index alone (no tensor is read)."""
 
@@ -203,6 +234,35 @@ class CheckpointLayout:
     tensors: dict[str, tuple[str, Path]]
     # Tensors that are not the language model's (published layout only), by top-level name.
     skipped: Counter[str] = field(default_factory=Counter)
+    # Every file the index names (or the single model.safetensors).
+    files: list[Path] = field(default_factory=list)
+
+    def shard_files(self) -> list[ShardFile]:
+        """Each file: present (with its bytes, and whether its header parses) or missing, and
+        which layers it holds. A host may hold only its stage's shards (export --layers A:B)."""
+        held: dict[Path, list[str]] = {path: [] for path in self.files}
+        for ours, (_, path) in self.tensors.items():
+            held[path].append(ours)
+        shards = []
+        for path, names in held.items():
+            layers, other = set(), set()
+            for name in names:
+                layer = LAYER_NAME.match(name)
+                if layer:
+                    layers.add(int(layer[1]))
+                else:
+                    other.add("embedding" if name.startswith("model.embed_tokens.") else "head")
+            if not names:
+                other.add("other tensors")
+            size = path.stat().st_size if path.is_file() else None
+            problem = None
+            if size is not None:
+                try:
+                    read_headers([path])
+                except CheckpointError:
+                    problem = "not a complete safetensors file"
+            shards.append(ShardFile(path, size, problem, sorted(layers), sorted(other)))
+        return shards
 
     @property
     def mxfp4_experts(self) -> int:
@@ -226,7 +286,7 @@ def read_layout(directory: str | Path) -> CheckpointLayout:
     directory = Path(directory)
     files = weight_map(directory)
     published = any(name.startswith(PUBLISHED_PREFIX) for name in files)
-    layout = CheckpointLayout(directory, published, {})
+    layout = CheckpointLayout(directory, published, {}, files=sorted(set(files.values())))
     for name, path in files.items():
         ours = published_name(name) if published else name
         if ours is None:
@@ -424,17 +484,6 @@ def _refuse_mismatch(directory: Path, loader: _Loader, wanted: list[str], unexpe
         lines = [f"{label} ({len(items)}): " + ", ".join(items[:10]) + (" ..." if len(items) > 10 else "")
                  for label, items in problems]
         raise CheckpointError(f"{directory}: checkpoint does not match the model:\n  " + "\n  ".join(lines))
-
-
-def available_memory() -> int:
-    """Bytes this machine can still allocate without swapping (MemAvailable), or 0 if unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _refuse_if_too_large(parts: list[nn.Module], config: K3Config, dtype: torch.dtype,

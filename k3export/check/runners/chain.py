@@ -152,7 +152,7 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         raise UserError(f"{build_dir}: a bfloat16 build cannot be fed through numpy (ONNX Runtime's CPU "
                         "provider has no bfloat16 MatMul); check a float32 or float16 build, or a stage's "
                         "graph as TensorRT parses it: k3export check --network DIR/stage-N")
-    lengths = fitting_lengths(manifest["capacity"], batch, prompt_len, steps)
+    lengths = fitting_lengths(stage_manifests, batch, prompt_len, steps)
     ranges = [range(*m["layers"]) for m in stage_manifests]
     owner = {s["name"]: i for i, m in enumerate(stage_manifests) for s in m["outputs"]}
     routing = [f"stage{i}{ROUTING_SEPARATOR}{name}" for i, folder in enumerate(exports)
