@@ -32,11 +32,11 @@ from hypothesis import strategies as st
 from k3export.cli import build_parser, main
 from k3export.config import K3Config
 from k3export.model import K3ForCausalLM
-from k3export.weights.published import write_published
-from k3export.shards.recipe import load_recipe
 from k3export.runtime import Sampler
 from k3export.runtime.__main__ import build_parser as runtime_parser
+from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
+from k3export.weights.published import write_published
 
 TINY_RECIPE = Path(__file__).resolve().parents[1] / "engines/k3-tiny.toml"
 

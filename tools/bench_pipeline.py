@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-from k3export.model.accounting import MXFP4_BITS, parameter_report
-from k3export.model.accounting import H200_BYTES
-from k3export.shards.recipe import load_recipe
+from k3export.model.accounting import H200_BYTES, MXFP4_BITS, parameter_report
 from k3export.shards.plan import plan_recipe
+from k3export.shards.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_BYTES_PER_S = 4.8e12  # HBM3e as NVIDIA states it
