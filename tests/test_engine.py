@@ -162,7 +162,7 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
     for layer in manifest["schedule"]:
         expected.append({"KDA": "k3::KDA v1", "MLA": "k3::LatentMLA v1"}[layer["mixer"]])
         if layer["ffn"] == "moe":
-            expected.append("k3::RoutedExperts v1")
+            expected.append("k3::RoutedExperts v2")
     assert plugins == expected
     assert summary["layer_types"]["PLUGIN_V3"] == len(k3_nodes(tiny_export))
     # A KDA function body would add a Scan's iterators, an inlined RoutedExperts function a Loop.
@@ -276,11 +276,11 @@ def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None
 
     manifest = json.loads((packed_export / "export.json").read_text())
     summary = run("strict", packed_export)
-    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v1")]
+    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v2")]
     assert len(moe) == expected_moe_layers(manifest) == 8
     assert not LOOP_LAYERS & set(summary["layer_types"]), "a RoutedExperts function body was inlined"
-    betas = {"situ_beta": 4.0, "situ_linear_beta": 25.0}
-    assert summary["plugin_fields"]["RoutedExpertsMXFP4"] == [betas] * 8
+    fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0, "expert_offset": 0}
+    assert summary["plugin_fields"]["RoutedExpertsMXFP4"] == [fields] * 8
 
     proc = subprocess.run([sys.executable, "-c", MOE_INPUTS_SCRIPT, str(packed_export / "model.onnx")],
                           capture_output=True, text=True, timeout=300)
@@ -345,7 +345,7 @@ def test_wrong_plugin_version_is_refused(version2_export: Path) -> None:
     error = run("strict", version2_export)["error"]
     assert "asks for plugin k3::KDA version '2', which is not registered" in error
     assert ("registered k3 plugins: k3::KDA v1, k3::LatentMLA v1, k3::RoutedExperts v1, "
-            "k3::RoutedExpertsMXFP4 v1") in error
+            "k3::RoutedExperts v2, k3::RoutedExpertsMXFP4 v1, k3::RoutedExpertsMXFP4 v2") in error
 
     # What the check guards against: the parser inlines the functions without a word, and stops only
     # inside a RoutedExperts body (NonZero, which it lacks), naming neither the node nor its plugin.

@@ -99,7 +99,7 @@ TRANSLATION_TABLE: dict[Callable, Callable] = {
     torch.ops.k3.latent_mla.default: _latent_mla,
     torch.ops.k3.tensor_scatter.default: _tensor_scatter,
     torch.ops.aten.sort.stable: _stable_sort,
-    **moe_translation_table(PLUGIN_NAMESPACE, PLUGIN_VERSION),
+    **moe_translation_table(PLUGIN_NAMESPACE),
 }
 
 
