@@ -31,6 +31,7 @@ order, not the unsplit model's summation order: float32 results agree to roundin
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +44,41 @@ from k3export.model.kda import KimiDeltaAttention
 from k3export.model.layers import SituMLP
 from k3export.model.mla import LatentMLA
 from k3export.model.moe import LatentMoE
+
+
+@dataclass(frozen=True)
+class RankSplit:
+    """What `split_model` records on the model it splits (`model.tensor_parallel`)."""
+
+    rank: int
+    ranks: int
+    config: K3Config  # the unsplit model's (the split model's own config has the rank's heads)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One sum over the ranks: after a layer's attention (o_proj) or its FFN, of `values` per token."""
+
+    layer: int
+    after: str  # "attention" or "ffn"
+    values: int  # per token
+    dtype: str  # "model" (the model dtype) or "float32"
+
+    def bytes_per_token(self, model_dtype: torch.dtype) -> int:
+        size = 4 if self.dtype == "float32" else torch.empty(0, dtype=model_dtype).element_size()
+        return self.values * size
+
+
+def collectives(config: K3Config, layers: range) -> list[Collective]:
+    """The all-reduces a split model runs over `layers`, in order: each layer's attention, then its
+    FFN (a MoE layer's [u | shared] in float32, a dense layer's output in the model dtype)."""
+    D, L = config.hidden_size, config.routed_expert_hidden_size
+    sums = []
+    for i in layers:
+        sums.append(Collective(i, "attention", D, "model"))
+        sums.append(Collective(i, "ffn", D, "model") if config.is_dense(i)
+                    else Collective(i, "ffn", L + D, "float32"))
+    return sums
 
 
 def split_sizes(config: K3Config) -> dict[str, int]:
@@ -62,6 +98,13 @@ def check_split(config: K3Config, ranks: int) -> None:
     if uneven:
         raise UserError(f"ranks = {ranks} does not divide {', '.join(uneven)}: expected a rank count that "
                         "divides the heads, the experts and the MLP widths")
+
+
+def check_rank(config: K3Config, rank: int, ranks: int) -> None:
+    """Refuses a split that does not divide, or a rank outside 0 .. ranks - 1."""
+    check_split(config, ranks)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < ranks:
+        raise UserError(f"rank = {rank!r}: expected 0 <= rank < ranks = {ranks}")
 
 
 def rank_config(config: K3Config, ranks: int) -> K3Config:
@@ -174,16 +217,17 @@ def split_model(model: K3ForCausalLM, rank: int, ranks: int) -> K3ForCausalLM:
     """Keeps rank `rank` of `ranks`'s share of `model` (in place; returns it), its collectives inserted.
 
     The model's config becomes the rank's (rank_config: its heads), so its caches have the rank's
-    shapes; `model.tensor_parallel` is (rank, ranks), (0, 1) for the unsplit model. Layers on the
-    meta device (not in this process's pipeline stage) are split all the same, at no cost."""
-    if getattr(model, "tensor_parallel", (0, 1)) != (0, 1):
-        raise UserError(f"the model is already split ({model.tensor_parallel}); split the unsplit model")
-    check_split(model.config, ranks)
-    if not isinstance(rank, int) or not 0 <= rank < ranks:
-        raise UserError(f"rank = {rank!r}: expected 0 <= rank < ranks = {ranks}")
-    model.tensor_parallel = (rank, ranks)
+    shapes; `model.tensor_parallel` is a RankSplit (absent on an unsplit model, and for ranks = 1).
+    Layers on the meta device (not in this process's pipeline stage) are split all the same, at no
+    cost."""
+    split = getattr(model, "tensor_parallel", None)
+    if split is not None:
+        raise UserError(f"the model is already split (rank {split.rank} of {split.ranks}); split the unsplit "
+                        "model")
+    check_rank(model.config, rank, ranks)
     if ranks == 1:
         return model
+    model.tensor_parallel = RankSplit(rank, ranks, model.config)
     for layer in model.model.layers:
         if layer.is_mla:
             _split_mla(layer.self_attn, rank, ranks)

@@ -129,7 +129,7 @@ def test_splits_that_do_not_divide_are_refused(tiny_config, tiny_model) -> None:
     with pytest.raises(UserError, match="rank = 2: expected 0 <= rank < ranks = 2"):
         split_model(copy.deepcopy(tiny_model), 2, 2)
     split = split_model(copy.deepcopy(tiny_model), 0, 2)
-    with pytest.raises(UserError, match=r"already split \(\(0, 2\)\)"):
+    with pytest.raises(UserError, match=r"already split \(rank 0 of 2\)"):
         split_model(split, 0, 2)
 
 

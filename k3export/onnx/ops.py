@@ -25,6 +25,7 @@ from onnxscript import opset18 as op
 from onnxscript import values
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3export.onnx.collectives import collective_translation_table
 from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, k3_functions
 from k3export.onnx.moe import moe_translation_table, packed_experts_as_words
 
@@ -100,6 +101,7 @@ TRANSLATION_TABLE: dict[Callable, Callable] = {
     torch.ops.k3.tensor_scatter.default: _tensor_scatter,
     torch.ops.aten.sort.stable: _stable_sort,
     **moe_translation_table(PLUGIN_NAMESPACE),
+    **collective_translation_table(),
 }
 
 
