@@ -1,33 +1,41 @@
 """Rank exports (`k3export export --ranks N --rank R`): one graph per rank with a DistCollective node
 (domain trt, every attribute set) per sum the split needs, recorded in export.json; byte-identical
-when exported twice; the ranks' experts disjoint and together the unsplit model's. Layers 0:3 of
-k3-tiny (a dense layer, then two MoE layers) keep the three exports cheap."""
+when exported twice; the ranks' experts disjoint and together the unsplit model's; and the ranks'
+graphs under torchrun, each in ONNX Runtime pieces between torch.distributed sums
+(k3export.runtime.segments), against the unsplit eager model: greedy tokens and logits."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import numpy_helper
+from reference import rel_error
 
 from k3export.cli import main
 from k3export.config import K3Config
 
-LAYERS = "0:3"
+GRID_WORKER = Path(__file__).with_name("parallel_grid_worker.py")
 
 
 @pytest.fixture(scope="module")
 def rank_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Rank 0 of 2 (twice, into two folders) and rank 1 of 2."""
+    """Ranks 0 and 1 of 2 (grid/rank-{r}); and layers 0:3 of rank 0 twice (a dense layer, then two MoE
+    layers: enough for byte identity, and cheap)."""
     folder = tmp_path_factory.mktemp("rank_exports")
     exports = {}
-    for name, rank in (("rank0", 0), ("rank0_again", 0), ("rank1", 1)):
-        exports[name] = folder / name
-        assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--layers", LAYERS, "--ranks", "2",
+    exported = (("rank0", 0, ":"), ("rank1", 1, ":"), ("first", 0, "0:3"), ("again", 0, "0:3"))
+    for name, rank, layers in exported:
+        exports[name] = folder / (f"grid/rank-{rank}" if layers == ":" else name)
+        assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--layers", layers, "--ranks", "2",
                      "--rank", str(rank), "--out", str(exports[name]), "--quiet"]) == 0
     return exports
 
@@ -40,7 +48,7 @@ def collective_nodes(folder: Path) -> list[onnx.NodeProto]:
 def test_one_dist_collective_per_sum_with_every_attribute(rank_exports) -> None:
     for name in ("rank0", "rank1"):
         nodes = collective_nodes(rank_exports[name])
-        assert len(nodes) == 6  # attention and FFN of each of the 3 layers
+        assert len(nodes) == 18  # attention and FFN of each of the 9 layers
         for node in nodes:
             attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert node.domain == "trt"
@@ -56,9 +64,9 @@ def test_manifest_records_the_rank_and_each_collective(rank_exports, tiny_config
     assert [c["node"] for c in parallel["collectives"]] == [n.name for n in nodes]
     D, L = tiny_config.hidden_size, tiny_config.routed_expert_hidden_size
     # float32 model: attention D values, a dense FFN D, a MoE layer [u | shared] L + D (float32).
+    moe_layer = [("attention", 4 * D), ("ffn", 4 * (L + D))]
     assert [(c["layer"], c["after"], c["bytes_per_token"]) for c in parallel["collectives"]] == [
-        (0, "attention", 4 * D), (0, "ffn", 4 * D), (1, "attention", 4 * D), (1, "ffn", 4 * (L + D)),
-        (2, "attention", 4 * D), (2, "ffn", 4 * (L + D))]
+        (0, "attention", 4 * D), (0, "ffn", 4 * D), *((i, *c) for i in range(1, 9) for c in moe_layer)]
     # The rank's caches hold its heads; config.json is the unsplit model's.
     state = next(s for s in manifest["inputs"] if s["name"] == "past.1.kda_state")
     assert state["shape"] == ["batch", 1, 32, 32]
@@ -66,7 +74,7 @@ def test_manifest_records_the_rank_and_each_collective(rank_exports, tiny_config
 
 
 def test_two_exports_of_a_rank_are_byte_identical(rank_exports) -> None:
-    first, again = rank_exports["rank0"], rank_exports["rank0_again"]
+    first, again = rank_exports["first"], rank_exports["again"]
     for file in ("model.onnx", "model.onnx.data", "export.json", "config.json"):
         assert (first / file).read_bytes() == (again / file).read_bytes()
 
@@ -81,9 +89,9 @@ def test_ranks_hold_disjoint_experts_that_together_are_the_model(rank_exports, t
                       if ".experts." in t.name}
         offsets = [next((a.i for a in n.attribute if a.name == "expert_offset"), 0) for n in model.graph.node
                    if n.op_type == "RoutedExperts"]
-        assert offsets == [4 * (name == "rank1")] * 2
+        assert offsets == [4 * (name == "rank1")] * 8
     unsplit = {name: p.detach().numpy() for name, p in tiny_model.named_parameters() if ".experts." in name}
-    assert len(held["rank0"]) == 6 and held["rank0"].keys() == held["rank1"].keys()
+    assert len(held["rank0"]) == 3 * 8 and held["rank0"].keys() == held["rank1"].keys()
     for name in held["rank0"]:
         together = np.concatenate([held["rank0"][name], held["rank1"][name]])
         np.testing.assert_array_equal(together, unsplit[name.removeprefix("model.")])
@@ -107,3 +115,41 @@ def test_rank_options_that_do_not_fit_are_refused(options, message, tmp_path, ca
     assert main(["export", "--preset", "k3-tiny", "--out", str(tmp_path / "x"), *options]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@torch.no_grad()
+def test_onnx_rank_grid_under_torchrun_equals_the_unsplit_model(rank_exports, tiny_model, tmp_path) -> None:
+    """Both ranks' graphs (ONNX Runtime pieces, gloo sums) generate greedily from a ragged prompt: the
+    same tokens on both ranks, the unsplit eager model's greedy tokens, and its logits when fed the
+    grid's tokens (float32, relative 1e-5)."""
+    sys.path.insert(0, str(GRID_WORKER.parent))
+    from parallel_grid_worker import PROMPT_LENGTHS, prompts
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(GRID_WORKER),
+                           str(rank_exports["rank0"].parent), str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [np.load(tmp_path / f"rank-{r}.npz") for r in range(2)]
+    assert ranks[0]["pieces"] == 19  # cut at the 18 sums
+    np.testing.assert_array_equal(ranks[0]["tokens"], ranks[1]["tokens"])
+    grid_tokens, grid_logits = ranks[0]["tokens"], ranks[0]["logits"]
+
+    # The eager model, fed the same prompt and then the grid's tokens; its own greedy choice each step.
+    ids, lengths = torch.from_numpy(prompts(256)), torch.tensor(PROMPT_LENGTHS)
+    cache = tiny_model.empty_cache(2, 16)
+    for step in range(grid_tokens.shape[1]):
+        logits, cache = tiny_model(ids, cache, lengths, last_logits=True)
+        expected = logits.numpy()
+        assert rel_error(torch.from_numpy(grid_logits[step]), logits) <= 1e-5
+        top2 = np.sort(expected, -1)[:, -2:]
+        decided = top2[:, 1] - top2[:, 0] > 1e-4  # rows without a near-tie
+        assert decided.any()
+        np.testing.assert_array_equal(grid_tokens[decided, step], expected.argmax(-1)[decided])
+        ids, lengths = torch.from_numpy(grid_tokens[:, step:step + 1]), torch.ones(2, dtype=torch.int64)
