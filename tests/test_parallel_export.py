@@ -7,6 +7,7 @@ graphs under torchrun, each in ONNX Runtime pieces between torch.distributed sum
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import socket
 import subprocess
@@ -153,3 +154,37 @@ def test_onnx_rank_grid_under_torchrun_equals_the_unsplit_model(rank_exports, ti
         assert decided.any()
         np.testing.assert_array_equal(grid_tokens[decided, step], expected.argmax(-1)[decided])
         ids, lengths = torch.from_numpy(grid_tokens[:, step:step + 1]), torch.ones(2, dtype=torch.int64)
+
+
+CENSUS_SCRIPT = """
+import json, sys
+from pathlib import Path
+import k3plugins.trt
+from k3export.engine import build
+trt = build.load_tensorrt_rtx()
+k3plugins.trt.register(trt)
+export_dir = Path(sys.argv[1])
+_builder, network, _parser = build.parse(export_dir / "model.onnx", trt, trt.Logger(trt.Logger.ERROR))
+collectives = []
+for i in range(network.num_layers):
+    layer = network.get_layer(i)
+    if layer.type == trt.LayerType.DIST_COLLECTIVE:
+        layer.__class__ = trt.IDistCollectiveLayer  # the network hands out plain ILayer objects
+        collectives.append(layer.num_ranks)
+limits = build.Limits(batch=2, seq=16)
+result = build.build_engine(export_dir, sys.argv[2], target="sm89", limits=limits, trt=trt)
+print(json.dumps({"num_ranks": collectives, "engine_bytes": result.bytes}))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx is not installed")
+@pytest.mark.parametrize("rank", ["rank0", "rank1"])
+def test_rtx_builds_each_rank_with_its_dist_collective_layers(rank_exports, rank, tmp_path) -> None:
+    """TensorRT-RTX parses a rank's graph into one DIST_COLLECTIVE layer per DistCollective node, each
+    over num_ranks = 2, and builds its engine for SM89 (no GPU: run time stays unproven)."""
+    proc = subprocess.run([sys.executable, "-c", CENSUS_SCRIPT, str(rank_exports[rank]), str(tmp_path / "e")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    census = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert census["num_ranks"] == [2] * len(collective_nodes(rank_exports[rank])) == [2] * 18
+    assert census["engine_bytes"] == (tmp_path / "e").stat().st_size > 0
