@@ -124,21 +124,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@torch.no_grad()
-def test_onnx_rank_grid_under_torchrun_equals_the_unsplit_model(rank_exports, tiny_model, tmp_path) -> None:
-    """Both ranks' graphs (ONNX Runtime pieces, gloo sums) generate greedily from a ragged prompt: the
-    same tokens on both ranks, the unsplit eager model's greedy tokens, and its logits when fed the
-    grid's tokens (float32, relative 1e-5)."""
+def run_grid(rank_exports, backend: str, new_tokens: int, out: Path) -> list:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(GRID_WORKER),
+                           str(rank_exports["rank0"].parent), str(out), backend, str(new_tokens)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [np.load(out / f"rank-{r}.npz") for r in range(2)]
+
+
+def check_against_eager(ranks: list, tiny_model) -> None:
+    """The same tokens on both ranks; the unsplit eager model's greedy tokens (where no near-tie) and its
+    logits when fed the grid's tokens (float32, relative 1e-5)."""
     sys.path.insert(0, str(GRID_WORKER.parent))
     from parallel_grid_worker import PROMPT_LENGTHS, prompts
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(GRID_WORKER),
-                           str(rank_exports["rank0"].parent), str(tmp_path)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [np.load(tmp_path / f"rank-{r}.npz") for r in range(2)]
-    assert ranks[0]["pieces"] == 19  # cut at the 18 sums
     np.testing.assert_array_equal(ranks[0]["tokens"], ranks[1]["tokens"])
     grid_tokens, grid_logits = ranks[0]["tokens"], ranks[0]["logits"]
 
@@ -154,6 +154,23 @@ def test_onnx_rank_grid_under_torchrun_equals_the_unsplit_model(rank_exports, ti
         assert decided.any()
         np.testing.assert_array_equal(grid_tokens[decided, step], expected.argmax(-1)[decided])
         ids, lengths = torch.from_numpy(grid_tokens[:, step:step + 1]), torch.ones(2, dtype=torch.int64)
+
+
+@torch.no_grad()
+def test_onnx_rank_grid_under_torchrun_equals_the_unsplit_model(rank_exports, tiny_model, tmp_path) -> None:
+    """Both ranks' graphs, as ONNX Runtime pieces with gloo sums between them, generate greedily from a
+    ragged prompt as the unsplit eager model does."""
+    ranks = run_grid(rank_exports, "onnx", 6, tmp_path)
+    assert ranks[0]["pieces"] == 19  # cut at the 18 sums
+    check_against_eager(ranks, tiny_model)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx is not installed")
+@torch.no_grad()
+def test_parsed_networks_of_the_ranks_evaluated_together(rank_exports, tiny_model, tmp_path) -> None:
+    """The TensorRT-RTX networks of both ranks, evaluated on CPU in two processes whose DIST_COLLECTIVE
+    layers sum over gloo: the unsplit eager model's tokens and logits (prefill and one decode step)."""
+    check_against_eager(run_grid(rank_exports, "network", 2, tmp_path), tiny_model)
 
 
 CENSUS_SCRIPT = """
