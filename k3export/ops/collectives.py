@@ -9,16 +9,17 @@ the node's nb_rank, and a check that the process group is the one the split was 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from k3export.errors import UserError
 
-_group: dist.ProcessGroup | None = None
+_group: Any = None  # a torch.distributed.ProcessGroup, or None: the default group
 
 
-def use_group(group: dist.ProcessGroup | None) -> None:
+def use_group(group: Any) -> None:
     """The process group `all_reduce` sums over from now on (None: the default group)."""
     global _group
     _group = group
@@ -27,6 +28,8 @@ def use_group(group: dist.ProcessGroup | None) -> None:
 @torch.library.custom_op("k3::all_reduce", mutates_args=())
 def all_reduce(x: Tensor, ranks: int) -> Tensor:
     """The sum of x over the `ranks` ranks of the process group (a new tensor)."""
+    import torch.distributed as dist  # here: importing it at load time warns in unrelated code
+
     total = x.clone()
     if ranks == 1:
         return total
