@@ -94,6 +94,36 @@ def test_wrong_process_count_and_single_process_run_are_refused(grid_build: Path
     assert "-m k3export.runtime.grid" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+@torch.no_grad()
+def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
+    """One stage over 4 ranks (k3-tiny with 4 KDA and 4 MLA heads: one head a rank, 2 experts a rank):
+    the grid's greedy tokens are the unsplit eager model's."""
+    from test_parallel import four_head_config
+
+    from k3export.model import K3ForCausalLM
+
+    config = four_head_config()
+    config.to_json(tmp_path / "config.json")
+    recipe = RECIPE.format(ranks=4).replace('preset = "k3-tiny"', 'config = "config.json"')
+    (tmp_path / "four.toml").write_text(recipe.replace("count = 2", "count = 1"))
+    build_recipe(load_recipe(tmp_path / "four.toml"), tmp_path / "build", log=lambda _: None)
+    proc = torchrun(4, "-m", "k3export.runtime.grid", str(tmp_path / "build"), "--batch", "2",
+                    "--prompt-len", "8", "--max-new-tokens", "4", "--seed", "3", "--json", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = K3ForCausalLM(config).eval()
+    model.init_weights(0)
+    cache = [model.empty_cache(2, 64)]
+
+    def eager(request):
+        logits, cache[0] = model(torch.from_numpy(request["input_ids"]), cache[0],
+                                 torch.from_numpy(request["input_lengths"]))
+        return {"logits": logits.numpy()}
+
+    expected = generate(eager, random_prompts(2, 8, 256, 3), 4, Sampler()).tokens
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == expected
+
+
 def test_recipe_ranks_that_do_not_divide_are_refused(tmp_path: Path) -> None:
     (tmp_path / "bad.toml").write_text(RECIPE.format(ranks=3))
     with pytest.raises(UserError, match=r"bad.toml: key 'parallel.ranks' = 3: expected a rank count that "

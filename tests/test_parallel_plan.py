@@ -4,6 +4,7 @@ heads split, MLA latent whole), the all-reduces with their bytes per token, and 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,15 @@ def test_published_model_on_two_hosts_of_eight(capsys) -> None:
         assert rank["fits_h200"]
         assert total / 16 < rank["weight_bytes"] < 1.2 * total / 16
         assert len(rank["collective_bytes_per_token"]) == 2 * (rank["layers"][1] - rank["layers"][0])
+
+
+def test_the_two_host_recipe_plans_its_ranks(capsys) -> None:
+    """engines/kimi-k3-2x8.toml ([parallel] ranks = 8) plans per GPU without --ranks."""
+    recipe = Path(__file__).parents[1] / "engines" / "kimi-k3-2x8.toml"
+    assert main(["plan", str(recipe), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parallel"]["ranks"] == 8 and len(plan["stages"]) == 2
+    assert all(rank["fits_h200"] for rank in plan["parallel"]["stages"])
 
 
 def test_ranks_that_do_not_divide_are_refused(capsys) -> None:
