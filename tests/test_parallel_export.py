@@ -102,8 +102,32 @@ def test_ranks_hold_disjoint_experts_that_together_are_the_model(rank_exports, t
 
 
 def test_unsplit_export_has_no_collectives(tiny_export) -> None:
+    """An unsplit graph has no DistCollective: the segment runtime runs it as one piece, as ONNX
+    Runtime runs the file."""
+    import onnxruntime as ort
+
+    from k3export.onnx.check import Signature
+    from k3export.runtime.segments import SegmentedGraph
+
     assert not collective_nodes(tiny_export)
-    assert "parallel" not in json.loads((tiny_export / "export.json").read_text())
+    manifest = json.loads((tiny_export / "export.json").read_text())
+    assert "parallel" not in manifest
+    graph = SegmentedGraph(tiny_export / "model.onnx")
+    assert len(graph.pieces) == 1
+    feed = {"input_ids": np.arange(6).reshape(2, 3), "cache_lengths": np.zeros(2, np.int64),
+            "input_lengths": np.array([3, 2]), **Signature(manifest).empty_caches(2)}
+    session = ort.InferenceSession(tiny_export / "model.onnx", providers=["CPUExecutionProvider"])
+    expected = dict(zip(graph.output_names, session.run(graph.output_names, feed), strict=True))
+    for name, value in graph(feed).items():
+        np.testing.assert_array_equal(value, expected[name])
+
+
+def test_a_rank_graph_outside_torchrun_is_refused(rank_exports) -> None:
+    from k3export.errors import UserError
+    from k3export.runtime.segments import SegmentedGraph
+
+    with pytest.raises(UserError, match=r"sums over nb_rank = 2 ranks, but this process group has 1"):
+        SegmentedGraph(rank_exports["rank1"] / "model.onnx")
 
 
 @pytest.mark.parametrize(("options", "message"), [
