@@ -139,15 +139,15 @@ def test_profiles_keep_the_capacity() -> None:
 
 
 @pytest.fixture(scope="module")
-def version2_export(tiny_export: Path, tmp_path_factory) -> Path:
-    """The export with every k3 node asking for plugin_version "2"."""
-    folder = tmp_path_factory.mktemp("engine") / "v2"
+def version9_export(tiny_export: Path, tmp_path_factory) -> Path:
+    """The export with every k3 node asking for plugin_version "9" (no plugin has it)."""
+    folder = tmp_path_factory.mktemp("engine") / "v9"
     shutil.copytree(tiny_export, folder)
     model = onnx.load(folder / "model.onnx", load_external_data=False)
     for node in model.graph.node:
         for attr in node.attribute:
             if node.domain == "k3" and attr.name == "plugin_version":
-                attr.s = b"2"
+                attr.s = b"9"
     onnx.save(model, folder / "model.onnx")
     return folder
 
@@ -342,15 +342,15 @@ def assert_parser_inlines(export_dir: Path, register: bool = True) -> None:
     assert "operator: NonZero" in error and "RoutedExperts" not in error and "KDA" not in error
 
 
-def test_wrong_plugin_version_is_refused(version2_export: Path) -> None:
-    error = run("strict", version2_export)["error"]
-    assert "asks for plugin k3::KDA version '2', which is not registered" in error
+def test_wrong_plugin_version_is_refused(version9_export: Path) -> None:
+    error = run("strict", version9_export)["error"]
+    assert "asks for plugin k3::KDA version '9', which is not registered" in error
     assert ("registered k3 plugins: k3::KDA v1, k3::LatentMLA v1, k3::RoutedExperts v1, "
             "k3::RoutedExperts v2, k3::RoutedExpertsMXFP4 v1, k3::RoutedExpertsMXFP4 v2") in error
 
     # What the check guards against: the parser inlines the functions without a word, and stops only
     # inside a RoutedExperts body (NonZero, which it lacks), naming neither the node nor its plugin.
-    assert_parser_inlines(version2_export)
+    assert_parser_inlines(version9_export)
 
 
 def test_unregistered_plugin_is_refused(tiny_export: Path) -> None:
