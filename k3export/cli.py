@@ -129,6 +129,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from k3export.artifacts import OutputDir
+    from k3export.model.parallel import check_rank, split_model
     from k3export.onnx.export import MANIFEST_FILE, export_model, parse_layers
     from k3export.progress import spinner
     from k3export.weights.checkpoint import build_model
@@ -137,6 +138,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     config = _config(args)
     dtype_name = args.dtype or config.torch_dtype
     layers = parse_layers(args.layers, config)
+    check_rank(config, args.rank, args.ranks)
     if args.no_weights:
         weights: dict = {"stripped": True}
     elif args.checkpoint:
@@ -158,7 +160,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                        "the trace's example caches, 2 sequences at that capacity, and their outputs")
     print(f"building the eager model: layers {layers.start}..{layers.stop - 1} of "
           f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
-    model = build_model(config, getattr(torch, dtype_name), weights, layers, log=print)
+    model = split_model(build_model(config, getattr(torch, dtype_name), weights, layers, log=print),
+                        args.rank, args.ranks)
     print(f"exporting to {out.path} (torch.export, then ONNX translation; minutes for large models)")
     with out.staged() as stage, spinner("export: torch.export, then the ONNX translation"):
         manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins,
@@ -382,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--taps", action="store_true",
                         help="add each layer's mixer and FFN outputs and AttnRes partial after it as outputs "
                         "taps.{layer}.{mixer,ffn,partial}, for `check --taps` to localise a divergence")
+    export.add_argument("--ranks", type=positive_int, default=1, metavar="N",
+                        help="split every layer over N GPUs (tensor-parallel heads, expert-parallel experts; "
+                             "k3export/model/parallel.py) and export one rank's graph, with DistCollective "
+                             "nodes")
+    export.add_argument("--rank", type=non_negative_int, default=0, metavar="R",
+                        help="the rank to export, 0 <= R < N")
     _add_quiet(export)
     export.set_defaults(run=cmd_export)
 

@@ -145,15 +145,15 @@ def test_profiles_keep_the_capacity() -> None:
 
 
 @pytest.fixture(scope="module")
-def version2_export(tiny_export: Path, tmp_path_factory) -> Path:
-    """The export with every k3 node asking for plugin_version "2"."""
-    folder = tmp_path_factory.mktemp("engine") / "v2"
+def version9_export(tiny_export: Path, tmp_path_factory) -> Path:
+    """The export with every k3 node asking for plugin_version "9" (no plugin has it)."""
+    folder = tmp_path_factory.mktemp("engine") / "v9"
     shutil.copytree(tiny_export, folder)
     model = onnx.load(folder / "model.onnx", load_external_data=False)
     for node in model.graph.node:
         for attr in node.attribute:
             if node.domain == "k3" and attr.name == "plugin_version":
-                attr.s = b"2"
+                attr.s = b"9"
     onnx.save(model, folder / "model.onnx")
     return folder
 
@@ -168,7 +168,7 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
     for layer in manifest["schedule"]:
         expected.append({"KDA": "k3::KDA v1", "MLA": "k3::LatentMLA v1"}[layer["mixer"]])
         if layer["ffn"] == "moe":
-            expected.append("k3::RoutedExperts v1")
+            expected.append("k3::RoutedExperts v2")
     assert plugins == expected
     assert summary["layer_types"]["PLUGIN_V3"] == len(k3_nodes(tiny_export))
     # A KDA function body would add a Scan's iterators, an inlined RoutedExperts function a Loop.
@@ -191,8 +191,9 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
     assert fields["KDA"] == [{}] * mixers.count("KDA")
     assert [f["v_dim"] for f in fields["LatentMLA"]] == [e["v_dim"] for e in expected]
     assert [f["scale"] for f in fields["LatentMLA"]] == pytest.approx([e["scale"] for e in expected])
-    betas = [{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
-              if a.name in ("situ_beta", "situ_linear_beta")}
+    # expert_offset: absent on an unsplit model's nodes, 0 by the field's default.
+    betas = [{**{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
+                 if a.name in ("situ_beta", "situ_linear_beta")}, "expert_offset": 0}
              for node in k3_nodes(tiny_export) if node.op_type == "RoutedExperts"]
     assert fields["RoutedExperts"] == betas and len(betas) == expected_moe_layers(manifest)
 
@@ -282,11 +283,11 @@ def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None
 
     manifest = json.loads((packed_export / "export.json").read_text())
     summary = run("strict", packed_export)
-    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v1")]
+    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v2")]
     assert len(moe) == expected_moe_layers(manifest) == 8
     assert not LOOP_LAYERS & set(summary["layer_types"]), "a RoutedExperts function body was inlined"
-    betas = {"situ_beta": 4.0, "situ_linear_beta": 25.0}
-    assert summary["plugin_fields"]["RoutedExpertsMXFP4"] == [betas] * 8
+    fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0, "expert_offset": 0}
+    assert summary["plugin_fields"]["RoutedExpertsMXFP4"] == [fields] * 8
 
     proc = subprocess.run([sys.executable, "-c", MOE_INPUTS_SCRIPT, str(packed_export / "model.onnx")],
                           capture_output=True, text=True, timeout=300)
@@ -347,15 +348,15 @@ def assert_parser_inlines(export_dir: Path, register: bool = True) -> None:
     assert "operator: NonZero" in error and "RoutedExperts" not in error and "KDA" not in error
 
 
-def test_wrong_plugin_version_is_refused(version2_export: Path) -> None:
-    error = run("strict", version2_export)["error"]
-    assert "asks for plugin k3::KDA version '2', which is not registered" in error
+def test_wrong_plugin_version_is_refused(version9_export: Path) -> None:
+    error = run("strict", version9_export)["error"]
+    assert "asks for plugin k3::KDA version '9', which is not registered" in error
     assert ("registered k3 plugins: k3::KDA v1, k3::LatentMLA v1, k3::RoutedExperts v1, "
-            "k3::RoutedExpertsMXFP4 v1") in error
+            "k3::RoutedExperts v2, k3::RoutedExpertsMXFP4 v1, k3::RoutedExpertsMXFP4 v2") in error
 
     # What the check guards against: the parser inlines the functions without a word, and stops only
     # inside a RoutedExperts body (NonZero, which it lacks), naming neither the node nor its plugin.
-    assert_parser_inlines(version2_export)
+    assert_parser_inlines(version9_export)
 
 
 def test_unregistered_plugin_is_refused(tiny_export: Path) -> None:

@@ -140,9 +140,31 @@ def test_routed_experts_mxfp4_dequantises_only_the_experts_used(monkeypatch):
     assert sorted(calls) == sorted([(I, L // 2), (I, L // 2), (L, I // 2)] * 2)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["float", "mxfp4"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_slices_with_offsets_sum_to_the_whole(packed, ranks):
+    """Expert parallelism's contract: rank r holds experts [rE/N, (r+1)E/N) with expert_offset rE/N and
+    the router's model-wide indices; its u has only the pairs routed to its experts, and the ranks' u
+    sum to the unsplit op's."""
+    gen = torch.Generator().manual_seed(6)
+    z = torch.randn(10, L, generator=gen, dtype=torch.float64)
+    experts, weights = routing("random", 10, gen)
+    if packed:
+        op, stacked = torch.ops.k3.routed_experts_mxfp4, packed_experts()
+    else:
+        op, stacked = torch.ops.k3.routed_experts, experts_weights(torch.float64)
+    whole = op(z, experts, weights, *stacked, BETA, LINEAR_BETA)
+    share = E // ranks
+    parts = [op(z, experts, weights, *(t[r * share:(r + 1) * share] for t in stacked), BETA, LINEAR_BETA,
+                r * share) for r in range(ranks)]
+    assert rel_error(sum(parts), whole) < 1e-12
+    # Rank 0's part: the unsplit op with the other ranks' pairs weighted 0.
+    mine = torch.where(experts < share, weights, 0.0)
+    torch.testing.assert_close(parts[0], op(z, experts, mine, *stacked, BETA, LINEAR_BETA))
+
+
 @pytest.mark.parametrize(("experts", "message"), [
-    (torch.tensor([[0, 8]]), "expert indices span 0..8"),
-    (torch.tensor([[-1, 2]]), "expert indices span -1..2"),
+    (torch.tensor([[-1, 2]]), "expert indices span -1..2; expected indices >= 0"),
     (torch.tensor([[0, 1, 2]]), "expected both"),
     (torch.tensor([[0, 1]], dtype=torch.int32), "torch.int64"),
 ])
@@ -179,16 +201,16 @@ class RoutedExpertsModule(torch.nn.Module):
     """The op on stacked experts held as parameters (export_onnx writes a module without any as a graph
     with its weights as inputs)."""
 
-    def __init__(self, tensors: tuple[Tensor, ...], packed: bool) -> None:
+    def __init__(self, tensors: tuple[Tensor, ...], packed: bool, expert_offset: int = 0) -> None:
         super().__init__()
-        self.packed = packed
+        self.packed, self.expert_offset = packed, expert_offset
         for i, t in enumerate(tensors):
             setattr(self, f"t{i}", torch.nn.Parameter(t, requires_grad=False))
 
     def forward(self, z: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         tensors = [getattr(self, f"t{i}") for i in range(6 if self.packed else 3)]
         op = torch.ops.k3.routed_experts_mxfp4 if self.packed else torch.ops.k3.routed_experts
-        return op(z, experts, weights, *tensors, BETA, LINEAR_BETA)
+        return op(z, experts, weights, *tensors, BETA, LINEAR_BETA, self.expert_offset)
 
 
 def onnx_tensors(packed: bool, dtype: torch.dtype) -> tuple[Tensor, ...]:
@@ -213,6 +235,51 @@ def onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, to
     return models
 
 
+def rank_module(packed: bool) -> RoutedExpertsModule:
+    """Experts 4 .. 7 of 8, as rank 1 of 2 holds them (expert_offset 4)."""
+    return RoutedExpertsModule(tuple(t[E // 2:] for t in onnx_tensors(packed, torch.float32)), packed, E // 2)
+
+
+@pytest.fixture(scope="module")
+def rank_onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    """The op on a rank's half of the experts, plain and packed."""
+    from k3export.onnx import export_onnx
+
+    folder = tmp_path_factory.mktemp("moe_rank_onnx")
+    gen = torch.Generator().manual_seed(0)
+    experts, weights = routing("random", 5, gen)
+    models = {}
+    for packed in (False, True):
+        models[packed] = folder / f"moe_rank_{packed}.onnx"
+        export_onnx(rank_module(packed).eval(), (torch.randn(5, L, generator=gen), experts, weights),
+                    models[packed],
+                    dynamic_shapes=({0: "tokens"}, {0: "tokens", 1: "top_k"}, {0: "tokens", 1: "top_k"}))
+    return models
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(("case", "N"), [("random", 7), ("unused_experts", 9), ("top1", 1)])
+def test_onnx_function_of_a_rank_of_experts_matches_eager(rank_onnx_models, packed, case, N):
+    """A rank's node (expert_offset 4, plugin version 2) runs only the pairs routed to experts 4 .. 7."""
+    import onnxruntime as ort
+
+    model = onnx.load(rank_onnx_models[packed])
+    onnx.checker.check_model(model, full_check=True)
+    (node,) = [n for n in model.graph.node if n.domain == "k3"]
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attributes["expert_offset"] == E // 2 and attributes["plugin_version"] == b"2"
+    gen = torch.Generator().manual_seed(N)
+    z = torch.randn(N, L, generator=gen)
+    experts, weights = routing(case, N, gen)
+    session = ort.InferenceSession(rank_onnx_models[packed], providers=["CPUExecutionProvider"])
+    (u,) = session.run(None, {"z": z.numpy(), "experts": experts.numpy(), "weights": weights.numpy()})
+    expected = rank_module(packed)(z, experts, weights)
+    if not (experts >= E // 2).any():
+        assert not expected.any() and not u.any()
+    else:
+        assert rel_error(torch.from_numpy(u), expected) < 1e-6
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_one_routed_experts_node_and_its_function(onnx_models, packed):
     path = onnx_models[packed, torch.float32]
@@ -222,7 +289,7 @@ def test_one_routed_experts_node_and_its_function(onnx_models, packed):
     (node,) = [n for n in model.graph.node if n.domain == "k3"]
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert node.op_type == op_type
-    assert attributes == {"plugin_namespace": b"k3", "plugin_version": b"1",
+    assert attributes == {"plugin_namespace": b"k3", "plugin_version": b"2",
                           "situ_beta": BETA, "situ_linear_beta": LINEAR_BETA}
     assert [(f.domain, f.name) for f in model.functions] == [("k3", op_type)]
     # The packed experts stay packed in the file, as int32 words: no float copy of them anywhere.

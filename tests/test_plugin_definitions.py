@@ -6,10 +6,18 @@ import os
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from k3plugins.aot import SM90_MAX_SHARED_BYTES, compile_variant, kernel_stats
-from k3plugins.definitions import DEFINITIONS, KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
+from k3plugins.definitions import (
+    DEFINITIONS,
+    KDA,
+    LATENT_MLA,
+    ROUTED_EXPERTS,
+    ROUTED_EXPERTS_MXFP4,
+    ROUTED_EXPERTS_V1,
+)
 from k3plugins.trt_aot import (
     kda_aot_kernel,
     kda_aot_launch,
@@ -28,9 +36,10 @@ KDA_DIMS = [[2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3
 
 
 def test_lookup_keys_match_the_export() -> None:
+    # The routed experts are at version 2 (expert_offset); version 1 stays for older exports and engines.
     assert [(d.name, d.namespace, d.version) for d in DEFINITIONS] == [
-        ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("RoutedExperts", "k3", "1"),
-        ("RoutedExpertsMXFP4", "k3", "1")]
+        ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("RoutedExperts", "k3", "2"),
+        ("RoutedExpertsMXFP4", "k3", "2"), ("RoutedExperts", "k3", "1"), ("RoutedExpertsMXFP4", "k3", "1")]
 
 
 def test_output_shapes() -> None:
@@ -82,8 +91,12 @@ def test_routed_experts_definitions() -> None:
     assert ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", *["int32"] * 6, "float32"])
     assert not ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", "uint8"])
     assert not ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", "float16"])
+    # Version 2's expert_offset (expert parallelism) is 0 on a node without it, as in version 1.
     fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0}
-    assert ROUTED_EXPERTS_MXFP4.parse_fields(fields) == fields
+    assert ROUTED_EXPERTS_MXFP4.parse_fields(fields) == {**fields, "expert_offset": 0}
+    assert ROUTED_EXPERTS.parse_fields({**fields, "expert_offset": np.array([448])})["expert_offset"] == 448
+    assert ROUTED_EXPERTS.version == "2" and ROUTED_EXPERTS_V1.version == "1"
+    assert ROUTED_EXPERTS_V1.fields == ROUTED_EXPERTS.fields
     assert ROUTED_EXPERTS.aliased_input(0) == -1
 
 

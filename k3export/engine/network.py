@@ -401,6 +401,14 @@ def _fill(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
     return [torch.as_tensor(value).to(torch_dtype(layer.to_type))]
 
 
+def _dist_collective(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
+    """A sum over the layer's num_ranks ranks (torch.ops.k3.all_reduce): the parsed networks of a
+    stage's ranks are evaluated together, one process each under torchrun (one rank's network alone
+    cannot be). The only collective the exports write is all_reduce (sum); TensorRT's Python API
+    gives the layer's rank count but not its operation."""
+    return [torch.ops.k3.all_reduce(x[0], layer.num_ranks)]
+
+
 # LayerType name -> (the layer class to down-cast to, its evaluation)
 LAYERS: dict[str, tuple[str, Callable[[ParsedNetwork, Any, list[Tensor]], list[Tensor]]]] = {
     "ACTIVATION": ("IActivationLayer", _activation),
@@ -408,6 +416,7 @@ LAYERS: dict[str, tuple[str, Callable[[ParsedNetwork, Any, list[Tensor]], list[T
     "CONCATENATION": ("IConcatenationLayer", _concatenation),
     "CONSTANT": ("IConstantLayer", _constant),
     "CONVOLUTION": ("IConvolutionLayer", _convolution),
+    "DIST_COLLECTIVE": ("IDistCollectiveLayer", _dist_collective),
     "ELEMENTWISE": ("IElementWiseLayer", _elementwise),
     "FILL": ("IFillLayer", _fill),
     "GATHER": ("IGatherLayer", _gather),

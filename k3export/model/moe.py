@@ -55,6 +55,9 @@ class RoutedExperts(nn.Module):
         E, I, L = config.num_experts, config.moe_intermediate_size, config.routed_expert_hidden_size
         self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
         self.packed = False
+        # The model index of the first expert held: nonzero only on an expert-parallel rank, which
+        # holds a slice of the experts (k3export/model/parallel.py).
+        self.expert_offset = 0
         self.w1 = nn.Parameter(torch.empty(E, I, L, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(E, I, L, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(E, L, I, dtype=dtype))
@@ -80,9 +83,9 @@ class RoutedExperts(nn.Module):
         if self.packed:
             return torch.ops.k3.routed_experts_mxfp4(
                 z, experts, weights, self.w1_packed, self.w1_scale, self.w3_packed, self.w3_scale,
-                self.w2_packed, self.w2_scale, self.beta, self.linear_beta)
+                self.w2_packed, self.w2_scale, self.beta, self.linear_beta, self.expert_offset)
         return torch.ops.k3.routed_experts(z, experts, weights, self.w1, self.w3, self.w2, self.beta,
-                                           self.linear_beta)
+                                           self.linear_beta, self.expert_offset)
 
 
 class LatentMoE(nn.Module):

@@ -41,6 +41,7 @@ from k3export.model import K3ForCausalLM, KDACache, MLACache
 from k3export.model.accounting import moe_cost_note
 from k3export.model.cache import LayerCache
 from k3export.model.k3 import last_positions
+from k3export.onnx.collectives import parallel_record
 from k3export.onnx.functions import DOMAIN
 from k3export.onnx.ops import export_onnx
 from k3export.onnx.taps import MEANINGS as TAP_MEANINGS
@@ -244,7 +245,8 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
                     opset_version=OPSET, input_names=[s.name for s in inputs],
                     output_names=[s.name for s in outputs], aot_plugins=aot_plugins)
     graph = onnx.load(out_dir / GRAPH_FILE, load_external_data=False)
-    config.to_json(out_dir / "config.json")
+    split = getattr(model, "tensor_parallel", None)  # a rank of k3export.model.parallel.split_model
+    (split.config if split else config).to_json(out_dir / "config.json")
     manifest = {
         "graph": GRAPH_FILE,
         "dtype": _dtype_name(dtype),
@@ -271,5 +273,7 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
         manifest["taps"] = {"names": "taps.{layer}.{sublayer}", "sublayers": list(TAP_SUBLAYERS),
                             "meaning": {s: m.format(i="{layer}") for s, m in TAP_MEANINGS.items()},
                             "valid": "each row's first input_lengths[b] positions along seq"}
+    if split:  # absent for an unsplit model, so that its manifest is what it always was
+        manifest["parallel"] = parallel_record(split, graph, layers, dtype)
     write_atomic(out_dir / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest

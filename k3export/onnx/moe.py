@@ -35,6 +35,11 @@ from k3export.ops import mxfp4
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 _PROJECTIONS = ("w1", "w3", "w2")
+# Version 2 added expert_offset (k3export/model/parallel.py): a node holds experts expert_offset .. of the
+# model's, `experts` keeps the model's indices, and pairs routed elsewhere contribute nothing. Absent
+# (an unsplit model) it is 0, which is version 1's contract.
+PLUGIN_VERSION = "2"
+OFFSET_ATTRIBUTE = "expert_offset"
 
 
 def _schema(name: str, weights: list[tuple[str, str]], weight_types: list[str]) -> OpSchema:
@@ -50,7 +55,10 @@ def _schema(name: str, weights: list[tuple[str, str]], weight_types: list[str]) 
                     OpSchema.Attribute(AOT_ATTRIBUTE, OpSchema.AttrType.INT, "1: TensorRT's AOT plugin form",
                                        required=False),
                     OpSchema.Attribute("situ_beta", OpSchema.AttrType.FLOAT, "SiTU gate clamp"),
-                    OpSchema.Attribute("situ_linear_beta", OpSchema.AttrType.FLOAT, "SiTU linear clamp")],
+                    OpSchema.Attribute("situ_linear_beta", OpSchema.AttrType.FLOAT, "SiTU linear clamp"),
+                    OpSchema.Attribute(OFFSET_ATTRIBUTE, OpSchema.AttrType.INT,
+                                       "model index of the first expert held (expert parallelism)",
+                                       required=False)],
     )
 
 
@@ -64,20 +72,26 @@ _ROUTED_EXPERTS = values.Op(_K3, "RoutedExperts", ROUTED_EXPERTS_SCHEMA)
 _ROUTED_EXPERTS_MXFP4 = values.Op(_K3, "RoutedExpertsMXFP4", ROUTED_EXPERTS_MXFP4_SCHEMA)
 
 
-def moe_translation_table(plugin_namespace: str, plugin_version: str) -> dict[Callable, Callable]:
-    """The entries of onnx/ops.py's TRANSLATION_TABLE for the two routed-experts ops."""
-    plugin = {"plugin_namespace": plugin_namespace, "plugin_version": plugin_version}
+def moe_translation_table(plugin_namespace: str) -> dict[Callable, Callable]:
+    """The entries of onnx/ops.py's TRANSLATION_TABLE for the two routed-experts ops. expert_offset is
+    written only where it is not 0 (an expert-parallel rank), so an unsplit model's nodes are as before."""
+    plugin = {"plugin_namespace": plugin_namespace, "plugin_version": PLUGIN_VERSION}
 
-    # Annotated so that the exporter passes the betas as attributes, not as tensors.
-    def routed_experts(z, experts, weights, w1, w3, w2, situ_beta: float, situ_linear_beta: float):
-        return _ROUTED_EXPERTS(z, experts, weights, w1, w3, w2, situ_beta=situ_beta,
-                               situ_linear_beta=situ_linear_beta, **plugin)
+    def attributes(situ_beta: float, situ_linear_beta: float, expert_offset: int) -> dict:
+        offset = {OFFSET_ATTRIBUTE: expert_offset} if expert_offset else {}
+        return {"situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta, **offset, **plugin}
+
+    # Annotated so that the exporter passes the betas and the offset as attributes, not as tensors.
+    def routed_experts(z, experts, weights, w1, w3, w2, situ_beta: float, situ_linear_beta: float,
+                       expert_offset: int = 0):
+        return _ROUTED_EXPERTS(z, experts, weights, w1, w3, w2,
+                               **attributes(situ_beta, situ_linear_beta, expert_offset))
 
     def routed_experts_mxfp4(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
-                             w2_scale, situ_beta: float, situ_linear_beta: float):
+                             w2_scale, situ_beta: float, situ_linear_beta: float, expert_offset: int = 0):
         return _ROUTED_EXPERTS_MXFP4(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale,
-                                     w2_packed, w2_scale, situ_beta=situ_beta,
-                                     situ_linear_beta=situ_linear_beta, **plugin)
+                                     w2_packed, w2_scale,
+                                     **attributes(situ_beta, situ_linear_beta, expert_offset))
 
     return {torch.ops.k3.routed_experts.default: routed_experts,
             torch.ops.k3.routed_experts_mxfp4.default: routed_experts_mxfp4}
@@ -85,6 +99,18 @@ def moe_translation_table(plugin_namespace: str, plugin_version: str) -> dict[Ca
 
 def _ints(name: str, value: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value_ints=value)
+
+
+def _int64(name: str, value: int) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value_int=value)
+
+
+def _attribute_int(name: str, attribute: str) -> onnx.NodeProto:
+    """A scalar int64 Constant holding the calling node's `attribute` (its default when absent)."""
+    node = helper.make_node("Constant", [], [name])
+    node.attribute.append(onnx.AttributeProto(name="value_int", type=onnx.AttributeProto.INT,
+                                              ref_attr_name=attribute))
+    return node
 
 
 def _attribute_float(name: str, attribute: str) -> onnx.NodeProto:
@@ -171,7 +197,7 @@ def _expert_body(packed: bool) -> onnx.GraphProto:
         helper.make_node("Gather", ["used", "i"], ["e"], axis=0),
         # Each token's routing weight for e [N, 1] (0 for tokens that did not choose it; summed should a
         # token choose e twice).
-        helper.make_node("Equal", ["experts", "e"], ["chosen"]),
+        helper.make_node("Equal", ["local_experts", "e"], ["chosen"]),
         helper.make_node("Cast", ["chosen"], ["chosen_f"], to=TensorProto.FLOAT),
         helper.make_node("Mul", ["weights_f", "chosen_f"], ["chosen_weights"]),
         helper.make_node("ReduceSum", ["chosen_weights", "one_axis"], ["token_weights"], keepdims=1),
@@ -222,16 +248,29 @@ def _function(packed: bool, opset_version: int) -> onnx.FunctionProto:
         _ints("zero_axis", [0]),
         _ints("one_axis", [1]),
         _ints("flat_shape", [-1]),
-        # The used experts: a [E] presence vector (ScatterElements of ones; duplicates write the same
-        # value), then the indices of its U ones (TopK with K = U).
-        helper.make_node("Reshape", ["experts", "flat_shape"], ["flat_experts"]),
+        _int64("zero_index", 0),
+        _int64("one_index", 1),
+        # The held experts' local indices (experts - expert_offset); pairs routed to experts held
+        # elsewhere (expert parallelism) get E, a spill slot past the E held, which no expert matches.
+        _attribute_int("expert_offset", OFFSET_ATTRIBUTE),
         helper.make_node("Shape", [weights[0]], ["num_experts"], start=0, end=1),
-        helper.make_node("ConstantOfShape", ["num_experts"], ["absent"],
+        helper.make_node("Sub", ["experts", "expert_offset"], ["shifted"]),
+        helper.make_node("Less", ["shifted", "num_experts"], ["below_end"]),
+        helper.make_node("GreaterOrEqual", ["shifted", "zero_index"], ["from_start"]),
+        helper.make_node("And", ["below_end", "from_start"], ["held"]),
+        helper.make_node("Where", ["held", "shifted", "num_experts"], ["local_experts"]),
+        # The used experts: a [E + 1] presence vector (ScatterElements of ones; duplicates write the
+        # same value), its first E entries, then the indices of their U ones (TopK with K = U).
+        helper.make_node("Reshape", ["local_experts", "flat_shape"], ["flat_experts"]),
+        helper.make_node("Add", ["num_experts", "one_index"], ["num_slots_held"]),
+        helper.make_node("ConstantOfShape", ["num_slots_held"], ["absent"],
                          value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])),
         helper.make_node("Shape", ["flat_experts"], ["num_slots"]),
         helper.make_node("ConstantOfShape", ["num_slots"], ["ones"],
                          value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])),
-        helper.make_node("ScatterElements", ["absent", "flat_experts", "ones"], ["present"], axis=0),
+        helper.make_node("ScatterElements", ["absent", "flat_experts", "ones"], ["present_or_spilled"],
+                         axis=0),
+        helper.make_node("Slice", ["present_or_spilled", "zero_axis", "num_experts"], ["present"]),
         helper.make_node("ReduceSum", ["present"], ["num_used_f"], keepdims=1),
         helper.make_node("Cast", ["num_used_f"], ["num_used_1d"], to=TensorProto.INT64),
         helper.make_node("TopK", ["present", "num_used_1d"], ["used_values", "used"], axis=0),
@@ -247,11 +286,13 @@ def _function(packed: bool, opset_version: int) -> onnx.FunctionProto:
     return helper.make_function(
         DOMAIN, name, ["z", "experts", "weights", *weights], ["u"], nodes,
         [helper.make_opsetid("", opset_version)],
-        attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE, "situ_beta", "situ_linear_beta"])
+        attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE, "situ_beta", "situ_linear_beta"],
+        attribute_protos=[helper.make_attribute(OFFSET_ATTRIBUTE, 0)])
 
 
 def routed_experts_function(opset_version: int) -> onnx.FunctionProto:
-    """`k3.RoutedExperts(z, experts, weights, w1, w3, w2) -> u` (attributes situ_beta, situ_linear_beta)."""
+    """`k3.RoutedExperts(z, experts, weights, w1, w3, w2) -> u` (attributes situ_beta, situ_linear_beta,
+    optional expert_offset)."""
     return _function(False, opset_version)
 
 

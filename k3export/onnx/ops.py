@@ -28,6 +28,7 @@ from torch.onnx._internal.exporter import _fx_passes
 from torch.onnx._internal.fx.passes import type_promotion
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3export.onnx.collectives import collective_translation_table
 from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, k3_functions
 from k3export.onnx.moe import moe_translation_table, packed_experts_as_words
 
@@ -109,7 +110,8 @@ TRANSLATION_TABLE: dict[Callable, Callable] = {
     torch.ops.k3.tensor_scatter.default: _tensor_scatter,
     torch.ops.aten.sort.stable: _stable_sort,
     torch.ops.aten.to.dtype: _to_dtype,
-    **moe_translation_table(PLUGIN_NAMESPACE, PLUGIN_VERSION),
+    **moe_translation_table(PLUGIN_NAMESPACE),
+    **collective_translation_table(),
 }
 
 

@@ -66,6 +66,12 @@ def stage_exports(build_dir: str | Path) -> list[Path]:
         raise UserError(f"{build_dir}: stage {missing[0]} is not built (built with --stage?); build it first")
     if manifest.get("settings", {}).get("no_weights"):
         raise UserError(f"{build_dir}: built with --no-weights; there are no numbers to run")
+    split = next((s for s in manifest["stages"] if s.get("ranks")), None)
+    if split:
+        ranks = len(split["ranks"])
+        raise UserError(f"{build_dir}: every stage is split over {ranks} ranks ([parallel] ranks); run it "
+                        f"with torchrun --nproc-per-node {ranks * len(manifest['stages'])} "
+                        "-m k3export.runtime.grid DIR")
     return [build_dir / s["folder"] for s in manifest["stages"]]
 
 

@@ -314,7 +314,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = make_plan(config, args.stages, model=args.preset, dtype=args.dtype or config.torch_dtype,
                          packed_experts=args.packed_experts, context=args.context, batch=args.batch,
                          prefill_tokens=args.prefill_tokens, link_gb_per_s=args.link_gb_per_s)
-    print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
+    ranks = args.ranks if args.ranks is not None else load_recipe(args.recipe).ranks if args.recipe else 1
+    if ranks == 1:
+        print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
+        return 0
+    from k3export.shards.parallel_plan import format_rank_plan, rank_plan_json, rank_stages
+
+    stages = rank_stages(plan, ranks, args.collective_gb_per_s)
+    if args.json:
+        print(json.dumps({**plan.to_json(), "parallel": rank_plan_json(stages, args.collective_gb_per_s)},
+                         indent=2))
+    else:
+        print(format_plan(plan) + "\n\n" + format_rank_plan(stages, args.collective_gb_per_s))
     return 0
 
 
@@ -334,5 +345,11 @@ def add_parser(sub: Any) -> None:
                       help="batch x seq of the largest prefill, for the activation estimate (with --preset)")
     plan.add_argument("--link-gb-per-s", type=positive_real, default=LINK_GB_PER_S,
                       help="bandwidth between stages, GB/s (default: 400 Gb/s InfiniBand)")
+    plan.add_argument("--ranks", type=positive_int, metavar="N",
+                      help="GPUs per stage: every stage split over N (k3export/model/parallel.py); per GPU "
+                           "figures (default: the recipe's [parallel] ranks, else 1)")
+    plan.add_argument("--collective-gb-per-s", type=positive_real, default=450.0,
+                      help="bandwidth of the collectives within a stage, GB/s (default: NVLink 4, one "
+                           "direction)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(run=cmd_plan)

@@ -8,6 +8,8 @@
     [cache]     capacity = 256            tokens per sequence; batch = 2 sequences
     [profiles]  prefill = {batch = 2, seq = 64}, decode = {batch = 2}: each optimization profile
                 covers 1 up to these
+    [parallel]  ranks = 8                 optional: GPUs per stage, every stage split over them
+                                          (tensor-parallel heads, expert-parallel experts; default 1)
     [build]     backend = "tensorrt-rtx"  onnx | tensorrt-rtx | tensorrt; target = "sm89"
                 taps = false              true: every stage exports its layers' taps (export --taps),
                                           for `check --build DIR --taps`
@@ -27,6 +29,7 @@ from typing import Any
 
 from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
+from k3export.model.parallel import check_split
 
 BACKENDS = ("onnx", "tensorrt-rtx", "tensorrt")
 EXPERT_FORMATS = ("as-stored", "mxfp4-packed")
@@ -41,6 +44,7 @@ _KEYS: dict[str, set[str]] = {
     "cache": {"capacity", "batch"},
     "profiles": {"prefill", "decode"},
     "build": {"backend", "target", "taps"},
+    "parallel": {"ranks"},
 }
 
 
@@ -66,6 +70,7 @@ class Recipe:
     backend: str
     target: str | None
     taps: bool = False  # stage exports carry taps.{layer}.* outputs (global layer indices)
+    ranks: int = 1  # GPUs per stage (k3export/model/parallel.py); 1: stages are not split
 
     @property
     def weights(self) -> dict[str, Any]:
@@ -223,6 +228,11 @@ def load_recipe(path: str | Path) -> Recipe:
     taps = r.get("build.taps")
     if taps is not None and not isinstance(taps, bool):
         raise r.fail("build.taps", "true or false")
+    ranks = r.integer("parallel.ranks") if r.get("parallel.ranks") is not None else 1
+    try:
+        check_split(config, ranks)
+    except UserError as e:
+        raise r.fail("parallel.ranks", f"a rank count that divides the model ({e})") from None
 
     return Recipe(path=path, sha256=hashlib.sha256(raw).hexdigest(), data=data, config=config,
                   preset=preset, config_path=config_path, seed=seed, checkpoint=checkpoint,
@@ -230,4 +240,4 @@ def load_recipe(path: str | Path) -> Recipe:
                   packed_experts=packed, stage_count=count, stage_ranges=ranges, capacity=capacity,
                   batch=batch, prefill_batch=profile_batches["profiles.prefill.batch"],
                   prefill_seq=prefill_seq, decode_batch=profile_batches["profiles.decode.batch"],
-                  backend=backend, target=target, taps=bool(taps))
+                  backend=backend, target=target, taps=bool(taps), ranks=ranks)

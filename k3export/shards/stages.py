@@ -25,6 +25,7 @@ import importlib.metadata
 import importlib.util
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 
 from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
 from k3export.errors import UserError
+from k3export.model.parallel import split_model
 from k3export.options import existing_file, non_negative_int
 from k3export.progress import track
 from k3export.shards.plan import Plan, plan_recipe
@@ -99,27 +101,29 @@ def _release_exporter_graph() -> None:
         from onnxscript.rewriter._matcher import SimplePatternMatcher
     except ImportError:  # another onnxscript: nothing known to clear
         return
-    for obj in gc.get_objects():
-        if isinstance(obj, SimplePatternMatcher):
-            for attr in ("_graph", "_match", "_current_node", "_tracer"):
-                if hasattr(obj, attr):
-                    setattr(obj, attr, None)
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op warns
+        warnings.simplefilter("ignore", FutureWarning)
+        matchers = [obj for obj in gc.get_objects() if isinstance(obj, SimplePatternMatcher)]
+    for obj in matchers:
+        for attr in ("_graph", "_match", "_current_node", "_tracer"):
+            if hasattr(obj, attr):
+                setattr(obj, attr, None)
     gc.collect()
 
 
-def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str, no_weights: bool,
-                 taps: bool, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    """Exports stage `index` (and builds its engine) into DIR/stage-{index}; returns its manifest entry."""
+def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path, backend: str,
+                  no_weights: bool, taps: bool, overwrite: bool,
+                  log: Callable[[str], None]) -> dict[str, Any]:
+    """Exports `layers` (rank `rank` of the recipe's ranks) into DIR/name and builds its engine; returns
+    what the manifest records of it."""
     from k3export.engine.build import Limits, build_engine
     from k3export.onnx.export import MANIFEST_FILE, export_model
 
-    stage = plan.stages[index]
-    layers, name = stage.layers, stage_folder(index)
     # Without weights the graph still takes the recipe's expert format (MXFP4 inputs when packed).
     weights = {"stripped": True, **({"packed_experts": True} if recipe.packed_experts else {})} \
         if no_weights else recipe.weights
-    started = time.perf_counter()
-    model = build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log)
+    model = split_model(build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log),
+                        rank, recipe.ranks)
     folder = OutputDir(out / name, MANIFEST_FILE, "build", overwrite=overwrite)
     result = None
     with folder.staged() as staged:
@@ -128,21 +132,41 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
         del model
         _release_exporter_graph()
         if backend == "tensorrt-rtx":
-            engine = staged / f"{name}.{recipe.target}.engine"
+            engine = staged / f"{name.replace('/', '.')}.{recipe.target}.engine"
             # One batch range serves both profiles; the cache capacity is the export's.
             limits = Limits(batch=max(recipe.prefill_batch, recipe.decode_batch), seq=recipe.prefill_seq)
             result = build_engine(staged, engine, target=recipe.target, limits=limits, manifest=export)
     files = {f"{name}/{f}": record for f, record in folder.manifest["files"].items()}
     files[f"{name}/{MANIFEST_FILE}"] = file_record(out / name / MANIFEST_FILE)
     return {
-        "index": index, "layers": [layers.start, layers.stop], "folder": name,
-        "graph": f"{name}/{export['graph']}",
+        "folder": name, "graph": f"{name}/{export['graph']}",
         "engine": f"{name}/{Path(result.engine).name}" if result else None,
         "inputs": export["inputs"], "outputs": export["outputs"], "dtype": export["dtype"],
-        "profiles": result.profiles if result else None,
-        "weight_bytes": stage.weight_bytes, "seconds": round(time.perf_counter() - started, 1),
-        "files": files,
+        "profiles": result.profiles if result else None, "files": files,
     }
+
+
+def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str, no_weights: bool,
+                 taps: bool, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    """Exports stage `index` (and builds its engine) into DIR/stage-{index}, or with [parallel] ranks = N
+    each rank into DIR/stage-{index}/rank-{r}, one after the other; returns its manifest entry."""
+    stage = plan.stages[index]
+    started = time.perf_counter()
+    if recipe.ranks == 1:
+        built = _build_export(recipe, stage.layers, stage_folder(index), 0, out, backend, no_weights, taps,
+                              overwrite, log)
+    else:
+        parts = [_build_export(recipe, stage.layers, f"{stage_folder(index)}/rank-{r}", r, out, backend,
+                               no_weights, taps, overwrite, log) for r in range(recipe.ranks)]
+        # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
+        places = ("folder", "graph", "engine", "profiles")
+        built = {**parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
+                 "ranks": [{"rank": r, "gpu": r, **{k: p[k] for k in places}} for r, p in enumerate(parts)],
+                 "files": {name: record for p in parts for name, record in p["files"].items()}}
+    files = built.pop("files")
+    return {"index": index, "layers": [stage.layers.start, stage.layers.stop], **built,
+            "weight_bytes": stage.weight_bytes, "seconds": round(time.perf_counter() - started, 1),
+            "files": files}
 
 
 def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None, no_weights: bool = False,
@@ -168,7 +192,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         raise UserError(f"--stage {bad[0]}: expected a stage of {recipe.path}, 0..{len(plan.stages) - 1}")
     out = Path(out)
     # A killed run leaves a stage's staging folder behind; it is ours, so clear it before the check.
-    for stale in out.glob("stage-*/.k3export-stage-*"):
+    for stale in [*out.glob("stage-*/.k3export-stage-*"), *out.glob("stage-*/rank-*/.k3export-stage-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
     settings = _settings(recipe, backend, no_weights, taps)

@@ -13,6 +13,7 @@ plugin one buffer for both, and the launch must be safe in place (KDA's state is
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ class Field:
 
     name: str
     type: type  # int or float
+    default: int | float | None = None  # the value when the node does not carry it (None: required)
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,11 @@ class PluginDefinition:
 
     def parse_fields(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """The fields from what a builder passed (scalars or one-element arrays), each checked."""
-        missing = [f.name for f in self.fields if f.name not in values]
+        missing = [f.name for f in self.fields if f.name not in values and f.default is None]
         if missing:
             raise ValueError(f"{self.namespace}::{self.name} v{self.version}: missing fields {missing}; "
                              f"the ONNX node must carry them as attributes")
-        return {f.name: f.type(_scalar(values[f.name])) for f in self.fields}
+        return {f.name: f.type(_scalar(values.get(f.name, f.default))) for f in self.fields}
 
 
 def _scalar(value: Any) -> Any:
@@ -150,7 +152,7 @@ def _launch_routed_experts(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
                            fields: Mapping[str, Any]) -> None:
     # The MXFP4 form has the same leading inputs and fields, then six packed tensors, not three.
     launch = routed_experts if len(inputs) == 6 else routed_experts_mxfp4
-    launch(*inputs, fields["situ_beta"], fields["situ_linear_beta"], out=outputs[0])
+    launch(*inputs, fields["situ_beta"], fields["situ_linear_beta"], fields["expert_offset"], out=outputs[0])
 
 
 def _mxfp4_bytes(inputs: Sequence[Tensor]) -> list[Tensor]:
@@ -170,10 +172,12 @@ def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[st
                     reference_inputs: Callable[[Sequence[Tensor]], list[Tensor]] | None = None
                     ) -> PluginDefinition:
     """k3.RoutedExperts / k3.RoutedExpertsMXFP4 (k3export/onnx/moe.py): z [N, L] in the model dtype,
-    experts [N, k] int64, weights [N, k] float32, the experts' tensors; u [N, L] float32."""
+    experts [N, k] int64 (the model's expert indices), weights [N, k] float32, the tensors of the E
+    experts held (model experts expert_offset .. expert_offset + E - 1; pairs routed to others add
+    nothing); u [N, L] float32. Version 2: version 1 had no expert_offset (it is 0 there)."""
     return PluginDefinition(
         name=name,
-        fields=(Field("situ_beta", float), Field("situ_linear_beta", float)),
+        fields=(Field("situ_beta", float), Field("situ_linear_beta", float), Field("expert_offset", int, 0)),
         inputs=(TensorArg("z", "T"), TensorArg("experts", "TI"), TensorArg("weights", "TR"),
                 *(TensorArg(w, "TW") for w in weights)),
         outputs=(TensorArg("u", "TU"),),
@@ -181,6 +185,7 @@ def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[st
         output_shapes=lambda dims, fields, constant: [list(dims[0])],
         launch=_launch_routed_experts,
         reference_inputs=reference_inputs,
+        version="2",
     )
 
 
@@ -192,4 +197,9 @@ ROUTED_EXPERTS_MXFP4 = _routed_experts(
     "RoutedExpertsMXFP4", tuple(f"{w}_{part}" for w in ("w1", "w3", "w2") for part in ("packed", "scale")),
     ("int32",), _mxfp4_bytes)
 
-DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4)
+# Exports and engines made before expert parallelism name version 1: the same plugins (offset 0).
+ROUTED_EXPERTS_V1, ROUTED_EXPERTS_MXFP4_V1 = (dataclasses.replace(d, version="1")
+                                              for d in (ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4))
+
+DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4,
+                                             ROUTED_EXPERTS_V1, ROUTED_EXPERTS_MXFP4_V1)

@@ -199,23 +199,31 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
-def align(experts: Tensor, num_experts: int, block_m: int) -> Alignment:
+def align(experts: Tensor, num_experts: int, block_m: int, expert_offset: int = 0) -> Alignment:
     """The (token, slot) pairs grouped by expert (stable: token order within an expert), each
-    expert's run padded to a multiple of block_m. Pure device work, sized from the shapes alone."""
-    flat = experts.flatten()
+    expert's run padded to a multiple of block_m. Pure device work, sized from the shapes alone.
+
+    The experts held are the model's expert_offset .. expert_offset + num_experts - 1 (block_experts
+    are local indices); pairs routed to other experts go to a spill group past them that gets no block."""
+    local = experts.flatten() - expert_offset
+    flat = torch.where((local >= 0) & (local < num_experts), local, num_experts)
     num_pairs = flat.numel()
     blocks_bound = max_blocks(num_pairs, num_experts, block_m)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    blocks = (counts + block_m - 1) // block_m
+    blocks = (counts[:num_experts] + block_m - 1) // block_m
     block_end = torch.cumsum(blocks, 0)
-    first_pair = torch.cumsum(counts, 0) - counts  # each expert's first position in `order`
+    first_pair = torch.cumsum(counts, 0) - counts  # each group's first position in `order`
     sorted_experts = flat[order]
     rank = torch.arange(num_pairs, device=flat.device) - first_pair[sorted_experts]
-    slots = (block_end - blocks)[sorted_experts] * block_m + rank
-    pair_ids = torch.full((blocks_bound * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    # The spilled pairs' slots lie past the blocks, in room that is cut off below.
+    block_start = torch.cat([block_end - blocks, block_end.new_full((1,), blocks_bound)])
+    slots = block_start[sorted_experts] * block_m + rank
+    pair_ids = torch.full((blocks_bound * block_m + num_pairs,), num_pairs, dtype=torch.int32,
+                          device=flat.device)
     pair_ids[slots] = order.to(torch.int32)
+    pair_ids = pair_ids[:blocks_bound * block_m]
     block_index = torch.arange(blocks_bound, device=flat.device)
     block_experts = torch.searchsorted(block_end, block_index, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1).to(torch.int32)
@@ -227,7 +235,7 @@ Weight = tuple[Tensor, Tensor | None]  # (weight, None) or (packed, scale)
 
 def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3: Weight, w2: Weight,
                      num_experts: int, intermediate: int, beta: float, linear_beta: float,
-                     out: Tensor | None, tiles: Tiles | None) -> Tensor:
+                     expert_offset: int, out: Tensor | None, tiles: Tiles | None) -> Tensor:
     N, L = z.shape
     if experts.dim() != 2 or experts.shape[0] != N or weights.shape != experts.shape:
         raise ValueError(f"routed_experts: experts {list(experts.shape)} and weights "
@@ -247,7 +255,7 @@ def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3
     # whole here, which keeps the compiled variants one per activation dtype.
     w1, w3, w2 = ((w.contiguous(), s.contiguous()) if packed else (w.to(z.dtype).contiguous(), None)
                   for w, s in (w1, w3, w2))
-    pair_ids, block_experts = align(experts, num_experts, tiles.block_m)
+    pair_ids, block_experts = align(experts, num_experts, tiles.block_m, expert_offset)
     routing = weights.to(torch.float32).contiguous()
     h = z.new_empty(num_pairs, intermediate)
     blocks = block_experts.numel()
@@ -262,15 +270,16 @@ def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3
 
 
 def routed_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                   situ_beta: float, situ_linear_beta: float, out: Tensor | None = None,
-                   tiles: Tiles | None = None) -> Tensor:
-    """u [N, L] float32 (written into `out` when given) for w1 / w3 [E, I, L] and w2 [E, L, I]."""
+                   situ_beta: float, situ_linear_beta: float, expert_offset: int = 0,
+                   out: Tensor | None = None, tiles: Tiles | None = None) -> Tensor:
+    """u [N, L] float32 (written into `out` when given) for w1 / w3 [E, I, L] and w2 [E, L, I], the
+    model's experts expert_offset .. expert_offset + E - 1 (experts holds the model's indices)."""
     E, I, L = w1.shape
     if w3.shape != w1.shape or w2.shape != (E, L, I) or z.shape[-1] != L:
         raise ValueError(f"routed_experts: w1 {list(w1.shape)}, w3 {list(w3.shape)}, w2 {list(w2.shape)} "
                          f"and z {list(z.shape)} do not fit w1 = w3 = [E, I, L], w2 = [E, L, I]")
     return _grouped_experts(z, experts, weights, (w1, None), (w3, None), (w2, None), E, I, situ_beta,
-                            situ_linear_beta, out, tiles)
+                            situ_linear_beta, expert_offset, out, tiles)
 
 
 def words(stacked: Tensor) -> Tensor:
@@ -281,8 +290,8 @@ def words(stacked: Tensor) -> Tensor:
 
 def routed_experts_mxfp4(z: Tensor, experts: Tensor, weights: Tensor, w1_packed: Tensor, w1_scale: Tensor,
                          w3_packed: Tensor, w3_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
-                         situ_beta: float, situ_linear_beta: float, out: Tensor | None = None,
-                         tiles: Tiles | None = None) -> Tensor:
+                         situ_beta: float, situ_linear_beta: float, expert_offset: int = 0,
+                         out: Tensor | None = None, tiles: Tiles | None = None) -> Tensor:
     """As `routed_experts`, the experts MXFP4 as int32 words (the plugin's inputs; `words` makes them
     from the checkpoint's bytes): codes [E, O*K/8] and scales [E, O*K/128] per projection, w1 / w3
     [O, K] = [I, L], w2 [L, I]. L is z's width; I follows from w1's words."""
@@ -299,7 +308,8 @@ def routed_experts_mxfp4(z: Tensor, experts: Tensor, weights: Tensor, w1_packed:
             raise ValueError(f"routed_experts_mxfp4: {name} is {tensor.dtype} {list(tensor.shape)}; expected "
                              f"torch.int32 words {list(shape)} (E={E}, I={I}, L={L})")
     return _grouped_experts(z, experts, weights, (w1_packed, w1_scale), (w3_packed, w3_scale),
-                            (w2_packed, w2_scale), E, I, situ_beta, situ_linear_beta, out, tiles)
+                            (w2_packed, w2_scale), E, I, situ_beta, situ_linear_beta, expert_offset, out,
+                            tiles)
 
 
 def kernel_variants() -> list[KernelVariant]:

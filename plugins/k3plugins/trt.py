@@ -182,7 +182,8 @@ def plugin_classes(trt: ModuleType) -> tuple[type, type]:
 
 
 def register(trt: ModuleType) -> dict[str, Any]:
-    """Registers a creator per definition with `trt`'s plugin registry; returns them by op name.
+    """Registers a creator per definition with `trt`'s plugin registry; returns them by op name (the
+    current version of each).
     Idempotent: a creator already registered for a definition is returned as it is."""
     _, creator_class = plugin_classes(trt)
     registry = trt.get_plugin_registry()
@@ -192,5 +193,5 @@ def register(trt: ModuleType) -> dict[str, Any]:
         if existing is None:
             existing = creator_class(definition)
             registry.register_creator(existing, definition.namespace)
-        creators[definition.name] = existing
+        creators.setdefault(definition.name, existing)  # the current version (DEFINITIONS lists it first)
     return creators

@@ -161,6 +161,44 @@ def test_alignment() -> None:
     assert moe.max_blocks(16, 896, 16) == 17
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["float", "mxfp4"])
+def test_a_rank_of_experts(packed: bool) -> None:
+    """Expert parallelism: experts 4 .. 7 of 8 with expert_offset 4 (decode tiles, so the spilled pairs
+    share blocks' neighbourhoods with held ones) against the eager op on the same slice and offset."""
+    z, experts, weights, dense = inputs(11, 64, 64, 8, 3, "random")
+    held = [w[4:] for w in dense]
+    if packed:
+        codes = [part for w in held for part in mxfp4.quantize(w)]
+        u = moe.routed_experts_mxfp4(z, experts, weights, *map(moe.words, codes), BETA, LINEAR_BETA, 4)
+        expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *codes, BETA,
+                                                     LINEAR_BETA, 4)
+    else:
+        u = moe.routed_experts(z, experts, weights, *held, BETA, LINEAR_BETA, 4)
+        expected = torch.ops.k3.routed_experts(*doubles([z, experts, weights, *held]), BETA, LINEAR_BETA, 4)
+    assert rel_error(u, expected) < 1e-5
+    # A token routed only to experts held elsewhere gets exactly zero.
+    elsewhere = torch.tensor([[0, 1, 3]])
+    assert not moe.routed_experts(z[:1], elsewhere, weights[:1], *[w[4:] for w in dense], BETA, LINEAR_BETA,
+                                  4).any()
+
+
+def test_alignment_of_a_rank_of_experts() -> None:
+    """With expert_offset 4 of 8 experts held 4: only pairs routed to 4 .. 7 are placed, each once, in
+    blocks of their local expert (0 .. 3); the rest are in no block."""
+    gen = torch.Generator().manual_seed(2)
+    N, k, block_m = 21, 3, 16
+    experts = routing("random", N, 8, k, gen)
+    pair_ids, block_experts = moe.align(experts, 4, block_m, expert_offset=4)
+    assert block_experts.numel() == moe.max_blocks(N * k, 4, block_m)
+    flat = experts.flatten()
+    placed = []
+    for b, e in enumerate(block_experts.tolist()):
+        real = [p for p in pair_ids[b * block_m:(b + 1) * block_m].tolist() if p != N * k]
+        assert all(flat[p] == e + 4 for p in real)
+        placed += real
+    assert sorted(placed) == [p for p in range(N * k) if flat[p] >= 4]
+
+
 def test_no_tokens_and_out_buffer() -> None:
     z, experts, weights, (w1, w3, w2) = inputs(5, 32, 32, 4, 2, "random")
     empty = moe.routed_experts(z[:0], experts[:0], weights[:0], w1, w3, w2, BETA, LINEAR_BETA)
@@ -174,7 +212,7 @@ def test_no_tokens_and_out_buffer() -> None:
 def test_plugin_launches() -> None:
     """The definitions' launches, as the adapters call them: into a given output buffer."""
     z, experts, weights, dense = inputs(7, 64, 32, 4, 2, "random")
-    fields = {"situ_beta": BETA, "situ_linear_beta": LINEAR_BETA}
+    fields = {"situ_beta": BETA, "situ_linear_beta": LINEAR_BETA, "expert_offset": 0}
     u = torch.full((7, 64), float("nan"))
     ROUTED_EXPERTS.launch([z, experts, weights, *dense], [u], fields)
     expected = torch.ops.k3.routed_experts(*doubles([z, experts, weights, *dense]), BETA, LINEAR_BETA)

@@ -1,0 +1,136 @@
+"""A tensor/expert-parallel rank's graph in ONNX Runtime, which has no collective op on CPU: the graph
+is cut at its `DistCollective` nodes when loaded, each piece runs as its own ONNX Runtime session, and
+the sums between them are done by torch.distributed (gloo here, NCCL where GPUs are), in the order
+the graph has them. Every rank of a stage runs the same sequence of pieces and sums, so each sum meets
+its partners on the other ranks.
+
+    rank graph:  [piece 0] -> all_reduce -> [piece 1] -> all_reduce -> ... -> [piece K]
+
+The nodes keep the graph's (topological) order; piece k holds those between collective k-1 and k, its
+inputs are what it reads that earlier pieces, sums or the caller made, its outputs what later pieces,
+sums or the caller read. The weights stay in the export's data file, which each piece's session reads
+in place (no copy of the file). Caches go in and come out as plain feeds and results (copied, not bound
+in place as check's BoundOnnxrtRunner does for a whole graph).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+import torch.distributed as dist
+
+from k3export.errors import UserError
+from k3export.onnx.collectives import DOMAIN, OP_TYPE
+
+
+@dataclass
+class Piece:
+    session: ort.InferenceSession
+    inputs: list[str]
+    outputs: list[str]
+
+
+def _read_names(node: onnx.NodeProto) -> set[str]:
+    """The tensors a node reads: its inputs, and what its subgraphs (Loop, Scan, If bodies) read from
+    the enclosing scope."""
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        for graph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
+            inner = {name for n in graph.node for name in n.output}
+            inner |= {i.name for i in graph.input} | {t.name for t in graph.initializer}
+            names |= {name for n in graph.node for name in _read_names(n) if name not in inner}
+    return names
+
+
+def _is_collective(node: onnx.NodeProto) -> bool:
+    return node.domain == DOMAIN and node.op_type == OP_TYPE
+
+
+class SegmentedGraph:
+    """A rank's ONNX graph as pieces between its DistCollective nodes (all_reduce, sum) and the sums
+    over `group` (None: the default process group) between them. Call with the graph's feeds."""
+
+    def __init__(self, path: Path, group: dist.ProcessGroup | None = None,
+                 threads: int | None = None) -> None:
+        model = onnx.load(path, load_external_data=False)
+        graph = model.graph
+        self.group = group
+        self.collectives = [n for n in graph.node if _is_collective(n)]
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        for node in self.collectives:
+            attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            operation = (attributes.get("collective_operation"), attributes.get("reduce_op"))
+            if operation != (b"all_reduce", b"sum"):
+                raise UserError(f"{path}: node {node.name} is a {operation} collective; only all_reduce "
+                                "(sum) is run here")
+            if attributes.get("nb_rank") != size:
+                raise UserError(f"{path}: node {node.name} sums over nb_rank = {attributes.get('nb_rank')} "
+                                f"ranks, but this process group has {size}: run the stage's ranks together "
+                                "(torchrun, one process a rank)")
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types = {v.name: v.type for v in (*inferred.graph.value_info, *graph.input, *graph.output)}
+        for node in self.collectives:  # a sum has its input's type (shape inference knows no such op)
+            types.setdefault(node.output[0], types[node.input[0]])
+        initializers = {t.name: t for t in graph.initializer}
+        groups: list[list[onnx.NodeProto]] = [[]]
+        for node in graph.node:
+            if _is_collective(node):
+                groups.append([])
+            else:
+                groups[-1].append(node)
+        # What each piece (and each sum, and the caller) reads later decides the pieces' outputs.
+        read_later: list[set[str]] = []
+        later = {o.name for o in graph.output}
+        for k in reversed(range(len(groups))):
+            read_later.append(set(later))
+            later |= {name for node in groups[k] for name in _read_names(node)}
+            if k:
+                later.add(self.collectives[k - 1].input[0])
+        read_later.reverse()
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.log_severity_level = 3  # not the TensorScatter copy warning: caches are plain feeds here
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(path.parent))
+        if threads:
+            options.intra_op_num_threads = threads
+        self.pieces = []
+        for nodes, needed in zip(groups, read_later, strict=True):
+            made = {name for node in nodes for name in node.output}
+            reads = sorted({name for node in nodes for name in _read_names(node)} - made)
+            inputs = [name for name in reads if name not in initializers]
+            outputs = sorted(made & needed)
+            piece = onnx.helper.make_graph(
+                nodes, f"{graph.name}_piece{len(self.pieces)}",
+                [onnx.helper.make_value_info(name, types[name]) for name in inputs],
+                [onnx.helper.make_value_info(name, types[name]) for name in outputs],
+                [initializers[name] for name in reads if name in initializers])
+            proto = onnx.helper.make_model(piece, opset_imports=model.opset_import,
+                                           functions=model.functions, ir_version=model.ir_version)
+            session = ort.InferenceSession(proto.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+            self.pieces.append(Piece(session, inputs, outputs))
+        self.output_names = [o.name for o in graph.output]
+        self.compute_seconds = self.collective_seconds = 0.0
+
+    def __call__(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = dict(feed)
+        for k, piece in enumerate(self.pieces):
+            start = time.perf_counter()
+            results = piece.session.run(piece.outputs, {name: values[name] for name in piece.inputs})
+            self.compute_seconds += time.perf_counter() - start
+            values.update(zip(piece.outputs, results, strict=True))
+            if k < len(self.collectives):
+                node = self.collectives[k]
+                start = time.perf_counter()
+                summed = torch.from_numpy(np.ascontiguousarray(values[node.input[0]]))
+                dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
+                values[node.output[0]] = summed.numpy()
+                self.collective_seconds += time.perf_counter() - start
+        return {name: values[name] for name in self.output_names}

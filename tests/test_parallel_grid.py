@@ -1,0 +1,131 @@
+"""A recipe with `[parallel] ranks = 2` and 2 stages: `build` writes stage-{i}/rank-{r}/, and
+`torchrun --nproc-per-node 4 -m k3export.runtime.grid DIR` (each rank's graph in ONNX Runtime pieces,
+gloo sums within a stage, AttnRes boundaries from rank r to rank r of the next stage) generates the
+unsplit eager model's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3export.cli import main
+from k3export.errors import UserError
+from k3export.runtime import Sampler, generate, random_prompts
+from k3export.shards.recipe import load_recipe
+from k3export.shards.stages import build_recipe
+
+RECIPE = """
+[model]
+preset = "k3-tiny"
+[weights]
+seed = 0
+dtype = "float32"
+[stages]
+count = 2
+[parallel]
+ranks = {ranks}
+[cache]
+capacity = 64
+batch = 2
+[profiles]
+prefill = {{ batch = 2, seq = 16 }}
+decode = {{ batch = 2 }}
+[build]
+backend = "onnx"
+"""
+
+
+@pytest.fixture(scope="module")
+def grid_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("grid")
+    (folder / "grid.toml").write_text(RECIPE.format(ranks=2))
+    build_recipe(load_recipe(folder / "grid.toml"), folder / "build", log=lambda _: None)
+    return folder / "build"
+
+
+def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_build_writes_each_rank_of_each_stage(grid_build: Path) -> None:
+    manifest = json.loads((grid_build / "manifest.json").read_text())
+    for i, stage in enumerate(manifest["stages"]):
+        assert [(r["rank"], r["gpu"], r["folder"]) for r in stage["ranks"]] == [
+            (r, r, f"stage-{i}/rank-{r}") for r in range(2)]
+        for rank in stage["ranks"]:
+            export = json.loads((grid_build / rank["folder"] / "export.json").read_text())
+            assert (export["parallel"]["rank"], export["parallel"]["ranks"]) == (rank["rank"], 2)
+            assert f"{rank['folder']}/model.onnx.data" in manifest["files"]
+
+
+@torch.no_grad()
+def test_grid_generates_the_unsplit_models_tokens(grid_build: Path, tiny_model) -> None:
+    proc = torchrun(4, "-m", "k3export.runtime.grid", str(grid_build), "--batch", "2", "--prompt-len", "8",
+                    "--max-new-tokens", "6", "--seed", "3", "--json", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grid = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(grid["stage_seconds"]) == 4
+    cache = [tiny_model.empty_cache(2, 64)]
+
+    def eager(request):
+        logits, cache[0] = tiny_model(torch.from_numpy(request["input_ids"]), cache[0],
+                                      torch.from_numpy(request["input_lengths"]))
+        return {"logits": logits.numpy()}
+
+    assert grid["tokens"] == generate(eager, random_prompts(2, 8, 256, 3), 6, Sampler()).tokens
+
+
+def test_wrong_process_count_and_single_process_run_are_refused(grid_build: Path, capsys) -> None:
+    proc = torchrun(2, "-m", "k3export.runtime.grid", str(grid_build))
+    assert proc.returncode != 0
+    assert "2 stages x 2 ranks, started with 2 processes; expected torchrun --nproc-per-node 4" in proc.stderr
+    assert main(["run", str(grid_build)]) == 2
+    assert "-m k3export.runtime.grid" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
+    """One stage over 4 ranks (k3-tiny with 4 KDA and 4 MLA heads: one head a rank, 2 experts a rank):
+    the grid's greedy tokens are the unsplit eager model's."""
+    from test_parallel import four_head_config
+
+    from k3export.model import K3ForCausalLM
+
+    config = four_head_config()
+    config.to_json(tmp_path / "config.json")
+    recipe = RECIPE.format(ranks=4).replace('preset = "k3-tiny"', 'config = "config.json"')
+    (tmp_path / "four.toml").write_text(recipe.replace("count = 2", "count = 1"))
+    build_recipe(load_recipe(tmp_path / "four.toml"), tmp_path / "build", log=lambda _: None)
+    proc = torchrun(4, "-m", "k3export.runtime.grid", str(tmp_path / "build"), "--batch", "2",
+                    "--prompt-len", "8", "--max-new-tokens", "4", "--seed", "3", "--json", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = K3ForCausalLM(config).eval()
+    model.init_weights(0)
+    cache = [model.empty_cache(2, 64)]
+
+    def eager(request):
+        logits, cache[0] = model(torch.from_numpy(request["input_ids"]), cache[0],
+                                 torch.from_numpy(request["input_lengths"]))
+        return {"logits": logits.numpy()}
+
+    expected = generate(eager, random_prompts(2, 8, 256, 3), 4, Sampler()).tokens
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == expected
+
+
+def test_recipe_ranks_that_do_not_divide_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "bad.toml").write_text(RECIPE.format(ranks=3))
+    with pytest.raises(UserError, match=r"bad.toml: key 'parallel.ranks' = 3: expected a rank count that "
+                                        r"divides the model \(ranks = 3 does not divide"):
+        load_recipe(tmp_path / "bad.toml")

@@ -1,0 +1,79 @@
+"""`k3export plan --ranks N`: per GPU of a stage, the split and replicated weights, the cache (KDA
+heads split, MLA latent whole), the all-reduces with their bytes per token, and the fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from k3export.cli import main
+from k3export.config import K3Config
+from k3export.shards.parallel_plan import rank_stages
+from k3export.shards.plan import make_plan
+
+
+@pytest.mark.parametrize(("stages", "ranks"), [(1, 2), (3, 2)])
+def test_rank_bytes_add_up_to_the_stage(tiny_config: K3Config, stages: int, ranks: int) -> None:
+    """N ranks' split weights plus one copy of the replicated ones are the unsplit stage's weights;
+    the KDA cache is split, the MLA cache is whole on every rank."""
+    plan = make_plan(tiny_config, stages, model="k3-tiny", dtype="float32", context=64, batch=2)
+    for stage, rank in zip(plan.stages, rank_stages(plan, ranks), strict=True):
+        assert rank.split_weight_bytes * ranks + rank.replicated_weight_bytes == stage.weight_bytes
+        assert rank.split_weight_bytes > 0 and rank.replicated_weight_bytes > 0
+        lac = tiny_config.linear_attn_config
+        kda = (lac.num_heads * lac.head_dim**2 * 4 + 3 * (lac.short_conv_kernel_size - 1) * lac.num_heads
+               * lac.head_dim * 4) // ranks
+        mla = 64 * tiny_config.latent_dim * 4
+        layers = stage.layers
+        assert rank.cache_bytes_per_sequence == sum(mla if tiny_config.is_mla(i) else kda for i in layers)
+        assert rank.cache_bytes == 2 * rank.cache_bytes_per_sequence
+
+
+def test_collectives_per_token(tiny_config: K3Config) -> None:
+    plan = make_plan(tiny_config, 1, model="k3-tiny", dtype="float32", context=64)
+    (rank,) = rank_stages(plan, 2, collective_gb_per_s=100.0)
+    D, L = tiny_config.hidden_size, tiny_config.routed_expert_hidden_size
+    assert rank.collective_bytes_per_token == [4 * D, 4 * D] + [4 * D, 4 * (L + D)] * 8
+    # A ring all-reduce moves 2 (N - 1) / N of the bytes over the link.
+    assert rank.collective_seconds_per_token == pytest.approx(sum(rank.collective_bytes_per_token) / 100e9)
+
+
+def test_published_model_on_two_hosts_of_eight(capsys) -> None:
+    """kimi-k3 in bf16 with MXFP4 experts, 2 stages x 8 GPUs: each GPU fits, holding about 1/16 of the
+    model (plus the replicated parts)."""
+    assert main(["plan", "--preset", "kimi-k3", "--stages", "2", "--ranks", "8", "--packed-experts",
+                 "--dtype", "bfloat16", "--batch", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    total = sum(s["weight_bytes"] for s in plan["stages"])
+    ranks = plan["parallel"]["stages"]
+    assert plan["parallel"]["ranks"] == 8 and len(ranks) == 2
+    for rank in ranks:
+        assert rank["fits_h200"]
+        assert total / 16 < rank["weight_bytes"] < 1.2 * total / 16
+        assert len(rank["collective_bytes_per_token"]) == 2 * (rank["layers"][1] - rank["layers"][0])
+
+
+def test_the_two_host_recipe_plans_its_ranks(capsys) -> None:
+    """engines/kimi-k3-2x8.toml ([parallel] ranks = 8) plans per GPU without --ranks."""
+    recipe = Path(__file__).parents[1] / "engines" / "kimi-k3-2x8.toml"
+    assert main(["plan", str(recipe), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parallel"]["ranks"] == 8 and len(plan["stages"]) == 2
+    assert all(rank["fits_h200"] for rank in plan["parallel"]["stages"])
+
+
+def test_ranks_that_do_not_divide_are_refused(capsys) -> None:
+    # 96 heads and the MLP widths divide by 3, the 896 experts do not.
+    assert main(["plan", "--preset", "kimi-k3", "--stages", "2", "--ranks", "3"]) == 2
+    assert "ranks = 3 does not divide num_experts = 896: expected" in capsys.readouterr().err
+    assert main(["plan", "--preset", "kimi-k3", "--stages", "2", "--ranks", "0"]) == 2
+    assert "ranks = 0: expected a positive integer" in capsys.readouterr().err
+
+
+def test_bytes_per_token_use_the_model_dtype(tiny_config: K3Config) -> None:
+    plan = make_plan(tiny_config, 1, model="k3-tiny", dtype="bfloat16", context=64)
+    (rank,) = rank_stages(plan, 2)
+    D, L = tiny_config.hidden_size, tiny_config.routed_expert_hidden_size
+    assert rank.collective_bytes_per_token[:4] == [2 * D, 2 * D, 2 * D, 4 * (L + D)]
