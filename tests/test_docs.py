@@ -85,13 +85,13 @@ def name(value: str | list[str]) -> str:
 
 def lay_out_paths(argv: list[str], root: Path) -> None:
     """Makes the paths a command names under `root` (the parser refuses inputs that are not there):
-    a name with a suffix (model.onnx, recipe.toml) as a file, any other path or placeholder (DIR,
-    out/tiny) as a folder."""
+    a name with a suffix (model.onnx, recipe.toml) or a file's placeholder (RECIPE, FILE, PATH) as a
+    file, any other path or placeholder (DIR, out/tiny) as a folder."""
     for token in argv:
         if token.startswith("-") or not ("/" in token or token.isupper()):
             continue
         path = root / token
-        if path.suffix:
+        if path.suffix or token in ("RECIPE", "FILE", "PATH"):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()
         else:
