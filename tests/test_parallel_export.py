@@ -134,7 +134,7 @@ def test_a_rank_graph_outside_torchrun_is_refused(rank_exports) -> None:
     (["--ranks", "3"], "ranks = 3 does not divide linear_attn_config.num_heads = 2"),
     (["--ranks", "4"], "ranks = 4 does not divide linear_attn_config.num_heads = 2, num_attention_heads = 2"),
     (["--ranks", "2", "--rank", "2"], "rank = 2: expected 0 <= rank < ranks = 2"),
-    (["--ranks", "0"], "ranks = 0: expected a positive integer"),
+    (["--ranks", "0"], "argument --ranks: expected an integer >= 1, got 0"),
 ])
 def test_rank_options_that_do_not_fit_are_refused(options, message, tmp_path, capsys) -> None:
     assert main(["export", "--preset", "k3-tiny", "--out", str(tmp_path / "x"), *options]) == 2
