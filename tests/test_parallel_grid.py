@@ -16,7 +16,8 @@ import torch
 
 from k3export.cli import main
 from k3export.errors import UserError
-from k3export.runtime import Sampler, generate, random_prompts
+from k3export.runtime import Sampler, random_prompts
+from k3export.runtime.grid import generate_on
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
 
@@ -83,7 +84,7 @@ def test_grid_generates_the_unsplit_models_tokens(grid_build: Path, tiny_model) 
                                       torch.from_numpy(request["input_lengths"]))
         return {"logits": logits.numpy()}
 
-    assert grid["tokens"] == generate(eager, random_prompts(2, 8, 256, 3), 6, Sampler()).tokens
+    assert grid["tokens"] == generate_on(eager, random_prompts(2, 8, 256, 3), 6, Sampler()).tokens
 
 
 def test_wrong_process_count_and_single_process_run_are_refused(grid_build: Path, capsys) -> None:
@@ -120,7 +121,7 @@ def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
                                  torch.from_numpy(request["input_lengths"]))
         return {"logits": logits.numpy()}
 
-    expected = generate(eager, random_prompts(2, 8, 256, 3), 4, Sampler()).tokens
+    expected = generate_on(eager, random_prompts(2, 8, 256, 3), 4, Sampler()).tokens
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == expected
 
 

@@ -58,6 +58,8 @@ def test_quiet_and_non_terminals_get_nothing(monkeypatch, quiet_reset):
 @pytest.mark.parametrize("command", [["check", "--onnx", "x"],
                                      ["export", "--preset", "k3-tiny", "--out", "x"],
                                      ["build", "--onnx", "x", "--out", "y"]])
-def test_long_commands_take_quiet(command):
+def test_long_commands_take_quiet(command, tmp_path, monkeypatch):
+    (tmp_path / "x").mkdir()  # the input folder the parser requires
+    monkeypatch.chdir(tmp_path)
     assert build_parser().parse_args([*command, "--quiet"]).quiet
     assert not build_parser().parse_args(command).quiet

@@ -174,8 +174,9 @@ def test_overflowing_request_is_refused_before_any_session(tiny_export, monkeypa
         raise AssertionError("an ONNX Runtime session was created")
 
     monkeypatch.setattr(onnx_runner.ort, "InferenceSession", no_session)
-    with pytest.raises(UserError, match=r"request refused: row 0 holds 4099 cached tokens and this call "
-                                        r"writes 1 \(padding included\), 4100 > the cache capacity 4096"):
+    with pytest.raises(UserError, match=r"--batch 2 --prompt-len 4090 --steps 10: the longest row holds "
+                                        r"4090 \+ 10 = 4100 tokens in its cache, and the export's cache "
+                                        r"capacity is 4096"):
         run_check(tiny_export, steps=10, batch=2, prompt_len=4090, log=lambda _: None)
     monkeypatch.undo()
 

@@ -120,7 +120,8 @@ def _manifest(folder: Path) -> dict:
 
 
 def generate_on(run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], prompts: list[list[int]],
-                max_new_tokens: int, sampler: Sampler, stop_tokens: frozenset[int]) -> Generation:
+                max_new_tokens: int, sampler: Sampler,
+                stop_tokens: frozenset[int] = frozenset()) -> Generation:
     """Prefill, then decode steps, the whole batch as one micro-batch through `run` (the grid's
     stages in turn; micro-batches in flight are the stage pipeline's, not yet the grid's)."""
     batches = split_prompts(prompts, 1)
