@@ -191,7 +191,7 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
     assert fields["KDA"] == [{}] * mixers.count("KDA")
     assert [f["v_dim"] for f in fields["LatentMLA"]] == [e["v_dim"] for e in expected]
     assert [f["scale"] for f in fields["LatentMLA"]] == pytest.approx([e["scale"] for e in expected])
-    # expert_offset: absent on an unsplit model's nodes, 0 by the field's default.
+    # expert_offset: 0 on an unsplit model's nodes.
     betas = [{**{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
                  if a.name in ("situ_beta", "situ_linear_beta")}, "expert_offset": 0}
              for node in k3_nodes(tiny_export) if node.op_type == "RoutedExperts"]

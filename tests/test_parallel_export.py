@@ -82,7 +82,7 @@ def test_two_exports_of_a_rank_are_byte_identical(rank_exports) -> None:
 
 def test_ranks_hold_disjoint_experts_that_together_are_the_model(rank_exports, tiny_model) -> None:
     """Per MoE layer and projection, rank 0's experts then rank 1's are the unsplit model's, and no
-    expert's bytes are held by both ranks. Rank 1's nodes carry expert_offset 4, rank 0's none (0)."""
+    expert's bytes are held by both ranks. Rank 1's nodes carry expert_offset 4, rank 0's 0."""
     held = {}
     for name in ("rank0", "rank1"):
         model = onnx.load(rank_exports[name] / "model.onnx")

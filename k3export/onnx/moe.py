@@ -73,13 +73,14 @@ _ROUTED_EXPERTS_MXFP4 = values.Op(_K3, "RoutedExpertsMXFP4", ROUTED_EXPERTS_MXFP
 
 
 def moe_translation_table(plugin_namespace: str) -> dict[Callable, Callable]:
-    """The entries of onnx/ops.py's TRANSLATION_TABLE for the two routed-experts ops. expert_offset is
-    written only where it is not 0 (an expert-parallel rank), so an unsplit model's nodes are as before."""
+    """The entries of onnx/ops.py's TRANSLATION_TABLE for the two routed-experts ops. Every node
+    carries expert_offset (0 for an unsplit model), the field version 2 of the plugin declares:
+    TensorRT's parser warns at each node that lacks one."""
     plugin = {"plugin_namespace": plugin_namespace, "plugin_version": PLUGIN_VERSION}
 
     def attributes(situ_beta: float, situ_linear_beta: float, expert_offset: int) -> dict:
-        offset = {OFFSET_ATTRIBUTE: expert_offset} if expert_offset else {}
-        return {"situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta, **offset, **plugin}
+        return {"situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta, OFFSET_ATTRIBUTE: expert_offset,
+                **plugin}
 
     # Annotated so that the exporter passes the betas and the offset as attributes, not as tensors.
     def routed_experts(z, experts, weights, w1, w3, w2, situ_beta: float, situ_linear_beta: float,

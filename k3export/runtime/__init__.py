@@ -56,8 +56,9 @@ from k3export.runtime.schedule import (
 BUILD_MANIFEST = "manifest.json"
 
 
-def stage_exports(build_dir: str | Path) -> list[Path]:
-    """The export folders of a `k3export build RECIPE` folder, in stage order, its files verified."""
+def stage_ranks(build_dir: str | Path) -> list[list[Path]]:
+    """The export folders of a `k3export build RECIPE` folder, per stage its ranks' (one for a stage
+    that is not split), in stage order, its files verified."""
     build_dir = Path(build_dir)
     manifest = verify(build_dir, BUILD_MANIFEST)
     require(manifest, build_dir / BUILD_MANIFEST, "stages")
@@ -66,13 +67,17 @@ def stage_exports(build_dir: str | Path) -> list[Path]:
         raise UserError(f"{build_dir}: stage {missing[0]} is not built (built with --stage?); build it first")
     if manifest.get("settings", {}).get("no_weights"):
         raise UserError(f"{build_dir}: built with --no-weights; there are no numbers to run")
-    split = next((s for s in manifest["stages"] if s.get("ranks")), None)
-    if split:
-        ranks = len(split["ranks"])
+    return [[build_dir / r["folder"] for r in s.get("ranks", [s])] for s in manifest["stages"]]
+
+
+def stage_exports(build_dir: str | Path) -> list[Path]:
+    """The export folders of a build whose stages are not split, in stage order, files verified."""
+    stages = stage_ranks(build_dir)
+    ranks = len(stages[0])
+    if ranks > 1:
         raise UserError(f"{build_dir}: every stage is split over {ranks} ranks ([parallel] ranks); run it "
-                        f"with torchrun --nproc-per-node {ranks * len(manifest['stages'])} "
-                        "-m k3export.runtime.grid DIR")
-    return [build_dir / s["folder"] for s in manifest["stages"]]
+                        f"with torchrun --nproc-per-node {ranks * len(stages)} -m k3export.runtime.grid DIR")
+    return [folders[0] for folders in stages]
 
 
 class Stage:

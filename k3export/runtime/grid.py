@@ -28,31 +28,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from k3export.artifacts import require, verify
 from k3export.errors import UserError
 from k3export.onnx.export import MANIFEST_FILE, resolve_shape
 from k3export.onnx.runner import PAST, PRESENT, Signature
 from k3export.onnx.taps import parse_tap
 from k3export.options import positive_real
-from k3export.runtime import BUILD_MANIFEST, Generation, Sampler, add_run_arguments, prompts_of, report
+from k3export.runtime import Generation, Sampler, add_run_arguments, prompts_of, report, stage_ranks
 from k3export.runtime.schedule import Tokens, round_robin, split_prompts
 from k3export.runtime.segments import SegmentedGraph
 
 RUN, RESET_AND_RUN, STOP = 1, 2, 0
 REQUEST = ("input_ids", "cache_lengths", "input_lengths")
-
-
-def grid_exports(build_dir: str | Path) -> list[list[Path]]:
-    """The export folders of a build, per stage its ranks' (one for an unsplit stage), files verified."""
-    build_dir = Path(build_dir)
-    manifest = verify(build_dir, BUILD_MANIFEST)
-    require(manifest, build_dir / BUILD_MANIFEST, "stages")
-    missing = [s["index"] for s in manifest["stages"] if not s.get("files")]
-    if missing:
-        raise UserError(f"{build_dir}: stage {missing[0]} is not built (built with --stage?); build it first")
-    if manifest.get("settings", {}).get("no_weights"):
-        raise UserError(f"{build_dir}: built with --no-weights; there are no numbers to run")
-    return [[build_dir / r["folder"] for r in s.get("ranks", [s])] for s in manifest["stages"]]
 
 
 def _boundary(names: list[str]) -> list[str]:
@@ -136,7 +122,7 @@ def generate_on(run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], p
 
 
 def run_grid(args: argparse.Namespace) -> None:
-    exports = grid_exports(args.build)
+    exports = stage_ranks(args.build)
     processes, world = sum(len(s) for s in exports), dist.get_world_size()
     if len({len(s) for s in exports}) != 1 or world != processes:
         raise UserError(f"{args.build}: {len(exports)} stages x {len(exports[0])} ranks, started with "
