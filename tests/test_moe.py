@@ -290,7 +290,7 @@ def test_one_routed_experts_node_and_its_function(onnx_models, packed):
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert node.op_type == op_type
     assert attributes == {"plugin_namespace": b"k3", "plugin_version": b"2",
-                          "situ_beta": BETA, "situ_linear_beta": LINEAR_BETA}
+                          "situ_beta": BETA, "situ_linear_beta": LINEAR_BETA, "expert_offset": 0}
     assert [(f.domain, f.name) for f in model.functions] == [("k3", op_type)]
     # The packed experts stay packed in the file, as int32 words: no float copy of them anywhere.
     stored = {t.name: t.data_type for t in model.graph.initializer}
