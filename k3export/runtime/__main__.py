@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -93,7 +94,7 @@ class Links:
                    *(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)]
         while len(self.sending) >= self.window:
             self.wait_sent()
-        self.sending.append((peer, [(dist.isend(t, peer), t) for t in tensors]))
+        self.sending.append((peer, [(self.post(dist.isend, t, peer), t) for t in tensors]))
         return sum(t.nbytes for t in tensors)
 
     def wait_sent(self) -> None:
@@ -105,7 +106,7 @@ class Links:
     def expect(self, peer: int) -> None:
         """Posts the receive of the next header from `peer`, so that it arrives while this rank computes."""
         header = torch.empty(4, dtype=torch.int64)
-        self.header = (dist.irecv(header, peer), header)
+        self.header = (self.post(dist.irecv, header, peer), header)
 
     def receive(self, peer: int, specs: list[TensorSpec]) -> tuple[int, int, dict[str, np.ndarray]]:
         """The expected message from `peer`: its kind, micro-batch and (RUN) tensors by name."""
@@ -117,23 +118,33 @@ class Links:
             sizes = {"batch": rows, "seq": seq}
             tensors = {s.name: torch.empty(resolve_shape(s, sizes), dtype=getattr(torch, s.dtype))
                        for s in specs}
-            for work in [dist.irecv(t, peer) for t in tensors.values()]:
+            for work in [self.post(dist.irecv, t, peer) for t in tensors.values()]:
                 self.wait(work, peer)
         return kind, index, {name: t.numpy() for name, t in tensors.items()}
+
+    def post(self, op: Callable[..., dist.Work], tensor: torch.Tensor, peer: int) -> dist.Work:
+        """`dist.isend` or `dist.irecv` of `tensor`: a link already broken fails here, as in `wait`."""
+        try:
+            return op(tensor, peer)
+        except RuntimeError as e:
+            raise self.failure(e, peer) from None
 
     def wait(self, work: dist.Work, peer: int) -> None:
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as e:
-            if "Timed out" in str(e):
-                raise StageFailed(f"stage {peer} (rank {peer}) took nothing or sent nothing for "
-                                  f"{self.timeout} s (--timeout): it died or hangs, or a stage before it did"
-                                  ) from None
-            # gloo says "[file:line] Connection reset by peer [address]. This is typically ..."
-            reason = re.search(r"\] ([^.\[]*)", str(e))
-            reason = reason.group(1).strip() if reason else str(e)
-            raise StageFailed(f"the link with stage {peer} (rank {peer}) broke ({reason}): it died, or a "
-                              "stage before it did") from None
+            raise self.failure(e, peer) from None
+
+    def failure(self, error: RuntimeError, peer: int) -> StageFailed:
+        """What a failed send or receive with `peer` means, in words."""
+        if "Timed out" in str(error):
+            return StageFailed(f"stage {peer} (rank {peer}) took nothing or sent nothing for "
+                               f"{self.timeout} s (--timeout): it died or hangs, or a stage before it did")
+        # gloo says "[file:line] Connection reset by peer [address]. This is typically ..."
+        reason = re.search(r"\] ([^.\[]*)", str(error))
+        reason = reason.group(1).strip() if reason else str(error)
+        return StageFailed(f"the link with stage {peer} (rank {peer}) broke ({reason}): it died, or a "
+                           "stage before it did")
 
     def flush(self) -> None:
         """Waits until every message sent has been taken."""
