@@ -370,9 +370,9 @@ def test_a_failed_stage_stops_the_others(onnx_build, fault: str) -> None:
     if fault == "hung":
         expected = ("k3export.runtime: stage 2 (rank 2): stage 1 (rank 1) took nothing or sent nothing for "
                     "3 s (--timeout): it died or hangs")
-        for line in proc.stderr:
+        for line in proc.stderr:  # two stages' messages may share a line: their writes interleave
             err.append(line)
-            if line.startswith(expected):
+            if expected in line:
                 break
         assert time.monotonic() - stopped < 3 + 5, "".join(err)[-3000:]
         os.kill(victim, signal.SIGCONT)  # so that torchrun's SIGTERM ends it

@@ -326,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 2
     except StageFailed as e:
-        print(f"k3export.runtime: stage {rank} (rank {rank}): {e}", file=sys.stderr, flush=True)
+        # One write with its newline, so that stages failing together do not share a line.
+        sys.stderr.write(f"k3export.runtime: stage {rank} (rank {rank}): {e}\n")
+        sys.stderr.flush()
         sys.stdout.flush()
         # Not destroy_process_group: its teardown can wait on a peer that is gone.
         os._exit(1)
