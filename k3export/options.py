@@ -94,24 +94,24 @@ def _kind(text: str) -> str | None:
         raise argparse.ArgumentTypeError(f"{text[:80]}: {getattr(e, 'strerror', None) or e}") from None
 
 
+def _existing(text: str, kind: str, other: str) -> str:
+    """`text` if it names an existing `kind` ("folder" or "file"); else why not."""
+    found = _kind(text)
+    if found is None:
+        raise argparse.ArgumentTypeError(f"{text}: no such {kind}")
+    if found == other:
+        raise argparse.ArgumentTypeError(f"{text} is a {other}; expected a {kind}")
+    return text
+
+
 def existing_dir(text: str) -> str:
     """A folder that exists (an input)."""
-    kind = _kind(text)
-    if kind is None:
-        raise argparse.ArgumentTypeError(f"{text}: no such folder")
-    if kind == "file":
-        raise argparse.ArgumentTypeError(f"{text} is a file; expected a folder")
-    return text
+    return _existing(text, "folder", "file")
 
 
 def existing_file(text: str) -> str:
     """A file that exists (an input)."""
-    kind = _kind(text)
-    if kind is None:
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
-    if kind == "folder":
-        raise argparse.ArgumentTypeError(f"{text} is a folder; expected a file")
-    return text
+    return _existing(text, "file", "folder")
 
 
 def existing_path(text: str) -> str:
