@@ -103,6 +103,22 @@ def partition(weights: list[int], parts: int) -> list[range]:
                  lambda s: s <= heaviest)
 
 
+class GpuMemory:
+    """What one GPU holds: weights, caches and activations (the fields or properties of a subclass)."""
+
+    weight_bytes: int
+    cache_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.cache_bytes + self.activation_bytes
+
+    @property
+    def fits_h200(self) -> bool:
+        return self.total_bytes <= H200_BYTES
+
+
 @dataclass
 class Tensor:
     name: str
@@ -112,7 +128,7 @@ class Tensor:
 
 
 @dataclass
-class Stage:
+class Stage(GpuMemory):
     index: int
     layers: range
     kda_layers: int
@@ -134,14 +150,6 @@ class Stage:
     @property
     def bytes_sent_per_token(self) -> int:
         return sum(t.bytes_per_token for t in self.sends)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.weight_bytes + self.cache_bytes + self.activation_bytes
-
-    @property
-    def fits_h200(self) -> bool:
-        return self.total_bytes <= H200_BYTES
 
 
 @dataclass
@@ -320,7 +328,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
-class RankStage:
+class RankStage(GpuMemory):
     """One rank of a stage (all ranks of a stage hold the same amounts)."""
 
     index: int
@@ -337,14 +345,6 @@ class RankStage:
     @property
     def weight_bytes(self) -> int:
         return self.split_weight_bytes + self.replicated_weight_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.weight_bytes + self.cache_bytes + self.activation_bytes
-
-    @property
-    def fits_h200(self) -> bool:
-        return self.total_bytes <= H200_BYTES
 
 
 def _weight_bytes(name: str, param: torch.Tensor, config: K3Config, packed_experts: bool) -> int:
