@@ -29,12 +29,18 @@ from polygraphy.logger import G_LOGGER
 
 from k3export.check.driver import compare_with_eager, fitting_lengths, read_export
 from k3export.check.routing import routing_outputs
+from k3export.check.runners.grid import (
+    GridRunner,
+    first_divergent_rank,
+    grid_stages,
+    rank_entries,
+    rank_lines,
+)
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, ExportGraph
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.onnx.taps import parse_tap
-from k3export.check.runners.grid import GridRunner, first_divergent_rank, grid_stages, rank_entries, rank_lines
 from k3export.runtime import Pipeline, stage_ranks
 
 ROUTING_SEPARATOR = ":"  # a routing output of stage i is named "stage{i}:{tensor}" (tensor names repeat)
@@ -158,8 +164,8 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
                         "provider has no bfloat16 MatMul); check a float32 or float16 build, or a stage's "
                         "graph as TensorRT parses it: k3export check --network DIR/stage-N")
     if ranks > 1 and dtype != "float32":
-        raise UserError(f"{build_dir}: a {dtype} build split over {ranks} ranks; check --build checks a split "
-                        "build in float32 only (each rank's eager routers would have to be held to its "
+        raise UserError(f"{build_dir}: a {dtype} build split over {ranks} ranks; check --build checks a "
+                        "split build in float32 only (each rank's eager routers would have to be held to its "
                         "graph's expert choices): build the recipe with dtype = \"float32\" under [weights]")
     lengths = fitting_lengths(stage_manifests, batch, prompt_len, steps)
     ranges = [range(*m["layers"]) for m in stage_manifests]
@@ -208,8 +214,9 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         report["ranks"] = ranks
         report["first_divergent_rank"] = first_divergent_rank(report["steps"])
         # A replicated output that differs between ranks fails the grid, whatever rank 0's says.
-        report["ranks_differ"] = sorted({f"stage {e['stage']} rank {e['rank']}: {name}" for step in report["steps"]
-                                         for e in step["ranks"] for name in e["differs_from_rank_0"]})
+        report["ranks_differ"] = sorted({f"stage {e['stage']} rank {e['rank']}: {name}"
+                                         for step in report["steps"] for e in step["ranks"]
+                                         for name in e["differs_from_rank_0"]})
         report["passed"] = report["passed"] and not report["ranks_differ"]
     return report
 

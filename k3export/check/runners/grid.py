@@ -29,6 +29,7 @@ routers to its graph's choices, as the driver does for the whole model.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import tempfile
 import time
@@ -80,8 +81,8 @@ def grid_stages(folders: list[list[Path]]) -> list[tuple[dict[str, Any], K3Confi
             place = (manifest.get("parallel", {}).get("rank"), manifest.get("parallel", {}).get("ranks"))
             if place != (r, len(ranks)) or manifest["layers"] != exports[0][0]["layers"]:
                 raise UserError(f"{folder}: its export.json is rank {place[0]} of {place[1]}, layers "
-                                f"{manifest['layers']}; expected rank {r} of {len(ranks)} of stage {i}, layers "
-                                f"{exports[0][0]['layers']} (a rank folder of another build?)")
+                                f"{manifest['layers']}; expected rank {r} of {len(ranks)} of stage {i}, "
+                                f"layers {exports[0][0]['layers']} (a rank folder of another build?)")
         stages.append((unsplit_manifest(*exports[0]), exports[0][1]))
     return stages
 
@@ -114,8 +115,8 @@ class RankWorker:
         self.collectives = manifest["parallel"]["collectives"]
         self.tolerance = TOLERANCES[manifest["dtype"]]
         signature = Signature(manifest)
-        model = split_model(build_model(config, getattr(torch, manifest["dtype"]), manifest["weights"], layers),
-                            rank, ranks)
+        model = build_model(config, getattr(torch, manifest["dtype"]), manifest["weights"], layers)
+        model = split_model(model, rank, ranks)
         eager = ExportGraph(model, layers, manifest.get("last_logits", False), "taps" in manifest)
         self.graph = SegmentedGraph(folder / GRAPH_FILE, threads=1, keep_partials=True)
         self.runners = [SegmentedRunner(self.graph, signature), EagerRunner(eager, "eager split", signature)]
@@ -223,8 +224,9 @@ class GridRunner(StatefulRunner):
                 self.workers.append([])
                 for r, folder in enumerate(ranks):
                     ours, theirs = context.Pipe()
-                    process = context.Process(target=serve, daemon=True, name=f"k3export check stage {s} rank {r}",
-                                              args=(theirs, folder, r, len(ranks), f"{self.rendezvous.name}/{s}"))
+                    rendezvous = f"{self.rendezvous.name}/stage-{s}"
+                    process = context.Process(target=serve, args=(theirs, folder, r, len(ranks), rendezvous),
+                                              name=f"k3export check stage {s} rank {r}", daemon=True)
                     process.start()
                     theirs.close()
                     self.workers[-1].append(Worker(s, r, process, ours))
@@ -238,10 +240,8 @@ class GridRunner(StatefulRunner):
     def deactivate_impl(self) -> None:
         every = [w for ranks in self.workers for w in ranks]
         for worker in every:
-            try:
+            with contextlib.suppress(OSError):  # it is gone already
                 worker.conn.send((STOP,))
-            except OSError:
-                pass  # it is gone already
         deadline = time.monotonic() + STOP_S  # one wait for all: a worker stuck in a sum never stops
         for worker in every:
             worker.process.join(max(0.0, deadline - time.monotonic()))
@@ -315,7 +315,8 @@ def first_divergent_rank(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
         for entry in step["ranks"]:
             partial = entry["first_failed"]
             if partial:
-                key = (entry["stage"], i, partial["collective"], -partial["rel"] / max(partial["bound"], 1e-30))
+                worse = -partial["rel"] / max(partial["bound"], 1e-30)
+                key = (entry["stage"], i, partial["collective"], worse)
                 candidates.append((key, {"stage": entry["stage"], "rank": entry["rank"], "step": step["step"],
                                          **{k: partial[k] for k in ("layer", "after", "rel", "bound")}}))
             elif entry["differs_from_rank_0"]:
@@ -346,6 +347,6 @@ def rank_lines(report: dict[str, Any]) -> list[str]:
                      f"{first['step']}: {', '.join(first['differs_from_rank_0'])} differ from rank 0's")
     else:
         lines.append(f"first divergent stage and rank: stage {first['stage']} rank {first['rank']} (layer "
-                     f"{first['layer']} {first['after']}) at {first['step']}: partial sum rel {first['rel']:.2e} "
-                     f"> bound {first['bound']:.1e}")
+                     f"{first['layer']} {first['after']}) at {first['step']}: partial sum rel "
+                     f"{first['rel']:.2e} > bound {first['bound']:.1e}")
     return lines
