@@ -59,7 +59,7 @@ from k3export.weights.checkpoint import build_model
 
 WORKER_TIMEOUT_S = 600.0  # the longest a worker may take to load or to answer one call
 POLL_S = 0.2  # how often a silent worker is looked at (a dead one is named within this)
-STOP_S = 5.0  # how long a worker may take to stop before it is terminated
+STOP_S = 2.0  # how long the workers may take to stop before they are terminated
 READY, OK, FAILED, STOP = "ready", "ok", "failed", "stop"
 
 
@@ -179,6 +179,10 @@ class Worker:
     process: multiprocessing.Process
     conn: Connection
 
+    def ask(self, message: tuple[Any, ...]) -> None:
+        with contextlib.suppress(OSError):  # it died: answer() says so
+            self.conn.send(message)
+
     def answer(self) -> Any:
         """The worker's answer to its last message; a UserError naming its stage and rank if it
         failed, died or stayed silent past WORKER_TIMEOUT_S."""
@@ -217,7 +221,8 @@ class GridRunner(StatefulRunner):
 
     def activate_impl(self) -> None:
         context = multiprocessing.get_context("forkserver")  # not fork: torch and ONNX Runtime ran here
-        context.set_forkserver_preload([__name__])
+        # torch._dynamo too: build_model's meta-device init imports it, once here, not in every worker.
+        context.set_forkserver_preload([__name__, "torch._dynamo"])
         self.rendezvous = tempfile.TemporaryDirectory(prefix="k3export-grid-")
         try:
             for s, ranks in enumerate(self.folders):
@@ -240,8 +245,7 @@ class GridRunner(StatefulRunner):
     def deactivate_impl(self) -> None:
         every = [w for ranks in self.workers for w in ranks]
         for worker in every:
-            with contextlib.suppress(OSError):  # it is gone already
-                worker.conn.send((STOP,))
+            worker.ask((STOP,))
         deadline = time.monotonic() + STOP_S  # one wait for all: a worker stuck in a sum never stops
         for worker in every:
             worker.process.join(max(0.0, deadline - time.monotonic()))
@@ -257,7 +261,7 @@ class GridRunner(StatefulRunner):
         and returns their answers in order."""
         workers = [w for s, ranks in enumerate(self.workers) if stage in (None, s) for w in ranks]
         for worker in workers:
-            worker.conn.send(message)
+            worker.ask(message)
         return [worker.answer() for worker in workers]
 
     def reset(self, batch: int, rows: list[int] | None = None) -> None:
