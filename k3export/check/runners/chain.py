@@ -12,6 +12,10 @@ other artifacts. Its extra is the stage each output belongs to: per step, each s
 and the first divergent stage (the first in stage order whose outputs leave the bound at any step),
 so a bad stage is found where it goes wrong, not where its error ends up.
 
+A build split over ranks (`[parallel] ranks = N`) is run by k3export.check.runners.grid.GridRunner
+(one worker process a rank) in place of ChainRunner, against the same unsplit eager chain; its extra
+is the first divergent stage and rank, from each rank's partial sums.
+
 With taps (`k3export build RECIPE --taps`) the per-layer table and the first divergent layer and
 sublayer are those of `check --onnx --taps`, and the stage holding that layer is named.
 """
@@ -147,7 +151,9 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     """The chain of the build's stages against the eager chain through check's driver; returns the
     driver's report (steps, verdict, and with `taps` the taps and first divergent layer, its "stage"
     added) with "stages" (layer ranges), per step "stages" (each stage's worst output and whether
-    all of its outputs are within the bound) and "first_divergent_stage" (None if none)."""
+    all of its outputs are within the bound) and "first_divergent_stage" (None if none). A build
+    split over ranks adds "ranks", per step "ranks" (grid.rank_entries), "first_divergent_rank"
+    (None if none) and "ranks_differ" (replicated outputs that differ from rank 0's: a failure)."""
     build_dir = Path(build_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
     folders = stage_ranks(build_dir)
@@ -178,7 +184,8 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     grid = GridRunner(folders, stage_manifests, Signature(manifest)) if ranks > 1 else None
 
     def on_step(step: dict[str, Any]) -> None:
-        """Each stage's worst output (relative to its bound) and whether all of them passed."""
+        """Each stage's worst output (relative to its bound) and whether all of them passed; on a
+        grid, each rank's partial sums."""
         step["stages"] = []
         for i in range(len(exports)):
             mine = [c for c in step["outputs"] if owner[c["name"]] == i]
@@ -194,9 +201,11 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
                 f"{e['stage']}.{e['rank']} rel {e['worst']['rel']:.1e}{'' if e['passed'] else ' FAILED'}"
                 for e in step["ranks"]))
 
+    def graph_runner(signature: Signature, extra: list[str]) -> StatefulRunner:
+        return grid if grid else ChainRunner(exports, signature, extra)
+
     report, runner = compare_with_eager(
-        manifest, config, None, lambda signature, extra: grid or ChainRunner(exports, signature, extra),
-        steps, seed, lengths, log, taps,
+        manifest, config, None, graph_runner, steps, seed, lengths, log, taps,
         eager_graph=lambda model, tapped: EagerChain(model, stage_manifests, Signature(manifest), tapped),
         routing=routing, on_step=on_step)
     report["aliased"] = dict(runner.aliased)

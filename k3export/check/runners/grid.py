@@ -30,7 +30,9 @@ routers to its graph's choices, as the driver does for the whole model.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
+import signal
 import tempfile
 import time
 import traceback
@@ -51,7 +53,7 @@ from k3export.check.runners.eager import EagerRunner
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model.parallel import split_model
-from k3export.onnx.export import GRAPH_FILE, ExportGraph, graph_signature
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, graph_signature
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.ops.collectives import recording_partials
 from k3export.runtime.segments import SegmentedGraph
@@ -87,6 +89,12 @@ def grid_stages(folders: list[list[Path]]) -> list[tuple[dict[str, Any], K3Confi
     return stages
 
 
+def verified_export(folder: Path) -> tuple[dict[str, Any], K3Config]:
+    """export.json and config.json of a rank folder whose files grid_stages has verified (a rank's
+    weights are read once to verify them, not once more in each process that loads them)."""
+    return json.loads((folder / MANIFEST_FILE).read_text()), K3Config.from_json(folder / "config.json")
+
+
 def valid_tokens(partial: np.ndarray, input_lengths: np.ndarray) -> np.ndarray:
     """The valid tokens' rows of a per-token tensor ([batch, seq, width] or [batch * seq, width])."""
     rows = partial.reshape(len(input_lengths), -1, partial.shape[-1])
@@ -110,7 +118,7 @@ class RankWorker:
     """In a worker process: a rank's graph and its eager split model, each with its own caches."""
 
     def __init__(self, folder: Path, rank: int, ranks: int) -> None:
-        manifest, config = read_export(folder)
+        manifest, config = verified_export(folder)
         layers = range(*manifest["layers"])
         self.collectives = manifest["parallel"]["collectives"]
         self.tolerance = TOLERANCES[manifest["dtype"]]
@@ -154,6 +162,9 @@ class RankWorker:
 def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str) -> None:
     """A worker process's life: rank `rank` of a stage of `ranks` (gloo, rendezvous in `init_file`),
     answering (method, *arguments) messages from the check process until STOP."""
+    # Ctrl-C is the check process's: it stops every worker (a worker stopped alone would leave its
+    # partners waiting in a sum).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(1)  # every worker shares the machine's cores
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
@@ -163,6 +174,8 @@ def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str)
         while (message := conn.recv())[0] != STOP:
             conn.send((OK, getattr(worker, message[0])(*message[1:])))
         worker.close()
+    except (EOFError, BrokenPipeError):
+        pass  # the check process is gone (killed): nothing to answer
     except UserError as e:
         conn.send((FAILED, str(e)))
     except Exception:
@@ -205,16 +218,18 @@ class Worker:
 
 class GridRunner(StatefulRunner):
     """The grid's workers as one check runner: it takes the request's feeds and returns the unsplit
-    chain's outputs in `signature`'s order. After each call, `partials[stage][rank]` holds that
-    rank's partial sums compared with its eager split model's, and `disagreements` each replicated
-    output in which a rank differs from rank 0 ({"stage", "rank", "output", "max_abs"})."""
+    chain's outputs in `signature`'s order. `folders`: per stage its ranks' folders (verified);
+    `stage_manifests`: per stage its unsplit export.json (grid_stages'). After each call,
+    `partials[stage][rank]` holds that rank's partial sums compared with its eager split model's,
+    and `disagreements` each replicated output in which a rank differs from rank 0 ({"stage",
+    "rank", "output", "max_abs"})."""
 
     def __init__(self, folders: list[list[Path]], stage_manifests: list[dict[str, Any]],
                  signature: Signature) -> None:
         super().__init__(signature, "grid")
         self.folders = folders
         self.unsplit = [Signature(m) for m in stage_manifests]
-        self.split = [Signature(read_export(ranks[0])[0]) for ranks in folders]
+        self.split = [Signature(verified_export(ranks[0])[0]) for ranks in folders]
         self.workers: list[list[Worker]] = []
         self.partials: list[list[list[dict[str, Any]]]] = []
         self.disagreements: list[dict[str, Any]] = []
