@@ -19,6 +19,7 @@ import pytest
 import torch
 from test_shards import corrupt_stage
 
+from k3export.check.runners import grid
 from k3export.check.runners.chain import chain_manifest
 from k3export.check.runners.grid import GridRunner, grid_stages
 from k3export.cli import main
@@ -140,6 +141,13 @@ def test_recipe_ranks_that_do_not_divide_are_refused(tmp_path: Path) -> None:
         load_recipe(tmp_path / "bad.toml")
 
 
+@pytest.fixture
+def bounded_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each answer of a check's rank workers within 120 s, or the test fails: no hang in CI."""
+    monkeypatch.setattr(grid, "WORKER_TIMEOUT_S", 120.0)
+
+
+@pytest.mark.usefixtures("bounded_check")
 def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Path, capsys) -> None:
     """One command: the 4 ranks' workers started by check itself; the unsplit eager model's outputs,
     each KDA cache as the unsplit model holds it (both ranks' heads), and every rank's partial sums
@@ -154,6 +162,7 @@ def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Pa
         assert all(e["passed"] and not e["differs_from_rank_0"] for e in step["ranks"])
 
 
+@pytest.mark.usefixtures("bounded_check")
 def test_check_build_names_the_rank_of_a_wrong_expert(grid_build: Path, tmp_path: Path, capsys) -> None:
     """Rank 1 of stage 1 with layer 6's routed experts' down projection scaled by 1.5 (the build's
     files re-recorded: wrong, not corrupt): the all-reduce spreads the error to both ranks' outputs,
@@ -168,6 +177,7 @@ def test_check_build_names_the_rank_of_a_wrong_expert(grid_build: Path, tmp_path
     assert named in printed
 
 
+@pytest.mark.usefixtures("bounded_check")
 def test_a_dead_rank_stops_the_check_naming_it(grid_build: Path) -> None:
     """A worker killed between calls: the next call raises a UserError naming its stage and rank
     (its partner, stuck in a sum, is terminated) instead of hanging."""
