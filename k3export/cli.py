@@ -237,6 +237,8 @@ def _check_verdict(report: dict) -> str:
         reasons.append(f"NaN/Inf first in {', '.join(first['outputs'])} at {first['step']}")
     if report["failed_outputs"]:
         reasons.append(", ".join(report["failed_outputs"]))
+    if report.get("ranks_differ"):
+        reasons.append("replicated outputs differ from rank 0's: " + ", ".join(report["ranks_differ"]))
     if report["token_mismatches"]:
         reasons.append(f"{report['token_mismatches']} greedy tokens differ past the tie margin")
     if report.get("too_many_ties"):

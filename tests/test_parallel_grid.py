@@ -1,22 +1,31 @@
 """A recipe with `[parallel] ranks = 2` and 2 stages: `build` writes stage-{i}/rank-{r}/, and
 `torchrun --nproc-per-node 4 -m k3export.runtime.grid DIR` (each rank's graph in ONNX Runtime pieces,
 gloo sums within a stage, AttnRes boundaries from rank r to rank r of the next stage) generates the
-unsplit eager model's greedy tokens."""
+unsplit eager model's greedy tokens; `check --build DIR` (one worker process a rank) passes against
+the unsplit eager model and names the stage and rank of a wrong expert weight."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from test_shards import corrupt_stage
 
+from k3export.check.runners import grid
+from k3export.check.runners.chain import chain_manifest
+from k3export.check.runners.grid import GridRunner, grid_stages
 from k3export.cli import main
 from k3export.errors import UserError
-from k3export.runtime import Sampler, random_prompts
+from k3export.onnx.runner import Signature
+from k3export.runtime import Sampler, random_prompts, stage_ranks
 from k3export.runtime.grid import generate_on
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
@@ -130,3 +139,58 @@ def test_recipe_ranks_that_do_not_divide_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"bad.toml: key 'parallel.ranks' = 3: expected a rank count that "
                                         r"divides the model \(ranks = 3 does not divide"):
         load_recipe(tmp_path / "bad.toml")
+
+
+@pytest.fixture
+def bounded_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each answer of a check's rank workers within 120 s, or the test fails: no hang in CI."""
+    monkeypatch.setattr(grid, "WORKER_TIMEOUT_S", 120.0)
+
+
+@pytest.mark.usefixtures("bounded_check")
+def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Path, capsys) -> None:
+    """One command: the 4 ranks' workers started by check itself; the unsplit eager model's outputs,
+    each KDA cache as the unsplit model holds it (both ranks' heads), and every rank's partial sums
+    within the bound."""
+    assert main(["check", "--build", str(grid_build), "--steps", "1", "--prompt-len", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["ranks"] == 2 and report["first_divergent_rank"] is None
+    compared = {c["name"] for c in report["steps"][0]["outputs"]}
+    assert {"logits", "present.0.kda_state", "present.0.q_conv", "present.7.mla_latent"} <= compared
+    for step in report["steps"]:
+        assert [(e["stage"], e["rank"]) for e in step["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(e["passed"] and not e["differs_from_rank_0"] for e in step["ranks"])
+
+
+@pytest.mark.usefixtures("bounded_check")
+def test_check_build_names_the_rank_of_a_wrong_expert(grid_build: Path, tmp_path: Path, capsys) -> None:
+    """Rank 1 of stage 1 with layer 6's routed experts' down projection scaled by 1.5 (the build's
+    files re-recorded: wrong, not corrupt): the all-reduce spreads the error to both ranks' outputs,
+    yet the check names stage 1 rank 1 and layer 6's FFN, from the ranks' partial sums."""
+    bad = tmp_path / "bad"
+    shutil.copytree(grid_build, bad)
+    corrupt_stage(bad, 1, "layers.6.block_sparse_moe.experts.w2", rank=1)
+    assert main(["check", "--build", str(bad), "--steps", "1", "--prompt-len", "8"]) == 1
+    printed = capsys.readouterr().out
+    assert "first divergent stage: stage 1 (layers 5..8) at prefill" in printed
+    named = "first divergent stage and rank: stage 1 rank 1 (layer 6 ffn) at prefill: partial sum rel"
+    assert named in printed
+
+
+@pytest.mark.usefixtures("bounded_check")
+def test_a_dead_rank_stops_the_check_naming_it(grid_build: Path) -> None:
+    """A worker killed between calls: the next call raises a UserError naming its stage and rank
+    (its partner, stuck in a sum, is terminated) instead of hanging."""
+    folders = stage_ranks(grid_build)
+    manifest, _, stage_manifests = chain_manifest(grid_build, grid_stages(folders))
+    runner = GridRunner(folders, stage_manifests, Signature(manifest))
+    feed = {"input_ids": np.ones((1, 4), np.int64), "cache_lengths": np.zeros(1, np.int64),
+            "input_lengths": np.array([4])}
+    with runner:
+        runner.reset(1)
+        runner.workers[1][0].process.kill()
+        with pytest.raises(UserError, match="check --build: stage 1 rank 0: its process died"):
+            runner.infer(feed, check_inputs=False)
+        workers = [w.process for ranks in runner.workers for w in ranks]
+        stopped = time.monotonic()
+    assert not any(p.is_alive() for p in workers) and time.monotonic() - stopped < 10

@@ -448,10 +448,16 @@ def test_the_documented_build_check(onnx_build, capsys) -> None:
         assert line in printed and f"    {line}" in documented
 
 
-def rerecord(build: Path, stage: int, changed: list[str]) -> None:
-    """Records the new sha256 of files changed in stage `stage`'s folder: in its export.json (its
-    own files) and the build's manifest (those and export.json), so that the build still verifies."""
-    folder = build / f"stage-{stage}"
+def stage_folder(stage: int, rank: int | None = None) -> str:
+    """A build's folder of a stage, or of one rank of a split stage."""
+    return f"stage-{stage}" if rank is None else f"stage-{stage}/rank-{rank}"
+
+
+def rerecord(build: Path, stage: int, changed: list[str], rank: int | None = None) -> None:
+    """Records the new sha256 of files changed in the folder of stage `stage` (or of its `rank`): in
+    its export.json (its own files) and the build's manifest (those and export.json), so that the
+    build still verifies."""
+    folder = build / stage_folder(stage, rank)
     stage_manifest = json.loads((folder / "export.json").read_text())
     for name in changed:
         if name != "export.json":
@@ -459,15 +465,15 @@ def rerecord(build: Path, stage: int, changed: list[str]) -> None:
     (folder / "export.json").write_text(json.dumps(stage_manifest))
     manifest = json.loads((build / MANIFEST).read_text())
     for name in {*changed, "export.json"}:
-        key = f"stage-{stage}/{name}"
+        key = f"{stage_folder(stage, rank)}/{name}"
         manifest["files"][key] = manifest["stages"][stage]["files"][key] = file_record(folder / name)
     (build / MANIFEST).write_text(json.dumps(manifest))
 
 
-def corrupt_stage(build: Path, stage: int, suffix: str, factor: float = 1.5) -> None:
-    """Scales the float32 initializer named ...`suffix` of one stage where its external data holds
-    it (stage-N/model.onnx.data), the new hashes recorded."""
-    folder = build / f"stage-{stage}"
+def corrupt_stage(build: Path, stage: int, suffix: str, factor: float = 1.5, rank: int | None = None) -> None:
+    """Scales the float32 initializer named ...`suffix` of one stage (or of its `rank`) where its
+    external data holds it (stage-N[/rank-R]/model.onnx.data), the new hashes recorded."""
+    folder = build / stage_folder(stage, rank)
     model = onnx.load(folder / "model.onnx", load_external_data=False)
     target = next(t for t in model.graph.initializer if t.name.endswith(suffix))
     where = {e.key: e.value for e in target.external_data}
@@ -476,7 +482,7 @@ def corrupt_stage(build: Path, stage: int, suffix: str, factor: float = 1.5) -> 
     values = np.frombuffer(data, np.float32, count=length // 4, offset=offset)
     data[offset:offset + length] = (values * factor).astype(np.float32).tobytes()
     (folder / "model.onnx.data").write_bytes(bytes(data))
-    rerecord(build, stage, ["model.onnx.data"])
+    rerecord(build, stage, ["model.onnx.data"], rank)
 
 
 # (weight, layer, sublayer, stage) in the 3-stage build (layers 0..2, 3..5, 6..8): a KDA layer's

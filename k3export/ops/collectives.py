@@ -10,6 +10,8 @@ the node's nb_rank, and a check that the process group is the one the split was 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from torch import Tensor
 from k3export.errors import UserError
 
 _group: Any = None  # a torch.distributed.ProcessGroup, or None: the default group
+_partials: list[Tensor] | None = None  # while `recording_partials` runs: the inputs of the sums
 
 
 def use_group(group: Any) -> None:
@@ -26,12 +29,26 @@ def use_group(group: Any) -> None:
     _group = group
 
 
+@contextmanager
+def recording_partials() -> Iterator[list[Tensor]]:
+    """Within the block, the input of every `all_reduce`, this rank's partial sum, in call order
+    (check --build compares them with a rank's graph's, to name a wrong rank)."""
+    global _partials
+    _partials = []
+    try:
+        yield _partials
+    finally:
+        _partials = None
+
+
 @torch.library.custom_op("k3::all_reduce", mutates_args=())
 def all_reduce(x: Tensor, ranks: int) -> Tensor:
     """The sum of x over the `ranks` ranks of the process group (a new tensor)."""
     import torch.distributed as dist  # here: importing it at load time warns in unrelated code
 
     total = x.clone()
+    if _partials is not None:
+        _partials.append(x.clone())
     if ranks == 1:
         return total
     size = dist.get_world_size(_group) if dist.is_available() and dist.is_initialized() else 1

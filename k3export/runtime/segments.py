@@ -54,10 +54,12 @@ def _is_collective(node: onnx.NodeProto) -> bool:
 
 class SegmentedGraph:
     """A rank's ONNX graph as pieces between its DistCollective nodes (all_reduce, sum) and the sums
-    over `group` (None: the default process group) between them. Call with the graph's feeds."""
+    over `group` (None: the default process group) between them. Call with the graph's feeds.
+    `keep_partials`: keep each call's inputs of the sums, this rank's partial sums, in graph order in
+    `partials` (check --build compares them with the eager split model's)."""
 
     def __init__(self, path: Path, group: dist.ProcessGroup | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, keep_partials: bool = False) -> None:
         model = onnx.load(path, load_external_data=False)
         graph = model.graph
         self.group = group
@@ -118,9 +120,12 @@ class SegmentedGraph:
             self.pieces.append(Piece(session, inputs, outputs))
         self.output_names = [o.name for o in graph.output]
         self.compute_seconds = self.collective_seconds = 0.0
+        self.keep_partials = keep_partials
+        self.partials: list[np.ndarray] = []
 
     def __call__(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         values = dict(feed)
+        self.partials = []
         for k, piece in enumerate(self.pieces):
             start = time.perf_counter()
             results = piece.session.run(piece.outputs, {name: values[name] for name in piece.inputs})
@@ -129,6 +134,8 @@ class SegmentedGraph:
             if k < len(self.collectives):
                 node = self.collectives[k]
                 start = time.perf_counter()
+                if self.keep_partials:  # a copy: the sum is done in place, in the piece's output
+                    self.partials.append(values[node.input[0]].copy())
                 summed = torch.from_numpy(np.ascontiguousarray(values[node.input[0]]))
                 dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
                 values[node.output[0]] = summed.numpy()

@@ -12,6 +12,10 @@ other artifacts. Its extra is the stage each output belongs to: per step, each s
 and the first divergent stage (the first in stage order whose outputs leave the bound at any step),
 so a bad stage is found where it goes wrong, not where its error ends up.
 
+A build split over ranks (`[parallel] ranks = N`) is run by k3export.check.runners.grid.GridRunner
+(one worker process a rank) in place of ChainRunner, against the same unsplit eager chain; its extra
+is the first divergent stage and rank, from each rank's partial sums.
+
 With taps (`k3export build RECIPE --taps`) the per-layer table and the first divergent layer and
 sublayer are those of `check --onnx --taps`, and the stage holding that layer is named.
 """
@@ -29,12 +33,19 @@ from polygraphy.logger import G_LOGGER
 
 from k3export.check.driver import compare_with_eager, fitting_lengths, read_export
 from k3export.check.routing import routing_outputs
+from k3export.check.runners.grid import (
+    GridRunner,
+    first_divergent_rank,
+    grid_stages,
+    rank_entries,
+    rank_lines,
+)
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, ExportGraph
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.onnx.taps import parse_tap
-from k3export.runtime import Pipeline, stage_exports
+from k3export.runtime import Pipeline, stage_ranks
 
 ROUTING_SEPARATOR = ":"  # a routing output of stage i is named "stage{i}:{tensor}" (tensor names repeat)
 
@@ -43,12 +54,12 @@ def _boundary_or_result(name: str) -> bool:
     return not name.startswith(("past.", "present.")) and not parse_tap(name)
 
 
-def chain_manifest(build_dir: Path, exports: list[Path]) -> tuple[dict[str, Any], K3Config, list[dict]]:
-    """The chain of stages described as one export: export.json's fields for the whole model, its
-    inputs the first stage's request inputs and every stage's caches, its outputs the last stage's
-    (logits), every other stage's boundary outputs, every cache and (all stages tapped) every tap in
-    layer order. Also the config and each stage's export.json, every file verified."""
-    stages = [read_export(folder) for folder in exports]
+def chain_manifest(build_dir: Path, stages: list[tuple[dict[str, Any], K3Config]],
+                   ) -> tuple[dict[str, Any], K3Config, list[dict]]:
+    """The chain of stages (each one's export.json and config) described as one export: export.json's
+    fields for the whole model, its inputs the first stage's request inputs and every stage's caches,
+    its outputs the last stage's (logits), every other stage's boundary outputs, every cache and (all
+    stages tapped) every tap in layer order. Also the config and each stage's export.json."""
     manifests = [m for m, _ in stages]
     first = manifests[0]
     for key in ("dtype", "weights", "capacity"):
@@ -140,11 +151,17 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     """The chain of the build's stages against the eager chain through check's driver; returns the
     driver's report (steps, verdict, and with `taps` the taps and first divergent layer, its "stage"
     added) with "stages" (layer ranges), per step "stages" (each stage's worst output and whether
-    all of its outputs are within the bound) and "first_divergent_stage" (None if none)."""
+    all of its outputs are within the bound) and "first_divergent_stage" (None if none). A build
+    split over ranks adds "ranks", per step "ranks" (grid.rank_entries), "first_divergent_rank"
+    (None if none) and "ranks_differ" (replicated outputs that differ from rank 0's: a failure)."""
     build_dir = Path(build_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
-    exports = stage_exports(build_dir)
-    manifest, config, stage_manifests = chain_manifest(build_dir, exports)
+    folders = stage_ranks(build_dir)
+    ranks = len(folders[0])
+    exports = [stage[0] for stage in folders]
+    # A grid's stages as the unsplit stages they compute together (its ranks' files verified).
+    stages = grid_stages(folders) if ranks > 1 else [read_export(folder) for folder in exports]
+    manifest, config, stage_manifests = chain_manifest(build_dir, stages)
     if taps:
         require_build_taps(build_dir, manifest)
     dtype = manifest["dtype"]
@@ -152,16 +169,23 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         raise UserError(f"{build_dir}: a bfloat16 build cannot be fed through numpy (ONNX Runtime's CPU "
                         "provider has no bfloat16 MatMul); check a float32 or float16 build, or a stage's "
                         "graph as TensorRT parses it: k3export check --network DIR/stage-N")
+    if ranks > 1 and dtype != "float32":
+        raise UserError(f"{build_dir}: a {dtype} build split over {ranks} ranks; check --build checks a "
+                        "split build in float32 only (each rank's eager routers would have to be held to its "
+                        "graph's expert choices): build the recipe with dtype = \"float32\" under [weights]")
     lengths = fitting_lengths(stage_manifests, batch, prompt_len, steps)
     ranges = [range(*m["layers"]) for m in stage_manifests]
     owner = {s["name"]: i for i, m in enumerate(stage_manifests) for s in m["outputs"]}
     routing = [f"stage{i}{ROUTING_SEPARATOR}{name}" for i, folder in enumerate(exports)
                for name in routing_outputs(folder / GRAPH_FILE)] if dtype != "float32" else []
     log(f"build {build_dir}: {len(exports)} stages, layers "
-        + ", ".join(f"{r.start}..{r.stop - 1}" for r in ranges))
+        + ", ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
+        + (f"; each split over {ranks} ranks, one worker process a rank" if ranks > 1 else ""))
+    grid = GridRunner(folders, stage_manifests, Signature(manifest)) if ranks > 1 else None
 
     def on_step(step: dict[str, Any]) -> None:
-        """Each stage's worst output (relative to its bound) and whether all of them passed."""
+        """Each stage's worst output (relative to its bound) and whether all of them passed; on a
+        grid, each rank's partial sums."""
         step["stages"] = []
         for i in range(len(exports)):
             mine = [c for c in step["outputs"] if owner[c["name"]] == i]
@@ -171,10 +195,17 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         log(" " * 12 + "stages: " + ", ".join(
             f"{s['stage']} rel {s['rel']:.1e} ({s['worst']}){'' if s['passed'] else ' FAILED'}"
             for s in step["stages"]))
+        if grid:
+            step["ranks"] = rank_entries(grid)
+            log(" " * 12 + "ranks' partial sums: " + ", ".join(
+                f"{e['stage']}.{e['rank']} rel {e['worst']['rel']:.1e}{'' if e['passed'] else ' FAILED'}"
+                for e in step["ranks"]))
+
+    def graph_runner(signature: Signature, extra: list[str]) -> StatefulRunner:
+        return grid if grid else ChainRunner(exports, signature, extra)
 
     report, runner = compare_with_eager(
-        manifest, config, None, lambda signature, extra: ChainRunner(exports, signature, extra),
-        steps, seed, lengths, log, taps,
+        manifest, config, None, graph_runner, steps, seed, lengths, log, taps,
         eager_graph=lambda model, tapped: EagerChain(model, stage_manifests, Signature(manifest), tapped),
         routing=routing, on_step=on_step)
     report["aliased"] = dict(runner.aliased)
@@ -188,6 +219,14 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     report["first_divergent_stage_step"] = first[1] if first else None
     if taps and report["taps"]["first_divergent"]:
         report["taps"]["first_divergent"]["stage"] = owner[report["taps"]["first_divergent"]["name"]]
+    if grid:
+        report["ranks"] = ranks
+        report["first_divergent_rank"] = first_divergent_rank(report["steps"])
+        # A replicated output that differs between ranks fails the grid, whatever rank 0's says.
+        report["ranks_differ"] = sorted({f"stage {e['stage']} rank {e['rank']}: {name}"
+                                         for step in report["steps"] for e in step["ranks"]
+                                         for name in e["differs_from_rank_0"]})
+        report["passed"] = report["passed"] and not report["ranks_differ"]
     return report
 
 
@@ -208,6 +247,8 @@ def stage_lines(report: dict[str, Any]) -> list[str]:
         worst = step["stages"][first]
         lines.append(f"first divergent stage: stage {first} (layers {start}..{stop - 1}) at {step['step']}: "
                      f"{worst['worst']} rel {worst['rel']:.2e} > bound {worst['bound']:.1e}")
+    if "first_divergent_rank" in report:
+        lines += rank_lines(report)
     tap = (report.get("taps") or {}).get("first_divergent")
     if tap:
         start, stop = report["stages"][tap["stage"]]

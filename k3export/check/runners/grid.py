@@ -1,0 +1,371 @@
+"""`k3export check --build DIR` on a tensor/expert-parallel build (`[parallel] ranks = N`): the grid of
+stages x ranks against the UNSPLIT eager model, and the first divergent stage and rank.
+
+Check starts the ranks itself: one worker process per (stage, rank) (multiprocessing's forkserver,
+this module preloaded), each stage's N workers in a gloo process group of their own. Each worker
+holds its rank's graph as ONNX Runtime pieces cut at its DistCollective nodes (the runtime's
+k3export.runtime.segments.SegmentedGraph, the sums done by gloo) with its caches. The check process
+drives them over pipes stage by stage, as ChainRunner drives a chain: the N workers of stage s get
+the same feeds, stage s + 1 gets what stage s returned. `GridRunner` is one more runner of check's
+driver (compare_with_eager) and returns the unsplit chain's outputs by the unsplit names: logits,
+boundaries and the MLA latent from rank 0 (every rank computes them; the others must be equal, or
+the check fails), each KDA state and conv tail put together from the ranks' heads. The eager side
+is the unsplit eager chain (EagerChain), so the verdict says "the grid computes the unsplit model".
+
+Naming the rank: an error on one rank is summed into every rank's result by the all-reduce, so the
+outputs cannot say which rank is wrong. Each worker also runs its rank's eager split model
+(k3export.model.parallel.split_model, over the same gloo group) on the same feeds with caches of its
+own, and compares the inputs of the graph's sums, its partial sums, with the split model's, in
+graph order. Each stage's references are fed the grid's own inputs to that stage, so a stage is
+judged alone: the first divergent stage and rank is, in the first stage with a partial out of
+bound, the rank whose partial leaves the bound first (step, then collective; export.json's
+"parallel" names its layer and whether it follows the attention or the FFN).
+
+Workers never hang the check: a worker that dies, fails or stays silent past WORKER_TIMEOUT_S is
+a UserError naming its stage and rank, and every worker is stopped when the runner deactivates
+(on errors and Ctrl-C too). Float32 only: half precision would have to hold each rank's eager
+routers to its graph's choices, as the driver does for the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import signal
+import tempfile
+import time
+import traceback
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from k3export.check.compare import TOLERANCES, compare
+from k3export.check.driver import read_export
+from k3export.check.runners.eager import EagerRunner
+from k3export.config import K3Config
+from k3export.errors import UserError
+from k3export.model.parallel import split_model
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, graph_signature
+from k3export.onnx.runner import Signature, StatefulRunner
+from k3export.ops.collectives import recording_partials
+from k3export.runtime.segments import SegmentedGraph
+from k3export.weights.checkpoint import build_model
+
+WORKER_TIMEOUT_S = 600.0  # the longest a worker may take to load or to answer one call
+POLL_S = 0.2  # how often a silent worker is looked at (a dead one is named within this)
+STOP_S = 2.0  # how long the workers may take to stop before they are terminated
+READY, OK, FAILED, STOP = "ready", "ok", "failed", "stop"
+
+
+def unsplit_manifest(manifest: dict[str, Any], config: K3Config) -> dict[str, Any]:
+    """A rank's export.json with its stage's unsplit inputs and outputs, what the stage's ranks
+    compute together (config.json is the unsplit model's; the rank's caches have its heads only)."""
+    inputs, outputs = graph_signature(config, range(*manifest["layers"]), getattr(torch, manifest["dtype"]),
+                                      manifest.get("last_logits", False), "taps" in manifest)
+    return {**manifest, "inputs": [asdict(s) for s in inputs], "outputs": [asdict(s) for s in outputs]}
+
+
+def grid_stages(folders: list[list[Path]]) -> list[tuple[dict[str, Any], K3Config]]:
+    """Each stage's unsplit export.json (unsplit_manifest of its rank 0) and config, every rank's
+    files verified and each rank folder's export.json refused unless it is that rank of N."""
+    stages = []
+    for i, ranks in enumerate(folders):
+        exports = [read_export(folder) for folder in ranks]
+        for r, (folder, (manifest, _)) in enumerate(zip(ranks, exports, strict=True)):
+            place = (manifest.get("parallel", {}).get("rank"), manifest.get("parallel", {}).get("ranks"))
+            if place != (r, len(ranks)) or manifest["layers"] != exports[0][0]["layers"]:
+                raise UserError(f"{folder}: its export.json is rank {place[0]} of {place[1]}, layers "
+                                f"{manifest['layers']}; expected rank {r} of {len(ranks)} of stage {i}, "
+                                f"layers {exports[0][0]['layers']} (a rank folder of another build?)")
+        stages.append((unsplit_manifest(*exports[0]), exports[0][1]))
+    return stages
+
+
+def verified_export(folder: Path) -> tuple[dict[str, Any], K3Config]:
+    """export.json and config.json of a rank folder whose files grid_stages has verified (a rank's
+    weights are read once to verify them, not once more in each process that loads them)."""
+    return json.loads((folder / MANIFEST_FILE).read_text()), K3Config.from_json(folder / "config.json")
+
+
+def valid_tokens(partial: np.ndarray, input_lengths: np.ndarray) -> np.ndarray:
+    """The valid tokens' rows of a per-token tensor ([batch, seq, width] or [batch * seq, width])."""
+    rows = partial.reshape(len(input_lengths), -1, partial.shape[-1])
+    return np.concatenate([rows[b, :n] for b, n in enumerate(input_lengths)])
+
+
+class SegmentedRunner(StatefulRunner):
+    """A rank's SegmentedGraph holding its caches, as a check runner (within its worker process)."""
+
+    def __init__(self, graph: SegmentedGraph, signature: Signature) -> None:
+        super().__init__(signature, "grid rank")
+        self.graph = graph
+
+    def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        outputs = self.graph({**feeds, **self.caches})
+        self.keep_caches(outputs)
+        return OrderedDict(outputs)
+
+
+class RankWorker:
+    """In a worker process: a rank's graph and its eager split model, each with its own caches."""
+
+    def __init__(self, folder: Path, rank: int, ranks: int) -> None:
+        manifest, config = verified_export(folder)
+        layers = range(*manifest["layers"])
+        self.collectives = manifest["parallel"]["collectives"]
+        self.tolerance = TOLERANCES[manifest["dtype"]]
+        signature = Signature(manifest)
+        model = build_model(config, getattr(torch, manifest["dtype"]), manifest["weights"], layers)
+        model = split_model(model, rank, ranks)
+        eager = ExportGraph(model, layers, manifest.get("last_logits", False), "taps" in manifest)
+        self.graph = SegmentedGraph(folder / GRAPH_FILE, threads=1, keep_partials=True)
+        self.runners = [SegmentedRunner(self.graph, signature), EagerRunner(eager, "eager split", signature)]
+        for runner in self.runners:
+            runner.activate()
+
+    def reset(self, batch: int, rows: list[int] | None) -> None:
+        for runner in self.runners:
+            runner.reset(batch, rows)
+
+    def close(self) -> None:
+        for runner in self.runners:
+            runner.deactivate()
+
+    def call(self, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+        """The graph's outputs, and each of its partial sums compared with the eager split model's
+        (valid tokens only), in graph order."""
+        outputs = self.runners[0].infer(feeds, check_inputs=False)
+        with recording_partials() as expected:
+            self.runners[1].infer(feeds, check_inputs=False)
+        if len(expected) != len(self.graph.partials):
+            raise UserError(f"the graph sums {len(self.graph.partials)} times, the eager split model "
+                            f"{len(expected)} times: the rank's graph is not its split model's")
+        partials = []
+        for k, (where, actual, reference) in enumerate(zip(self.collectives, self.graph.partials, expected,
+                                                           strict=True)):
+            comparison = compare(f"layer {where['layer']} {where['after']}",
+                                 valid_tokens(actual, feeds["input_lengths"]),
+                                 valid_tokens(reference.numpy(), feeds["input_lengths"]), self.tolerance)
+            partials.append({"collective": k, "layer": where["layer"], "after": where["after"],
+                             "rel": comparison.rel, "bound": comparison.bound, "passed": comparison.passed})
+        return dict(outputs), partials
+
+
+def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str) -> None:
+    """A worker process's life: rank `rank` of a stage of `ranks` (gloo, rendezvous in `init_file`),
+    answering (method, *arguments) messages from the check process until STOP."""
+    # Ctrl-C is the check process's: it stops every worker (a worker stopped alone would leave its
+    # partners waiting in a sum).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(1)  # every worker shares the machine's cores
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
+                                timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+        worker = RankWorker(folder, rank, ranks)
+        conn.send((READY, None))
+        while (message := conn.recv())[0] != STOP:
+            conn.send((OK, getattr(worker, message[0])(*message[1:])))
+        worker.close()
+    except (EOFError, BrokenPipeError):
+        pass  # the check process is gone (killed): nothing to answer
+    except UserError as e:
+        conn.send((FAILED, str(e)))
+    except Exception:
+        conn.send((FAILED, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class Worker:
+    stage: int
+    rank: int
+    process: multiprocessing.Process
+    conn: Connection
+
+    def ask(self, message: tuple[Any, ...]) -> None:
+        with contextlib.suppress(OSError):  # it died: answer() says so
+            self.conn.send(message)
+
+    def answer(self) -> Any:
+        """The worker's answer to its last message; a UserError naming its stage and rank if it
+        failed, died or stayed silent past WORKER_TIMEOUT_S."""
+        where = f"check --build: stage {self.stage} rank {self.rank}"
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        while not self.conn.poll(POLL_S):
+            if not self.process.is_alive():
+                break
+            if time.monotonic() > deadline:
+                raise UserError(f"{where}: no answer within {WORKER_TIMEOUT_S:.0f} s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.process.join(POLL_S)
+            raise UserError(f"{where}: its process died (exit code {self.process.exitcode})") from None
+        if status == FAILED:
+            raise UserError(f"{where}: {value}")
+        return value
+
+
+class GridRunner(StatefulRunner):
+    """The grid's workers as one check runner: it takes the request's feeds and returns the unsplit
+    chain's outputs in `signature`'s order. `folders`: per stage its ranks' folders (verified);
+    `stage_manifests`: per stage its unsplit export.json (grid_stages'). After each call,
+    `partials[stage][rank]` holds that rank's partial sums compared with its eager split model's,
+    and `disagreements` each replicated output in which a rank differs from rank 0 ({"stage",
+    "rank", "output", "max_abs"})."""
+
+    def __init__(self, folders: list[list[Path]], stage_manifests: list[dict[str, Any]],
+                 signature: Signature) -> None:
+        super().__init__(signature, "grid")
+        self.folders = folders
+        self.unsplit = [Signature(m) for m in stage_manifests]
+        self.split = [Signature(verified_export(ranks[0])[0]) for ranks in folders]
+        self.workers: list[list[Worker]] = []
+        self.partials: list[list[list[dict[str, Any]]]] = []
+        self.disagreements: list[dict[str, Any]] = []
+
+    def activate_impl(self) -> None:
+        context = multiprocessing.get_context("forkserver")  # not fork: torch and ONNX Runtime ran here
+        # torch._dynamo too: build_model's meta-device init imports it, once here, not in every worker.
+        context.set_forkserver_preload([__name__, "torch._dynamo"])
+        self.rendezvous = tempfile.TemporaryDirectory(prefix="k3export-grid-")
+        try:
+            for s, ranks in enumerate(self.folders):
+                self.workers.append([])
+                for r, folder in enumerate(ranks):
+                    ours, theirs = context.Pipe()
+                    rendezvous = f"{self.rendezvous.name}/stage-{s}"
+                    process = context.Process(target=serve, args=(theirs, folder, r, len(ranks), rendezvous),
+                                              name=f"k3export check stage {s} rank {r}", daemon=True)
+                    process.start()
+                    theirs.close()
+                    self.workers[-1].append(Worker(s, r, process, ours))
+            for ranks in self.workers:
+                for worker in ranks:
+                    worker.answer()  # READY
+        except BaseException:
+            self.deactivate_impl()
+            raise
+
+    def deactivate_impl(self) -> None:
+        every = [w for ranks in self.workers for w in ranks]
+        for worker in every:
+            worker.ask((STOP,))
+        deadline = time.monotonic() + STOP_S  # one wait for all: a worker stuck in a sum never stops
+        for worker in every:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join()
+            worker.conn.close()
+        self.workers = []
+        self.rendezvous.cleanup()
+
+    def _ask(self, *message: Any, stage: int | None = None) -> list[Any]:
+        """Sends `message` to every worker of `stage` (None: every worker), all before any answers,
+        and returns their answers in order."""
+        workers = [w for s, ranks in enumerate(self.workers) if stage in (None, s) for w in ranks]
+        for worker in workers:
+            worker.ask(message)
+        return [worker.answer() for worker in workers]
+
+    def reset(self, batch: int, rows: list[int] | None = None) -> None:
+        self._ask("reset", batch, rows)
+
+    def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        produced = dict(feeds)
+        self.partials, self.disagreements = [], []
+        for s, (unsplit, split) in enumerate(zip(self.unsplit, self.split, strict=True)):
+            answers = self._ask("call", {spec.name: produced[spec.name] for spec in split.feeds}, stage=s)
+            self.partials.append([partials for _, partials in answers])
+            produced.update(self._unsplit_outputs(s, unsplit, split, [outputs for outputs, _ in answers]))
+        return OrderedDict((spec.name, produced[spec.name]) for spec in self.signature.outputs)
+
+    def _unsplit_outputs(self, stage: int, unsplit: Signature, split: Signature,
+                         outputs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """A stage's outputs by the unsplit names: a rank-split tensor concatenated in rank order along
+        the axis where the rank's shape differs from the unsplit one; a replicated one rank 0's."""
+        whole = {}
+        for spec, part in zip(unsplit.outputs, split.outputs, strict=True):
+            arrays = [ranks[spec.name] for ranks in outputs]
+            axes = [axis for axis, (a, b) in enumerate(zip(spec.shape, part.shape, strict=True)) if a != b]
+            if axes:
+                whole[spec.name] = np.concatenate(arrays, axis=axes[0])
+                continue
+            whole[spec.name] = arrays[0]
+            # Every rank computes it from the same summed tensors: it must be rank 0's, bit for bit.
+            self.disagreements += [{"stage": stage, "rank": r, "output": spec.name,
+                                    "max_abs": float(np.abs(a.astype(np.float64) - arrays[0]).max())}
+                                   for r, a in enumerate(arrays) if not np.array_equal(a, arrays[0])]
+        return whole
+
+
+def rank_entries(runner: GridRunner) -> list[dict[str, Any]]:
+    """The last call's per (stage, rank) entries of a check step: whether all its partial sums are
+    within the bound and its replicated outputs are rank 0's, its worst partial (relative to its
+    bound), the first one out of bound and the replicated outputs that differ from rank 0's."""
+    entries = []
+    for s, ranks in enumerate(runner.partials):
+        for r, partials in enumerate(ranks):
+            differs = [d["output"] for d in runner.disagreements if (d["stage"], d["rank"]) == (s, r)]
+            failed = [p for p in partials if not p["passed"]]
+            entries.append({"stage": s, "rank": r, "passed": not failed and not differs,
+                            "worst": max(partials, key=lambda p: p["rel"] / max(p["bound"], 1e-30)),
+                            "first_failed": failed[0] if failed else None, "differs_from_rank_0": differs})
+    return entries
+
+
+def first_divergent_rank(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """In the first stage with a partial sum out of bound, the rank whose partial leaves it first
+    (step, then collective; the worst of ranks failing at the same one), or a rank whose replicated
+    outputs differ from rank 0's: {"stage", "rank", "step", "layer", "after", "rel", "bound"}."""
+    candidates = []
+    for i, step in enumerate(steps):
+        for entry in step["ranks"]:
+            partial = entry["first_failed"]
+            if partial:
+                worse = -partial["rel"] / max(partial["bound"], 1e-30)
+                key = (entry["stage"], i, partial["collective"], worse)
+                candidates.append((key, {"stage": entry["stage"], "rank": entry["rank"], "step": step["step"],
+                                         **{k: partial[k] for k in ("layer", "after", "rel", "bound")}}))
+            elif entry["differs_from_rank_0"]:
+                key = (entry["stage"], i, float("inf"), 0.0)
+                candidates.append((key, {"stage": entry["stage"], "rank": entry["rank"], "step": step["step"],
+                                         "differs_from_rank_0": entry["differs_from_rank_0"]}))
+    return min(candidates, key=lambda c: c[0])[1] if candidates else None
+
+
+def rank_lines(report: dict[str, Any]) -> list[str]:
+    """For the terminal: each (stage, rank)'s worst partial sum over the steps, and the first
+    divergent stage and rank."""
+    lines = []
+    for entry in report["steps"][0]["ranks"]:
+        s, r = entry["stage"], entry["rank"]
+        mine = [e for step in report["steps"] for e in step["ranks"] if (e["stage"], e["rank"]) == (s, r)]
+        worst = max((e["worst"] for e in mine), key=lambda p: p["rel"] / max(p["bound"], 1e-30))
+        differs = sorted({name for e in mine for name in e["differs_from_rank_0"]})
+        lines.append(f"stage {s} rank {r}: worst partial sum layer {worst['layer']} {worst['after']} rel "
+                     f"{worst['rel']:.2e} (bound {worst['bound']:.1e})"
+                     + (f"; differs from rank 0 in {', '.join(differs)}" if differs else ""))
+    first = report["first_divergent_rank"]
+    if first is None:
+        lines.append("first divergent stage and rank: none (every rank's partial sums within the bound, "
+                     "replicated outputs equal to rank 0's)")
+    elif "differs_from_rank_0" in first:
+        lines.append(f"first divergent stage and rank: stage {first['stage']} rank {first['rank']} at "
+                     f"{first['step']}: {', '.join(first['differs_from_rank_0'])} differ from rank 0's")
+    else:
+        lines.append(f"first divergent stage and rank: stage {first['stage']} rank {first['rank']} (layer "
+                     f"{first['layer']} {first['after']}) at {first['step']}: partial sum rel "
+                     f"{first['rel']:.2e} > bound {first['bound']:.1e}")
+    return lines
