@@ -34,7 +34,6 @@ import torch
 
 from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
 from k3export.errors import UserError
-from k3export.model.parallel import split_model
 from k3export.options import existing_file, non_negative_int
 from k3export.progress import track
 from k3export.shards.plan import Plan, plan_recipe
@@ -122,8 +121,8 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
     # Without weights the graph still takes the recipe's expert format (MXFP4 inputs when packed).
     weights = {"stripped": True, **({"packed_experts": True} if recipe.packed_experts else {})} \
         if no_weights else recipe.weights
-    model = split_model(build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log),
-                        rank, recipe.ranks)
+    model = build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log, rank=rank,
+                        ranks=recipe.ranks)
     folder = OutputDir(out / name, MANIFEST_FILE, "build", overwrite=overwrite)
     result = None
     with folder.staged() as staged:
