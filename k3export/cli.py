@@ -292,6 +292,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from k3export.artifacts import MANIFEST_NAMES, verify
+    from k3export.runtime import BUILD_MANIFEST, verify_build
 
     folder = Path(args.dir)
     names = [n for n in MANIFEST_NAMES if (folder / n).exists()]
@@ -299,7 +300,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UserError(f"{folder}: no k3export manifest ({', '.join(MANIFEST_NAMES)}); expected a folder "
                         "that `k3export export`, `build` or `check` wrote")
     for name in names:
-        manifest = verify(folder, name, full=True)
+        if name == BUILD_MANIFEST:  # stage by stage, rank by rank: a problem names the stage and rank
+            manifest = verify_build(folder, full=True)
+        else:
+            manifest = verify(folder, name, full=True)
         size = sum(record["bytes"] for record in manifest["files"].values())
         print(f"{folder / name}: {len(manifest['files'])} files, {_human(size, 'B')}, every sha256 matches")
     return 0

@@ -77,6 +77,21 @@ def _intact(out: Path, entry: dict[str, Any]) -> str | None:
     return None
 
 
+def _refuse_other_ranks(out: Path, recipe: Recipe) -> None:
+    """Refuses to build into a folder built with another [parallel] ranks: its rank folders (or its
+    unsplit stages) would be mixed with the new ones."""
+    try:
+        manifest = read_manifest(out, MANIFEST)
+    except UserError:
+        return  # none, or damaged: every stage is rebuilt
+    recorded = manifest.get("recipe")  # the recipe's TOML as the folder was built from it
+    built = recorded.get("parallel", {}).get("ranks", 1) if isinstance(recorded, dict) else 1
+    if built != recipe.ranks:
+        raise UserError(f"--out {out}: built with [parallel] ranks = {built} ({out / MANIFEST}), but "
+                        f"{recipe.path} now says ranks = {recipe.ranks}; the ranks of the two builds would "
+                        f"be mixed: build into a new folder, or delete {out} first")
+
+
 def _previous(out: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
     """The stage entries of the folder's manifest if it was built with the same settings."""
     if not (out / MANIFEST).is_file():
@@ -160,7 +175,8 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
         # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
         places = ("folder", "graph", "engine", "profiles")
         built = {**parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
-                 "ranks": [{"rank": r, "gpu": r, **{k: p[k] for k in places}} for r, p in enumerate(parts)],
+                 "ranks": [{"stage": index, "rank": r, "gpu": r, **{k: p[k] for k in places}}
+                           for r, p in enumerate(parts)],
                  "files": {name: record for p in parts for name, record in p["files"].items()}}
     files = built.pop("files")
     return {"index": index, "layers": [stage.layers.start, stage.layers.stop], **built,
@@ -188,12 +204,16 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
     indices = range(len(plan.stages))
     bad = [i for i in only or [] if i not in indices]
     if bad:
-        raise UserError(f"--stage {bad[0]}: expected a stage of {recipe.path}, 0..{len(plan.stages) - 1}")
+        grid = f" (each split over {recipe.ranks} ranks; --stage I builds all of stage I's ranks)" \
+            if recipe.ranks > 1 else ""
+        raise UserError(f"--stage {bad[0]}: expected a stage of {recipe.path}, "
+                        f"0..{len(plan.stages) - 1}{grid}")
     out = Path(out)
     # A killed run leaves a stage's staging folder behind; it is ours, so clear it before the check.
     for stale in [*out.glob("stage-*/.k3export-stage-*"), *out.glob("stage-*/rank-*/.k3export-stage-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
+    _refuse_other_ranks(out, recipe)
     settings = _settings(recipe, backend, no_weights, taps)
     previous = _previous(out, settings)
     manifest: dict[str, Any] = {
