@@ -85,14 +85,19 @@ def verify_build(build_dir: str | Path, full: bool = False) -> dict[str, Any]:
     manifest = read_manifest(build_dir, BUILD_MANIFEST)
     require(manifest, build_dir / BUILD_MANIFEST, "stages")
     parts = {}
-    for stage in manifest["stages"]:
-        if not stage.get("files"):
-            continue
-        for rank in stage.get("ranks", []):
-            _check_rank(build_dir, stage, rank, len(stage["ranks"]))
-            parts[f"{rank['folder']}/"] = f"stage {stage['index']} rank {rank['rank']}"
-        if "ranks" not in stage:
-            parts[f"{stage['folder']}/"] = f"stage {stage['index']}"
+    try:
+        for stage in manifest["stages"]:
+            if not stage.get("files"):
+                continue
+            for rank in stage.get("ranks", []):
+                _check_rank(build_dir, stage, rank, len(stage["ranks"]))
+                parts[f"{rank['folder']}/"] = f"stage {stage['index']} rank {rank['rank']}"
+            if "ranks" not in stage:
+                parts[f"{stage['folder']}/"] = f"stage {stage['index']}"
+    except (KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{build_dir / BUILD_MANIFEST}: a stage entry lacks {e} or is not an object; the "
+                        "folder is damaged or was written by another version of k3export, build it "
+                        "again") from None
     return verify(build_dir, BUILD_MANIFEST, full, parts)
 
 

@@ -4,15 +4,19 @@
                          specs, profiles), every file with sha256 and bytes, backend, target, versions
     DIR/stage-{i}/       model.onnx, model.onnx.data, config.json, export.json, and for a TensorRT
                          backend the engine stage-{i}.{target}.engine
+    DIR/stage-{i}/rank-{r}/   the same for each rank r of a stage split by `[parallel] ranks = N`; the
+                         stage's manifest entry lists its ranks' places ("stage", "rank", "gpu": the
+                         local GPU index, "folder")
 
 With taps (`build RECIPE --taps`, or `taps = true` under the recipe's [build]) every stage's export
 also outputs its layers' taps (export --taps), named by the model's layer indices (a stage over
 layers 5..8 gives taps.5.* .. taps.8.*), for `check --build DIR --taps`; the runtime ignores them.
 Taps are one of the manifest's settings, so a resume never mixes tapped and untapped stages.
 
-Each stage loads only its own layers' weights (layer-range loading), exports its graph, builds its
-engine, and is dropped before the next stage starts, so peak memory follows the largest stage, not
-the model. Stage folders are written through OutputDir (staged, renamed when complete) and the
+Each stage loads only its own layers' weights (layer-range loading), and each rank of a split stage
+only its slice of them (from a checkpoint; checkpoint.build_model), exports its graph, builds its
+engine, and is dropped before the next starts, so peak memory follows the largest stage (or rank),
+not the model. Stage folders are written through OutputDir (staged, renamed when complete) and the
 manifest is rewritten after every stage, so a rerun skips each stage whose files still hash as the
 manifest says (an interrupted build resumes) and rebuilds one whose files are missing or altered.
 """

@@ -81,6 +81,12 @@ def _kept(model: nn.Module) -> dict[str, Kept]:
     return split.kept if split else {}
 
 
+def _experts_held(part: Kept) -> range:
+    """The model's indices of the experts a stacked [E, ...] tensor holds: all, or a rank's (whole)."""
+    experts = range(part.shape[0])
+    return experts[part.index[0]] if part.index else experts
+
+
 def checkpoint_slots(model: nn.Module) -> dict[str, Slot]:
     """Checkpoint name -> Slot for every tensor the model holds.
 
@@ -93,10 +99,8 @@ def checkpoint_slots(model: nn.Module) -> dict[str, Slot]:
         part = kept.get(name, Kept((), tensor.shape))
         stacked = _STACKED_EXPERTS.fullmatch(name)
         if stacked:
-            # A rank holds some experts whole: the first index picks them.
-            held = range(part.shape[0])[part.index[0]] if part.index else range(part.shape[0])
             suffix = "weight" + (stacked[3] or "")
-            for local, e in enumerate(held):
+            for local, e in enumerate(_experts_held(part)):
                 slots[f"{stacked[1]}.{e}.{stacked[2]}.{suffix}"] = Slot(tensor, local, part.index[1:],
                                                                         part.shape[1:])
         else:
@@ -111,7 +115,7 @@ def _other_ranks_experts(model: nn.Module) -> set[str]:
     for name, part in _kept(model).items():
         stacked = _STACKED_EXPERTS.fullmatch(name)
         if stacked:
-            held = range(part.shape[0])[part.index[0]]
+            held = _experts_held(part)
             others |= {f"{stacked[1]}.{e}.{stacked[2]}" for e in range(part.shape[0]) if e not in held}
     return others
 
