@@ -131,7 +131,7 @@ def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
     (3, r"key 'parallel.ranks' = 3: expected a rank count that divides the model \(ranks = 3 does not "
         r"divide"),
     (0, r"key 'parallel.ranks' = 0: expected an integer >= 1"),
-    (-2, r"key 'parallel.ranks' = -2: expected an integer >= 1")])
+    (-2, r"key 'parallel.ranks' = -2: expected an integer >= 1")], ids=["3", "0", "-2"])
 def test_recipe_ranks_that_do_not_divide_or_are_not_positive_are_refused(tmp_path: Path, ranks: int,
                                                                        expected: str, capsys) -> None:
     (tmp_path / "bad.toml").write_text(RECIPE.format(ranks=ranks))
