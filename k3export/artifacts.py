@@ -109,10 +109,13 @@ def _inside(folder: Path, name: str, manifest: Path) -> Path:
     return path
 
 
-def verify(folder: str | Path, manifest_name: str, full: bool = False) -> dict[str, Any]:
+def verify(folder: str | Path, manifest_name: str, full: bool = False,
+           parts: dict[str, str] | None = None) -> dict[str, Any]:
     """Holds `folder` to its manifest: every listed file present, inside the folder, of its size and
     sha256. Files whose size and mtime match the last verification are not hashed again unless
-    `full`; a changed file changes its mtime, so it is hashed and caught. Returns the manifest."""
+    `full`; a changed file changes its mtime, so it is hashed and caught. `parts`: a sub-folder
+    (`stage-1/rank-0/`) -> what it is (`stage 1 rank 0`), named first in a message about its files.
+    Returns the manifest."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"{folder}: no such folder")
@@ -125,16 +128,19 @@ def verify(folder: str | Path, manifest_name: str, full: bool = False) -> dict[s
     verified = {}
     for name, record in manifest["files"].items():
         path = _inside(folder, name, folder / manifest_name)
+        part = next((f"{what}: " for prefix, what in (parts or {}).items() if name.startswith(prefix)), "")
         if not path.is_file():
-            raise UserError(f"{path}: missing (listed in {folder / manifest_name}); write the folder again")
+            raise UserError(f"{part}{path}: missing (listed in {folder / manifest_name}); write the folder "
+                            "again")
         stat = path.stat()
         if not isinstance(record, dict) or stat.st_size != record.get("bytes"):
-            raise UserError(f"{path}: {stat.st_size} bytes, expected {record.get('bytes')} "
+            raise UserError(f"{part}{path}: {stat.st_size} bytes, expected {record.get('bytes')} "
                             f"({folder / manifest_name}); the file is truncated or was changed")
         key = [stat.st_size, stat.st_mtime_ns]
         if seen.get(name) != key and sha256(path) != record.get("sha256"):
-            raise UserError(f"{path}: sha256 differs from {folder / manifest_name}; the file was changed "
-                            "after it was written, write the folder again")
+            raise UserError(f"{part}{path}: sha256 differs from {folder / manifest_name}; the file was "
+                            "changed after it was written (or comes from another build), write the folder "
+                            "again")
         verified[name] = key
     with contextlib.suppress(OSError):  # a read-only folder is verified all the same
         write_json(stat_path, verified)

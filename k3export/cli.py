@@ -129,7 +129,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from k3export.artifacts import OutputDir
-    from k3export.model.parallel import check_rank, split_model
+    from k3export.model.parallel import check_rank
     from k3export.onnx.export import MANIFEST_FILE, export_model, parse_layers
     from k3export.progress import spinner
     from k3export.weights.checkpoint import build_model
@@ -160,8 +160,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                        "the trace's example caches, 2 sequences at that capacity, and their outputs")
     print(f"building the eager model: layers {layers.start}..{layers.stop - 1} of "
           f"{config.num_hidden_layers}, {dtype_name}, weights {weights}")
-    model = split_model(build_model(config, getattr(torch, dtype_name), weights, layers, log=print),
-                        args.rank, args.ranks)
+    model = build_model(config, getattr(torch, dtype_name), weights, layers, log=print, rank=args.rank,
+                        ranks=args.ranks)
     print(f"exporting to {out.path} (torch.export, then ONNX translation; minutes for large models)")
     with out.staged() as stage, spinner("export: torch.export, then the ONNX translation"):
         manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins,
@@ -294,6 +294,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from k3export.artifacts import MANIFEST_NAMES, verify
+    from k3export.runtime import BUILD_MANIFEST, verify_build
 
     folder = Path(args.dir)
     names = [n for n in MANIFEST_NAMES if (folder / n).exists()]
@@ -301,7 +302,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UserError(f"{folder}: no k3export manifest ({', '.join(MANIFEST_NAMES)}); expected a folder "
                         "that `k3export export`, `build` or `check` wrote")
     for name in names:
-        manifest = verify(folder, name, full=True)
+        if name == BUILD_MANIFEST:  # stage by stage, rank by rank: a problem names the stage and rank
+            manifest = verify_build(folder, full=True)
+        else:
+            manifest = verify(folder, name, full=True)
         size = sum(record["bytes"] for record in manifest["files"].values())
         print(f"{folder / name}: {len(manifest['files'])} files, {_human(size, 'B')}, every sha256 matches")
     return 0

@@ -7,6 +7,7 @@ the unsplit eager model and names the stage and rank of a wrong expert weight.""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -71,8 +72,8 @@ def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
 def test_build_writes_each_rank_of_each_stage(grid_build: Path) -> None:
     manifest = json.loads((grid_build / "manifest.json").read_text())
     for i, stage in enumerate(manifest["stages"]):
-        assert [(r["rank"], r["gpu"], r["folder"]) for r in stage["ranks"]] == [
-            (r, r, f"stage-{i}/rank-{r}") for r in range(2)]
+        assert [(r["stage"], r["rank"], r["gpu"], r["folder"]) for r in stage["ranks"]] == [
+            (i, r, r, f"stage-{i}/rank-{r}") for r in range(2)]
         for rank in stage["ranks"]:
             export = json.loads((grid_build / rank["folder"] / "export.json").read_text())
             assert (export["parallel"]["rank"], export["parallel"]["ranks"]) == (rank["rank"], 2)
@@ -134,11 +135,66 @@ def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == expected
 
 
-def test_recipe_ranks_that_do_not_divide_are_refused(tmp_path: Path) -> None:
-    (tmp_path / "bad.toml").write_text(RECIPE.format(ranks=3))
-    with pytest.raises(UserError, match=r"bad.toml: key 'parallel.ranks' = 3: expected a rank count that "
-                                        r"divides the model \(ranks = 3 does not divide"):
+@pytest.mark.parametrize(("ranks", "expected"), [
+    (3, r"key 'parallel.ranks' = 3: expected a rank count that divides the model \(ranks = 3 does not "
+        r"divide"),
+    (0, r"key 'parallel.ranks' = 0: expected an integer >= 1"),
+    (-2, r"key 'parallel.ranks' = -2: expected an integer >= 1")], ids=["3", "0", "-2"])
+def test_recipe_ranks_that_do_not_divide_or_are_not_positive_are_refused(tmp_path: Path, ranks: int,
+                                                                       expected: str, capsys) -> None:
+    (tmp_path / "bad.toml").write_text(RECIPE.format(ranks=ranks))
+    with pytest.raises(UserError, match=r"bad.toml: " + expected):
         load_recipe(tmp_path / "bad.toml")
+    assert main(["build", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "out")]) == 2
+    assert re.search(expected, capsys.readouterr().err)
+
+
+def test_rank_folders_are_checked_by_place(grid_build: Path, tmp_path: Path, capsys) -> None:
+    """`verify DIR` and the runtime (stage_ranks) refuse, naming the stage and rank, a rank folder that
+    is missing, one that is another rank's, and one whose files are not the build's (another build's
+    weights: here the same bytes reversed)."""
+    build = shutil.copytree(grid_build, tmp_path / "build")
+    assert main(["verify", str(build)]) == 0
+    assert "every sha256 matches" in capsys.readouterr().out
+
+    def refused(expected: str) -> None:
+        assert main(["verify", str(build)]) == 2
+        assert expected in capsys.readouterr().err
+        with pytest.raises(UserError) as error:
+            stage_ranks(build)
+        assert expected in str(error.value)
+
+    shutil.rmtree(build / "stage-1" / "rank-1")
+    refused(f"stage 1 rank 1: its folder {build / 'stage-1' / 'rank-1'} is missing")
+    shutil.copytree(grid_build / "stage-0" / "rank-1", build / "stage-1" / "rank-1")
+    refused("stage 1 rank 1: " + str(build / "stage-1" / "rank-1" / "export.json") + " is rank 1 of 2 over "
+            "layers [0, 5], expected rank 1 of 2 over layers [5, 9]: ranks of different builds are mixed")
+    shutil.rmtree(build / "stage-1" / "rank-1")
+    shutil.copytree(grid_build / "stage-1" / "rank-1", build / "stage-1" / "rank-1")
+    shutil.rmtree(build / "stage-0" / "rank-0")
+    shutil.copytree(grid_build / "stage-0" / "rank-1", build / "stage-0" / "rank-0")
+    refused("stage 0 rank 0: " + str(build / "stage-0" / "rank-0" / "export.json") + " is rank 1 of 2")
+    shutil.rmtree(build / "stage-0" / "rank-0")
+    shutil.copytree(grid_build / "stage-0" / "rank-0", build / "stage-0" / "rank-0")
+    data = build / "stage-1" / "rank-0" / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[::-1])
+    refused(f"stage 1 rank 0: {data}: sha256 differs from {build / 'manifest.json'}")
+
+
+def test_a_grid_build_refuses_another_rank_count_and_a_stage_outside_it(grid_build: Path, tmp_path: Path,
+                                                                       capsys) -> None:
+    """Resuming into a folder built with other ranks is refused (the two builds' ranks would mix), and
+    so is a --stage that is not one of the grid's stages."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(grid_build / "manifest.json", out)  # what the refusal reads: the build's recipe
+    (tmp_path / "one.toml").write_text(RECIPE.format(ranks=1))
+    assert main(["build", str(tmp_path / "one.toml"), "--out", str(out)]) == 2
+    assert (f"--out {out}: built with [parallel] ranks = 2 ({out / 'manifest.json'}), but "
+            f"{tmp_path / 'one.toml'} now says ranks = 1") in capsys.readouterr().err
+    assert main(["build", str(grid_build.parent / "grid.toml"), "--stage", "2", "--out", str(out)]) == 2
+    assert ("--stage 2: expected a stage of " + str(grid_build.parent / "grid.toml") + ", 0..1 (each split "
+            "over 2 ranks; --stage I builds all of stage I's ranks)") in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -55,8 +55,8 @@ def test_published_model_on_two_hosts_of_eight(capsys) -> None:
 
 
 def test_the_two_host_recipe_plans_its_ranks(capsys) -> None:
-    """engines/kimi-k3-2x8.toml ([parallel] ranks = 8) plans per GPU without --ranks."""
-    recipe = Path(__file__).parents[1] / "engines" / "kimi-k3-2x8.toml"
+    """engines/kimi-k3.toml ([parallel] ranks = 8) plans per GPU without --ranks."""
+    recipe = Path(__file__).parents[1] / "engines" / "kimi-k3.toml"
     assert main(["plan", str(recipe), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["parallel"]["ranks"] == 8 and len(plan["stages"]) == 2

@@ -52,7 +52,7 @@ def expected_layer(i: int) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def k3_plan():
-    recipe = load_recipe(ROOT / "engines/kimi-k3.toml")
+    recipe = load_recipe(ROOT / "engines/kimi-k3-16x1.toml")
     return recipe, plan_recipe(recipe)
 
 

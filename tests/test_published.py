@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -17,10 +18,12 @@ from k3export.check.driver import run_check
 from k3export.cli import main
 from k3export.config import K3Config
 from k3export.model import K3ForCausalLM
+from k3export.model.parallel import split_model
 from k3export.ops import mxfp4
 from k3export.weights.checkpoint import (
     INDEX_NAME,
     CheckpointError,
+    build_model,
     checkpoint_slots,
     load_checkpoint,
     published_name,
@@ -359,6 +362,31 @@ def test_layer_range_opens_only_its_shards(mxfp4_dir, source, monkeypatch, layer
             assert torch.equal(a, b)
     untouched = [0] if layers.start else [5]
     assert not any(p.any() for i in untouched for p in model.model.layers[i].parameters())
+
+
+@pytest.mark.parametrize(("folder", "packed"), [("bf16_dir", False), ("mxfp4_dir", False),
+                                              ("mxfp4_dir", True)])
+def test_a_rank_reads_only_its_slice(folder, packed, request, source, monkeypatch):
+    """Rank 1 of 2 built from a checkpoint (split on the meta device, then each tensor's kept part
+    read) holds exactly what split_model keeps of the fully loaded model; rank 0's experts are not
+    read at all."""
+    directory = request.getfixturevalue(folder)
+    weights = {"checkpoint": str(directory), **({"packed_experts": True} if packed else {})}
+    expected = split_model(build_model(source.config, torch.float32, weights), 1, 2).state_dict()
+    read = []
+
+    def recording_read(f, name, slot, path):
+        read.append(name)
+        return real_read(f, name, slot, path)
+
+    real_read = checkpoint._read
+    monkeypatch.setattr(checkpoint, "_read", recording_read)
+    rank = build_model(source.config, torch.float32, weights, rank=1, ranks=2).state_dict()
+    assert list(rank) == list(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(rank[name], tensor), name
+    experts = {int(m[1]) for n in read if (m := re.search(r"\.experts\.(\d+)\.", n))}
+    assert experts == set(range(4, 8))
 
 
 # -- command line --------------------------------------------------------------------------------

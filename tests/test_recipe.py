@@ -17,10 +17,11 @@ def test_shipped_recipes_load() -> None:
     tiny = load_recipe(ROOT / "engines/k3-tiny.toml")
     assert (tiny.stage_count, tiny.dtype, tiny.weights, tiny.taps) == (2, "float32", {"seed": 0}, False)
     assert load_recipe(ROOT / "engines/k3-small.toml").stage_count == 4
-    k3 = load_recipe(ROOT / "engines/kimi-k3.toml")
-    assert (k3.backend, k3.target, k3.packed_experts) == ("tensorrt", "sm90", True)
-    assert k3.config.num_hidden_layers == 93
-    assert k3.weights["checkpoint"].endswith("checkpoints/Kimi-K3") and k3.weights["packed_experts"]
+    for name, stages, ranks in (("kimi-k3.toml", 2, 8), ("kimi-k3-16x1.toml", 16, 1)):
+        k3 = load_recipe(ROOT / "engines" / name)
+        assert (k3.backend, k3.target, k3.packed_experts) == ("tensorrt", "sm90", True)
+        assert (k3.config.num_hidden_layers, k3.stage_count, k3.ranks) == (93, stages, ranks)
+        assert k3.weights["checkpoint"].endswith("checkpoints/Kimi-K3") and k3.weights["packed_experts"]
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -8,7 +8,7 @@ tree's modules may have moved), in a child process of its own, alternating befor
 the rounds; the last column is before / after (the speed-up).
 
 The cases: k3-tiny and k3-small with seeded weights (float32), and the published model's first
-pipeline stage of engines/kimi-k3.toml's 16-stage plan (layers 0-5, bfloat16, MXFP4 experts,
+pipeline stage of engines/kimi-k3-16x1.toml's 16-stage plan (layers 0-5, bfloat16, MXFP4 experts,
 131,072-token MLA cache) without weights, the graph at real shapes.
 
 Phases are read from the child by wrapping torch's own functions (stable across our commits):

@@ -3,7 +3,7 @@ flight, measured on k3-small in 2 stages (one process a stage, torchrun, gloo), 
 the published recipe from the plan.
 
     python tools/bench_pipeline.py [--build out/k3-small-2] [--max-new-tokens 65] [--prompt-len 32]
-                                   [--runs 8x1,16x2,32x4,16x1] [--recipe engines/kimi-k3.toml]
+                                   [--runs 8x1,16x2,32x4,16x1] [--recipe engines/kimi-k3-16x1.toml]
 
 Measured: each run is `torchrun --nproc-per-node 2 -m k3export.runtime BUILD --batch B
 --micro-batches M --json` (float32, ONNX Runtime with one intra-op thread a process, the default
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=65)
     parser.add_argument("--runs", default="8x1,16x2,32x4,16x1",
                         help="SEQUENCESxMICRO_BATCHES, comma-separated")
-    parser.add_argument("--recipe", default=str(ROOT / "engines/kimi-k3.toml"), help="for the estimate")
+    parser.add_argument("--recipe", default=str(ROOT / "engines/kimi-k3-16x1.toml"), help="for the estimate")
     parser.add_argument("--estimate-only", action="store_true")
     args = parser.parse_args()
     if not args.estimate_only:

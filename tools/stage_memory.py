@@ -52,15 +52,16 @@ BACKENDS = ("onnx", "tensorrt-rtx:before", "tensorrt-rtx:unreleased", "tensorrt-
             "tensorrt-rtx")
 
 
-def peak_rss(command: list[str]) -> tuple[int, float]:
-    """(peak resident bytes, seconds) of a child process run to completion."""
+def peak_rss(command: list[str]) -> tuple[int, float, str]:
+    """(peak resident bytes, seconds, what it printed: a line or two) of a child process run to
+    completion."""
     start = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{child.stderr.read().decode()[-3000:]}")
-    return usage.ru_maxrss * 1024, time.perf_counter() - start  # kilobytes on Linux
+    return usage.ru_maxrss * 1024, time.perf_counter() - start, child.stdout.read().decode()  # KB on Linux
 
 
 def main() -> None:
@@ -88,7 +89,7 @@ def main() -> None:
             peaks, times = {}, []
             for backend in args.backend:
                 with tempfile.TemporaryDirectory() as tmp:
-                    peak, seconds = peak_rss([sys.executable, "-c", CHILD, args.recipe, str(count), tmp,
+                    peak, seconds, _ = peak_rss([sys.executable, "-c", CHILD, args.recipe, str(count), tmp,
                                               backend, str(stage.index)])
                 peaks[backend] = peak
                 points[backend].append((w, peak))

@@ -47,12 +47,23 @@ from k3export.model.moe import LatentMoE
 
 
 @dataclass(frozen=True)
+class Kept:
+    """A split parameter or buffer: the rank holds `index` of the unsplit tensor, of shape `shape`."""
+
+    index: tuple[slice, ...]
+    shape: torch.Size
+
+
+@dataclass(frozen=True)
 class RankSplit:
     """What `split_model` records on the model it splits (`model.tensor_parallel`)."""
 
     rank: int
     ranks: int
     config: K3Config  # the unsplit model's (the split model's own config has the rank's heads)
+    # Parameter or buffer name -> what the rank holds of it; names not here are replicated whole.
+    # A checkpoint loader reads only these parts (k3export/weights/checkpoint.py).
+    kept: dict[str, Kept] = dataclasses.field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -121,14 +132,18 @@ def _part(size: int, rank: int, ranks: int) -> slice:
     return slice(rank * share, (rank + 1) * share)
 
 
-def _keep(module: nn.Module, name: str, index: tuple[slice | int, ...]) -> None:
-    """Replaces the parameter or buffer `name` by its slice `index` (a copy: the full tensor is freed)."""
+def _keep(module: nn.Module, name: str, index: tuple[slice, ...]) -> None:
+    """Replaces the parameter or buffer `name` by its slice `index` (a copy: the full tensor is freed),
+    and records the slice in the module's `kept_slices` (split_model gathers them)."""
     tensor = getattr(module, name)
     kept = tensor[index].clone()
     if isinstance(tensor, nn.Parameter):
         setattr(module, name, nn.Parameter(kept, requires_grad=tensor.requires_grad))
     else:
         module.register_buffer(name, kept)
+    if not hasattr(module, "kept_slices"):
+        module.kept_slices = {}
+    module.kept_slices[name] = Kept(index, tensor.shape)
 
 
 def _keep_rows(linear: nn.Linear, rows: slice) -> None:
@@ -219,7 +234,8 @@ def split_model(model: K3ForCausalLM, rank: int, ranks: int) -> K3ForCausalLM:
     The model's config becomes the rank's (rank_config: its heads), so its caches have the rank's
     shapes; `model.tensor_parallel` is a RankSplit (absent on an unsplit model, and for ranks = 1).
     Layers on the meta device (not in this process's pipeline stage) are split all the same, at no
-    cost."""
+    cost; so is a model wholly on the meta device, whose rank's weights are then loaded from a
+    checkpoint, each tensor's kept part alone (k3export/weights/checkpoint.py build_model)."""
     split = getattr(model, "tensor_parallel", None)
     if split is not None:
         raise UserError(f"the model is already split (rank {split.rank} of {split.ranks}); split the unsplit "
@@ -227,7 +243,7 @@ def split_model(model: K3ForCausalLM, rank: int, ranks: int) -> K3ForCausalLM:
     check_rank(model.config, rank, ranks)
     if ranks == 1:
         return model
-    model.tensor_parallel = RankSplit(rank, ranks, model.config)
+    config = model.config
     for layer in model.model.layers:
         if layer.is_mla:
             _split_mla(layer.self_attn, rank, ranks)
@@ -238,5 +254,8 @@ def split_model(model: K3ForCausalLM, rank: int, ranks: int) -> K3ForCausalLM:
             _sum_output(layer.mlp.down_proj, ranks)
         else:
             _split_moe(layer.block_sparse_moe, rank, ranks)
-    model.config = rank_config(model.config, ranks)
+    kept = {f"{prefix}.{name}": part for prefix, module in model.named_modules()
+            for name, part in getattr(module, "kept_slices", {}).items()}
+    model.tensor_parallel = RankSplit(rank, ranks, config, kept)
+    model.config = rank_config(config, ranks)
     return model

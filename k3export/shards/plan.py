@@ -1,7 +1,8 @@
 """The shard planner: contiguous layer ranges (pipeline stages) balanced by weight bytes.
 
-    k3export plan engines/kimi-k3.toml
+    k3export plan engines/kimi-k3-16x1.toml
     k3export plan --preset kimi-k3 --stages 16 --packed-experts [--json]
+    k3export plan engines/kimi-k3.toml          # 2 stages x 8 ranks: per GPU ([parallel] ranks)
 
 A plan is a function of the model's configuration: the model is built on the meta device (no
 weights allocated) and each layer's parameters are counted, the embedding with layer 0 and the

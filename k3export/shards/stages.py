@@ -4,15 +4,19 @@
                          specs, profiles), every file with sha256 and bytes, backend, target, versions
     DIR/stage-{i}/       model.onnx, model.onnx.data, config.json, export.json, and for a TensorRT
                          backend the engine stage-{i}.{target}.engine
+    DIR/stage-{i}/rank-{r}/   the same for each rank r of a stage split by `[parallel] ranks = N`; the
+                         stage's manifest entry lists its ranks' places ("stage", "rank", "gpu": the
+                         local GPU index, "folder")
 
 With taps (`build RECIPE --taps`, or `taps = true` under the recipe's [build]) every stage's export
 also outputs its layers' taps (export --taps), named by the model's layer indices (a stage over
 layers 5..8 gives taps.5.* .. taps.8.*), for `check --build DIR --taps`; the runtime ignores them.
 Taps are one of the manifest's settings, so a resume never mixes tapped and untapped stages.
 
-Each stage loads only its own layers' weights (layer-range loading), exports its graph, builds its
-engine, and is dropped before the next stage starts, so peak memory follows the largest stage, not
-the model. Stage folders are written through OutputDir (staged, renamed when complete) and the
+Each stage loads only its own layers' weights (layer-range loading), and each rank of a split stage
+only its slice of them (from a checkpoint; checkpoint.build_model), exports its graph, builds its
+engine, and is dropped before the next starts, so peak memory follows the largest stage (or rank),
+not the model. Stage folders are written through OutputDir (staged, renamed when complete) and the
 manifest is rewritten after every stage, so a rerun skips each stage whose files still hash as the
 manifest says (an interrupted build resumes) and rebuilds one whose files are missing or altered.
 """
@@ -34,7 +38,6 @@ import torch
 
 from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
 from k3export.errors import UserError
-from k3export.model.parallel import split_model
 from k3export.options import existing_file, non_negative_int
 from k3export.progress import track
 from k3export.shards.plan import Plan, plan_recipe
@@ -76,6 +79,21 @@ def _intact(out: Path, entry: dict[str, Any]) -> str | None:
         if file_record(path) != record:
             return f"{name} differs from {MANIFEST} (sha256)"
     return None
+
+
+def _refuse_other_ranks(out: Path, recipe: Recipe) -> None:
+    """Refuses to build into a folder built with another [parallel] ranks: its rank folders (or its
+    unsplit stages) would be mixed with the new ones."""
+    try:
+        manifest = read_manifest(out, MANIFEST)
+    except UserError:
+        return  # none, or damaged: every stage is rebuilt
+    recorded = manifest.get("recipe")  # the recipe's TOML as the folder was built from it
+    built = recorded.get("parallel", {}).get("ranks", 1) if isinstance(recorded, dict) else 1
+    if built != recipe.ranks:
+        raise UserError(f"--out {out}: built with [parallel] ranks = {built} ({out / MANIFEST}), but "
+                        f"{recipe.path} now says ranks = {recipe.ranks}; the ranks of the two builds would "
+                        f"be mixed: build into a new folder, or delete {out} first")
 
 
 def _previous(out: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
@@ -122,8 +140,8 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
     # Without weights the graph still takes the recipe's expert format (MXFP4 inputs when packed).
     weights = {"stripped": True, **({"packed_experts": True} if recipe.packed_experts else {})} \
         if no_weights else recipe.weights
-    model = split_model(build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log),
-                        rank, recipe.ranks)
+    model = build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log, rank=rank,
+                        ranks=recipe.ranks)
     folder = OutputDir(out / name, MANIFEST_FILE, "build", overwrite=overwrite)
     result = None
     with folder.staged() as staged:
@@ -161,7 +179,8 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
         # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
         places = ("folder", "graph", "engine", "profiles")
         built = {**parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
-                 "ranks": [{"rank": r, "gpu": r, **{k: p[k] for k in places}} for r, p in enumerate(parts)],
+                 "ranks": [{"stage": index, "rank": r, "gpu": r, **{k: p[k] for k in places}}
+                           for r, p in enumerate(parts)],
                  "files": {name: record for p in parts for name, record in p["files"].items()}}
     files = built.pop("files")
     return {"index": index, "layers": [stage.layers.start, stage.layers.stop], **built,
@@ -189,12 +208,16 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
     indices = range(len(plan.stages))
     bad = [i for i in only or [] if i not in indices]
     if bad:
-        raise UserError(f"--stage {bad[0]}: expected a stage of {recipe.path}, 0..{len(plan.stages) - 1}")
+        grid = f" (each split over {recipe.ranks} ranks; --stage I builds all of stage I's ranks)" \
+            if recipe.ranks > 1 else ""
+        raise UserError(f"--stage {bad[0]}: expected a stage of {recipe.path}, "
+                        f"0..{len(plan.stages) - 1}{grid}")
     out = Path(out)
     # A killed run leaves a stage's staging folder behind; it is ours, so clear it before the check.
     for stale in [*out.glob("stage-*/.k3export-stage-*"), *out.glob("stage-*/rank-*/.k3export-stage-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
+    _refuse_other_ranks(out, recipe)
     settings = _settings(recipe, backend, no_weights, taps)
     previous = _previous(out, settings)
     manifest: dict[str, Any] = {

@@ -5,6 +5,10 @@ tensor per expert (`...experts.{e}.w1.weight`, or its MXFP4 pair `.weight_packed
 `.weight_scale`). `checkpoint_slots` is the one place where the two meet. Large checkpoints are
 sharded with a `model.safetensors.index.json` beside them.
 
+A rank of a split model (k3export/model/parallel.py: tensor- and expert-parallel) loads only its
+part: its routed experts' tensors, and of each split tensor only the slice it keeps (safetensors
+`get_slice`), so a rank's peak memory follows its slice, not its stage (`build_model(..., rank, ranks)`).
+
 Two layouts load: our own (names as the model's) and the published Kimi-K3 one, whose
 language-model names carry a `language_model.` prefix and whose other tensors (the vision tower)
 are skipped and counted. `published_name` translates names; `_to_model_layout` holds the
@@ -31,6 +35,7 @@ from k3export.artifacts import atomic_path, write_atomic
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
+from k3export.model.parallel import Kept, split_model
 from k3export.ops import mxfp4
 from k3export.options import available_memory
 
@@ -54,25 +59,65 @@ class CheckpointError(UserError):
     """A checkpoint that does not fit the model: the message names the file and tensors."""
 
 
-def checkpoint_slots(model: nn.Module) -> dict[str, tuple[Tensor, int | None]]:
-    """Checkpoint name -> (parameter or buffer, expert index or None) for every tensor of the model.
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor goes: `tensor`, or its `expert` (local index) if stacked [E, ...].
+    It holds `index` of the checkpoint tensor, whose whole shape is `shape`: all of it (index ()),
+    except on a rank of a split model."""
 
-    Stacked experts [E, ...] give one name per expert; kept-packed experts (`w1_packed`,
-    `w1_scale` buffers) give the MXFP4 pair `experts.{e}.w1.weight_packed` / `.weight_scale`."""
-    slots: dict[str, tuple[Tensor, int | None]] = {}
+    tensor: Tensor
+    expert: int | None
+    index: tuple[slice, ...]
+    shape: torch.Size
+
+    @property
+    def target(self) -> Tensor:
+        return self.tensor if self.expert is None else self.tensor[self.expert]
+
+
+def _kept(model: nn.Module) -> dict[str, Kept]:
+    """What a rank of a split model keeps of each split tensor (none for an unsplit model)."""
+    split = getattr(model, "tensor_parallel", None)
+    return split.kept if split else {}
+
+
+def _experts_held(part: Kept) -> range:
+    """The model's indices of the experts a stacked [E, ...] tensor holds: all, or a rank's (whole)."""
+    experts = range(part.shape[0])
+    return experts[part.index[0]] if part.index else experts
+
+
+def checkpoint_slots(model: nn.Module) -> dict[str, Slot]:
+    """Checkpoint name -> Slot for every tensor the model holds.
+
+    Stacked experts [E, ...] give one name per expert (a rank: per expert it holds, by its index
+    in the model); kept-packed experts (`w1_packed`, `w1_scale` buffers) give the MXFP4 pair
+    `experts.{e}.w1.weight_packed` / `.weight_scale`."""
+    kept = _kept(model)
+    slots: dict[str, Slot] = {}
     for name, tensor in chain(model.named_parameters(), model.named_buffers()):
+        part = kept.get(name, Kept((), tensor.shape))
         stacked = _STACKED_EXPERTS.fullmatch(name)
         if stacked:
             suffix = "weight" + (stacked[3] or "")
-            for e in range(tensor.shape[0]):
-                slots[f"{stacked[1]}.{e}.{stacked[2]}.{suffix}"] = (tensor, e)
+            for local, e in enumerate(_experts_held(part)):
+                slots[f"{stacked[1]}.{e}.{stacked[2]}.{suffix}"] = Slot(tensor, local, part.index[1:],
+                                                                        part.shape[1:])
         else:
-            slots[name] = (tensor, None)
+            slots[name] = Slot(tensor, None, part.index, part.shape)
     return slots
 
 
-def slot_tensor(param: Tensor, expert: int | None) -> Tensor:
-    return param if expert is None else param[expert]
+def _other_ranks_experts(model: nn.Module) -> set[str]:
+    """The routed experts (`...experts.{e}.w1`) that the other ranks of a split model hold: their
+    checkpoint tensors are not read, and not unexpected either."""
+    others = set()
+    for name, part in _kept(model).items():
+        stacked = _STACKED_EXPERTS.fullmatch(name)
+        if stacked:
+            held = _experts_held(part)
+            others |= {f"{stacked[1]}.{e}.{stacked[2]}" for e in range(part.shape[0]) if e not in held}
+    return others
 
 
 def write_shard(path: Path, tensors: dict[str, Tensor]) -> Path:
@@ -98,8 +143,8 @@ def save_checkpoint(model: nn.Module, directory: str | Path,
     shards: list[list[str]] = [[]]
     shard_bytes = 0
     slots = checkpoint_slots(model)
-    for name, (param, expert) in slots.items():
-        size = slot_tensor(param, expert).nbytes
+    for name, slot in slots.items():
+        size = slot.target.nbytes
         if shards[-1] and shard_bytes + size > max_shard_bytes:
             shards.append([])
             shard_bytes = 0
@@ -112,10 +157,10 @@ def save_checkpoint(model: nn.Module, directory: str | Path,
     written = []
     for file_name, shard in zip(names, shards, strict=True):
         # Clones: safetensors refuses views that share storage (the per-expert slices).
-        tensors = {n: slot_tensor(*slots[n]).detach().clone().contiguous() for n in shard}
+        tensors = {n: slots[n].target.detach().clone().contiguous() for n in shard}
         written.append(write_shard(directory / file_name, tensors))
     if len(shards) > 1:
-        total = sum(slot_tensor(p, e).nbytes for p, e in slots.values())
+        total = sum(slot.target.nbytes for slot in slots.values())
         files = {n: f for f, shard in zip(names, shards, strict=True) for n in shard}
         written.append(write_index(directory, files, total))
     config = getattr(model, "config", None)
@@ -332,14 +377,14 @@ def _in_range(name: str, layers: range, num_layers: int) -> bool:
     return layers.stop == num_layers
 
 
-def _to_model_layout(name: str, tensor: Tensor, target: Tensor, where: str) -> Tensor:
+def _to_model_layout(name: str, tensor: Tensor, shape: torch.Size, where: str) -> Tensor:
     """The published tensors' quirks, in one place; dtypes are cast by the copy that follows
     (so a bfloat16 e_score_correction_bias, as sglang's loader allows, reaches the float32 slot)."""
     if name.endswith(".A_log"):
         # Published: F32 [128], heads first, zero padding after; sglang/vLLM (Kimi Linear) hold
         # [1, 1, H, 1]. The model holds [H].
         padded = tensor.dim() == 1 or (tensor.dim() == 4 and tensor.shape[:2] + tensor.shape[3:] == (1, 1, 1))
-        flat, heads = tensor.flatten(), target.shape[0]
+        flat, heads = tensor.flatten(), shape[0]
         if padded and flat.numel() > heads:
             if not flat.is_meta and flat[heads:].any():
                 raise CheckpointError(f"{where}: {name} has non-zero entries past the {heads} heads "
@@ -352,12 +397,28 @@ def _to_model_layout(name: str, tensor: Tensor, target: Tensor, where: str) -> T
     return tensor
 
 
+def _read(f: Any, name: str, slot: Slot | None, path: Path) -> Tensor:
+    """The checkpoint tensor `name` of the open file `f` as its slot holds it, in the model's layout.
+    Only the slot's part is read when the file's layout is the model's (a rank reads its slice);
+    else the whole tensor is read, laid out and cut. MXFP4 halves (no slot of their own when the
+    model decodes them) are read whole: a rank holds whole experts."""
+    if slot is None:
+        return f.get_tensor(name)
+    stored = f.get_slice(name)
+    if slot.index and tuple(stored.get_shape()) == tuple(slot.shape):
+        return stored[slot.index]
+    return _to_model_layout(name, f.get_tensor(name), slot.shape, str(path))[slot.index]
+
+
 class _Loader:
     """One load: fills the model's slots from the files, recording what did not fit. A dry loader
-    takes meta tensors (shapes and dtypes from the files' headers) and checks without copying."""
+    takes meta tensors of the files' whole tensors (shapes and dtypes from their headers) and checks
+    them against the slots' whole shapes without copying; a loader that copies takes what `_read`
+    read (the slot's part, laid out), once the dry loader has passed the files."""
 
     def __init__(self, model: nn.Module, layout: CheckpointLayout, dry: bool = False) -> None:
         self.slots = checkpoint_slots(model)
+        self.other_ranks_experts = _other_ranks_experts(model)
         self.layout, self.dry = layout, dry
         self.dtype = getattr(model, "dtype", torch.float32)  # what MXFP4 experts decode to
         self.loaded: set[str] = set()
@@ -370,19 +431,26 @@ class _Loader:
         pair = EXPERT_WEIGHT.fullmatch(ours)
         return ours in self.slots or (pair is not None and f"{pair[1]}.weight" in self.slots)
 
+    def other_ranks(self, ours: str) -> bool:
+        """Whether a checkpoint tensor is a routed expert that another rank of a split model holds."""
+        pair = EXPERT_WEIGHT.fullmatch(ours)
+        return pair is not None and pair[1] in self.other_ranks_experts
+
     def copy(self, ours: str, tensor: Tensor, path: Path) -> None:
-        target = slot_tensor(*self.slots[ours])
-        name, shape = self.layout.tensors[ours][0], list(tensor.shape)
-        tensor = _to_model_layout(name, tensor, target, str(path))
-        if tensor.shape != target.shape:
-            self.misshaped[ours] = f"{name} ({path.name}: {shape}, model: {list(target.shape)})"
-            return
-        if tensor.dtype.is_floating_point != target.dtype.is_floating_point:
-            self.misshaped[ours] = (f"{name} ({path.name}: {str(tensor.dtype).removeprefix('torch.')}, "
-                                    f"model: {str(target.dtype).removeprefix('torch.')})")
-            return
+        slot = self.slots[ours]
         if not self.dry:
-            target.copy_(tensor)
+            slot.target.copy_(tensor)
+            self.loaded.add(ours)
+            return
+        name, shape = self.layout.tensors[ours][0], list(tensor.shape)
+        tensor = _to_model_layout(name, tensor, slot.shape, str(path))
+        if tensor.shape != slot.shape:
+            self.misshaped[ours] = f"{name} ({path.name}: {shape}, model: {list(slot.shape)})"
+            return
+        if tensor.dtype.is_floating_point != slot.tensor.dtype.is_floating_point:
+            self.misshaped[ours] = (f"{name} ({path.name}: {str(tensor.dtype).removeprefix('torch.')}, "
+                                    f"model: {str(slot.tensor.dtype).removeprefix('torch.')})")
+            return
         self.loaded.add(ours)
 
     def add(self, ours: str, tensor: Tensor, path: Path) -> None:
@@ -408,7 +476,7 @@ class _Loader:
             self.copy(f"{base}.weight_packed", packed, path)
             self.copy(f"{base}.weight_scale", scale, path)
             return
-        target = slot_tensor(*self.slots[dense])
+        target = self.slots[dense].target
         if packed.shape[-1] * 2 != target.shape[-1] or scale.shape != (*target.shape[:-1],
                                                                       target.shape[-1] // mxfp4.GROUP):
             name = self.layout.tensors[f"{base}.weight_packed"][0]
@@ -437,7 +505,8 @@ def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | Non
     """Copies the checkpoint's tensors into the model (cast to each slot's dtype), one file at a
     time; with `layers`, only those layers' tensors (and the globals they need), opening only
     the files that hold them. Reads either layout (see read_layout); MXFP4 experts are decoded
-    to the model dtype, or copied as they are into a model whose experts are kept packed.
+    to the model dtype, or copied as they are into a model whose experts are kept packed. A rank
+    of a split model reads only its part (see checkpoint_slots), and only the files that hold it.
 
     Raises CheckpointError naming every missing, unexpected and mis-shaped tensor; the model
     may then be partly loaded and should be discarded."""
@@ -449,15 +518,16 @@ def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | Non
 
     files: dict[Path, list[str]] = {}
     unexpected: list[str] = []
+    dry = _Loader(model, layout, dry=True)
     for ours, (name, path) in layout.tensors.items():
-        if not _Loader(model, layout, dry=True).fills(ours):
-            unexpected.append(name)
+        if not dry.fills(ours):
+            if not dry.other_ranks(ours):
+                unexpected.append(name)
         elif needed(ours):
             files.setdefault(path, []).append(ours)
     # First every name, shape and dtype against the model, from the headers alone: a bad
     # checkpoint is refused before any weight is read, with all its problems listed together.
     headers = read_headers(files)
-    dry = _Loader(model, layout, dry=True)
     for path, names in files.items():
         for ours in names:
             header = headers[path].get(layout.tensors[ours][0])
@@ -470,7 +540,7 @@ def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | Non
     for path, names in files.items():
         with safe_open(path, framework="pt") as f:
             for ours in names:
-                loader.add(ours, f.get_tensor(layout.tensors[ours][0]), path)
+                loader.add(ours, _read(f, layout.tensors[ours][0], loader.slots.get(ours), path), path)
     return LoadReport(layout, list(files), len(loader.loaded))
 
 
@@ -503,13 +573,18 @@ def _refuse_if_too_large(parts: list[nn.Module], config: K3Config, dtype: torch.
 
 
 def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], layers: range | None = None,
-                log: Callable[[str], None] = lambda _: None) -> K3ForCausalLM:
+                log: Callable[[str], None] = lambda _: None, rank: int = 0, ranks: int = 1) -> K3ForCausalLM:
     """The eager model with its weights from `{"seed": N}` or `{"checkpoint": DIR}`, or with none
     (`{"stripped": true}`: all on the meta device, for exporting a graph at real shapes); with a
     checkpoint, `"packed_experts": true` keeps its MXFP4 routed experts packed (dequantised in
     forward), and stripped, it gives the routed experts the packed layout (meta buffers). With
     `layers`, only the parts those layers use hold memory and weights (see
-    `K3ForCausalLM.parts`); the rest stay on the meta device, so one shard of a 2.8T model fits."""
+    `K3ForCausalLM.parts`); the rest stay on the meta device, so one shard of a 2.8T model fits.
+
+    With `ranks` > 1, rank `rank` of the split model (k3export/model/parallel.py split_model). From
+    a checkpoint the model is split on the meta device and the rank reads only its part, so memory
+    follows the rank's slice; seeded weights are drawn for the whole stage and then split (each
+    parameter's values depend on its whole shape)."""
     if "seed" not in weights and "checkpoint" not in weights and not weights.get("stripped"):
         raise CheckpointError(f"weights {weights!r}: expected a seed or a checkpoint "
                               "(an export made with --no-weights has no numbers to check)")
@@ -522,6 +597,8 @@ def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], l
         for layer in model.model.layers:
             if not layer.is_dense:
                 layer.block_sparse_moe.experts.keep_packed()
+    if weights.get("stripped") or "checkpoint" in weights:
+        split_model(model, rank, ranks)  # on the meta device: the rank's shapes, before any memory
     if weights.get("stripped"):
         return model
     parts = model.parts(layers or range(config.num_hidden_layers))
@@ -530,6 +607,6 @@ def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], l
         part.to_empty(device="cpu")
     if "checkpoint" in weights:
         log(load_checkpoint(model, weights["checkpoint"], layers).summary())
-    else:
-        model.init_weights(int(weights["seed"]))
-    return model
+        return model
+    model.init_weights(int(weights["seed"]))
+    return split_model(model, rank, ranks)

@@ -32,7 +32,6 @@ from k3export.weights.checkpoint import (
     MXFP4_FORMAT,
     PUBLISHED_PREFIX,
     checkpoint_slots,
-    slot_tensor,
     write_index,
     write_shard,
 )
@@ -70,8 +69,8 @@ def published_tensors(model: K3ForCausalLM, experts: Literal["mxfp4", "bf16"]) -
     """Our model's language-model tensors under the published names, layouts and dtypes."""
     lac = model.config.linear_attn_config
     out: dict[str, Tensor] = {}
-    for name, (param, expert) in checkpoint_slots(model).items():
-        tensor = slot_tensor(param, expert).detach()
+    for name, slot in checkpoint_slots(model).items():
+        tensor = slot.target.detach()
         name = PUBLISHED_PREFIX + name
         if experts == "mxfp4" and EXPERT_WEIGHT.fullmatch(name):
             out[f"{name}_packed"], out[f"{name}_scale"] = mxfp4.quantize(tensor)

@@ -74,23 +74,18 @@ def unsplit_manifest(manifest: dict[str, Any], config: K3Config) -> dict[str, An
 
 
 def grid_stages(folders: list[list[Path]]) -> list[tuple[dict[str, Any], K3Config]]:
-    """Each stage's unsplit export.json (unsplit_manifest of its rank 0) and config, every rank's
-    files verified and each rank folder's export.json refused unless it is that rank of N."""
+    """Each stage's unsplit export.json (unsplit_manifest of its rank 0) and config, from the rank
+    folders of a build that k3export.runtime.stage_ranks has checked (each folder there, that
+    rank's, its files the build's)."""
     stages = []
-    for i, ranks in enumerate(folders):
-        exports = [read_export(folder) for folder in ranks]
-        for r, (folder, (manifest, _)) in enumerate(zip(ranks, exports, strict=True)):
-            place = (manifest.get("parallel", {}).get("rank"), manifest.get("parallel", {}).get("ranks"))
-            if place != (r, len(ranks)) or manifest["layers"] != exports[0][0]["layers"]:
-                raise UserError(f"{folder}: its export.json is rank {place[0]} of {place[1]}, layers "
-                                f"{manifest['layers']}; expected rank {r} of {len(ranks)} of stage {i}, "
-                                f"layers {exports[0][0]['layers']} (a rank folder of another build?)")
-        stages.append((unsplit_manifest(*exports[0]), exports[0][1]))
+    for ranks in folders:
+        manifest, config = read_export(ranks[0])
+        stages.append((unsplit_manifest(manifest, config), config))
     return stages
 
 
 def verified_export(folder: Path) -> tuple[dict[str, Any], K3Config]:
-    """export.json and config.json of a rank folder whose files grid_stages has verified (a rank's
+    """export.json and config.json of a rank folder whose files stage_ranks has verified (a rank's
     weights are read once to verify them, not once more in each process that loads them)."""
     return json.loads((folder / MANIFEST_FILE).read_text()), K3Config.from_json(folder / "config.json")
 
