@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from k3export.errors import UserError
 from k3export.onnx.collectives import DOMAIN, OP_TYPE
+from k3export.onnx.runner import BoundOnnxrtRunner, Signature, run_bound
 
 
 @dataclass
@@ -119,13 +120,16 @@ class SegmentedGraph:
         self.output_names = [o.name for o in graph.output]
         self.compute_seconds = self.collective_seconds = 0.0
 
-    def __call__(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, feed: dict[str, np.ndarray],
+                 into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The graph's outputs for `feed` (every graph input); those named in `into` written into
+        its buffers."""
         values = dict(feed)
         for k, piece in enumerate(self.pieces):
             start = time.perf_counter()
-            results = piece.session.run(piece.outputs, {name: values[name] for name in piece.inputs})
+            values.update(run_bound(piece.session, {name: values[name] for name in piece.inputs},
+                                    piece.outputs, into or {}))
             self.compute_seconds += time.perf_counter() - start
-            values.update(zip(piece.outputs, results, strict=True))
             if k < len(self.collectives):
                 node = self.collectives[k]
                 start = time.perf_counter()
@@ -134,3 +138,27 @@ class SegmentedGraph:
                 values[node.output[0]] = summed.numpy()
                 self.collective_seconds += time.perf_counter() - start
         return {name: values[name] for name in self.output_names}
+
+
+class SegmentedRunner(BoundOnnxrtRunner):
+    """A split rank's graph (`SegmentedGraph`, its sums over `group`) holding its caches as
+    BoundOnnxrtRunner does. `collective_time`: the last call's seconds in sums, within its
+    `inference_time`."""
+
+    def __init__(self, path: Path, signature: Signature, group: dist.ProcessGroup | None, name: str,
+                 threads: int | None = None) -> None:
+        super().__init__(path, signature, name, threads)
+        self.group = group
+
+    def activate_impl(self) -> None:
+        self.graph = SegmentedGraph(self.path, self.group, self.threads)
+
+    def deactivate_impl(self) -> None:
+        del self.graph
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: list[str],
+            into: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        before = self.graph.collective_seconds
+        results = self.graph(feeds, into)
+        self.collective_time = self.graph.collective_seconds - before
+        return results
