@@ -182,7 +182,7 @@ class Links:
 class NamedSums:
     """The context of a split stage's calls: a sum of its ranks that fails within (a partner died, or
     did not join it within `timeout`) is raised as a StageFailed naming the partners (gloo does not
-    say which one)."""
+    say which one). gloo raises RuntimeError (ONNX Runtime's errors are not one)."""
 
     process: int
     ranks: int
@@ -192,7 +192,7 @@ class NamedSums:
         return None
 
     def __exit__(self, kind: type | None, error: BaseException | None, traceback: Any) -> None:
-        if not isinstance(error, dist.DistError):
+        if self.ranks == 1 or not isinstance(error, RuntimeError):
             return
         stage, rank = divmod(self.process, self.ranks)
         others = [str(r) for r in range(self.ranks) if r != rank]
@@ -201,8 +201,8 @@ class NamedSums:
         if "Timed out" in str(error):
             raise StageFailed(f"{partners} did not join a sum for {self.timeout} s (--timeout): it died or "
                               "hangs, or a stage before it did") from None
-        raise StageFailed(f"a sum with {partners} failed ({gloo_reason(error)}): it died, or a stage before "
-                          "it did") from None
+        raise StageFailed(f"a sum with {partners} failed ({gloo_reason(error)}): it died, or stopped when "
+                          "a process it waits for failed") from None
 
 
 @dataclass(frozen=True)
