@@ -96,7 +96,7 @@ class SegmentedGraph:
         read_later.reverse()
         options = ort.SessionOptions()
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3  # not the TensorScatter copy warning: caches are plain feeds here
+        options.log_severity_level = 3  # not TensorScatter's copy warning when caches come without `into`
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(path.parent))
         if threads:
