@@ -304,8 +304,9 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]]) -> None:
     threads = intra_op_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     prompts = prompts_of(args, lane)  # on every process, so that all refuse a bad request alike
     count = args.micro_batches or default_micro_batches(len(prompts), stages)
-    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     batches = split_prompts(prompts, count)  # refuses a bad --micro-batches before any session loads
+    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    tokens = Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
     # The ranks of each stage sum over a group of their own, which every process creates, in the same
     # order (torch.distributed's rule); a rank that does not join a sum is named after --timeout.
     groups = [dist.new_group(list(range(s * ranks, (s + 1) * ranks)), timeout=timedelta(seconds=args.timeout))
@@ -317,38 +318,24 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]]) -> None:
     else:  # every process reads every stage's signature (to agree on what crosses); each activates its own
         lane_stages = [Stage(d, f"stage{i}", threads, group=groups[i]) for i, d in enumerate(lane)]
         lane_stages[index].runner.activate()
-    stage = lane_stages[index]
     try:
         dist.barrier()  # every session is loaded
         if process == 0:
             print(f"k3export.runtime: {grid}, {count} micro-batches of {[b.size for b in batches]} rows, "
                   f"{threads} thread{'s' if threads > 1 else ''} a process, --timeout {args.timeout:g} s",
                   file=sys.stderr, flush=True)
-        start = time.perf_counter()
         if stages == 1:
             with sums:
                 result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop),
                                   count)
-            mine = {"seconds": stage.seconds, "times": result.stages[0], "tokens": result.tokens,
+            mine = {"seconds": result.stage_seconds[0], "times": result.stages[0], "tokens": result.tokens,
                     "prefill": result.prefill_seconds, "decode": result.decode_seconds,
                     "steps": result.decode_steps}
         else:
-            stage.reset_slots([b.size for b in batches])
-            tokens = Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
+            stage = lane_stages[index]
             part = Part(stage, Links(args.timeout, count, ranks), Peers.of(process, stages, ranks),
                         StageTimes(stage.runner.name), sums)
-            passed = passed_on(lane_stages, index) if index + 1 < stages else []
-            if index == 0:
-                first_stage(part, batches, passed)
-            else:
-                previous = {s.name for s in lane_stages[index - 1].signature.outputs}
-                received = [s for s in stage.signature.feeds if s.name in previous]
-                later_stage(part, batches, passed, received, tokens)
-            part.links.flush()
-            mine = {"seconds": stage.seconds, "times": part.clock.summary()}
-            if index + 1 == stages:
-                mine.update(tokens=tokens.rows, prefill=tokens.prefilled_at - start,
-                            decode=tokens.decode_seconds(), steps=max(b.calls for b in batches) - 1)
+            mine = pipelined(part, lane_stages, index, batches, tokens)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         if process == 0:
@@ -357,11 +344,30 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]]) -> None:
                                 [g["seconds"] for g in gathered], count, [g["times"] for g in gathered],
                                 threads)
             label = "rank {p}" if ranks == 1 else "stage {s} rank {r}"
-            names = [label.format(p=p, s=p // ranks, r=p % ranks) + f": {stage_name(lane_stages[p // ranks])}"
-                     for p in range(world)]
-            report(args, result, names)
+            report(args, result, [label.format(p=p, s=p // ranks, r=p % ranks)
+                                  + f": {stage_name(lane_stages[p // ranks])}" for p in range(world)])
     finally:
-        stage.runner.deactivate()
+        lane_stages[index].runner.deactivate()
+
+
+def pipelined(part: Part, lane: list[Stage], index: int, batches: list[MicroBatch],
+              tokens: Tokens) -> dict[str, Any]:
+    """Stage `index` of `lane` (S > 1) walks the schedule; its timings, and the last stage's tokens."""
+    part.stage.reset_slots([b.size for b in batches])
+    start = time.perf_counter()
+    passed = passed_on(lane, index) if index + 1 < len(lane) else []
+    if index == 0:
+        first_stage(part, batches, passed)
+    else:
+        previous = {s.name for s in lane[index - 1].signature.outputs}
+        received = [s for s in part.stage.signature.feeds if s.name in previous]
+        later_stage(part, batches, passed, received, tokens)
+    part.links.flush()
+    mine = {"seconds": part.stage.seconds, "times": part.clock.summary()}
+    if index + 1 == len(lane):
+        mine.update(tokens=tokens.rows, prefill=tokens.prefilled_at - start, decode=tokens.decode_seconds(),
+                    steps=max(b.calls for b in batches) - 1)
+    return mine
 
 
 def watch_signals(name: str) -> None:
