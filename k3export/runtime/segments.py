@@ -9,8 +9,12 @@ its partners on the other ranks.
 The nodes keep the graph's (topological) order; piece k holds those between collective k-1 and k, its
 inputs are what it reads that earlier pieces, sums or the caller made, its outputs what later pieces,
 sums or the caller read. The weights stay in the export's data file, which each piece's session reads
-in place (no copy of the file). Caches go in and come out as plain feeds and results (copied, not bound
-in place as check's BoundOnnxrtRunner does for a whole graph).
+in place (no copy of the file). Each piece runs through IO binding (onnx.runner.run_bound): a call
+may name buffers (`into`) for outputs, which the piece that makes them writes.
+
+`SegmentedRunner` is such a graph as the runner of a runtime.Stage: its caches held and bound as
+onnx.runner.BoundOnnxrtRunner holds them (the MLA cache written in place by the piece that scatters
+into it, the KDA states double-buffered), so each micro-batch has its own rows, as on any stage.
 """
 
 from __future__ import annotations
