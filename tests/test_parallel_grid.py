@@ -1,14 +1,17 @@
 """A recipe with `[parallel] ranks = 2` and 2 stages: `build` writes stage-{i}/rank-{r}/, and
-`torchrun --nproc-per-node 4 -m k3export.runtime.grid DIR` (each rank's graph in ONNX Runtime pieces,
-gloo sums within a stage, AttnRes boundaries from rank r to rank r of the next stage) generates the
-unsplit eager model's greedy tokens; `check --build DIR` (one worker process a rank) passes against
-the unsplit eager model and names the stage and rank of a wrong expert weight."""
+`torchrun --nproc-per-node 4 -m k3export.runtime DIR` (each rank's graph in ONNX Runtime pieces,
+gloo sums within a stage, AttnRes boundaries from rank r to rank r of the next stage, micro-batches
+in flight) generates the unsplit eager model's greedy tokens; a rank that dies stops the others;
+`check --build DIR` (one worker process a rank) passes against the unsplit eager model and names the
+stage and rank of a wrong expert weight."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,9 +28,9 @@ from k3export.check.runners.chain import chain_manifest
 from k3export.check.runners.grid import GridRunner, grid_stages
 from k3export.cli import main
 from k3export.errors import UserError
+from k3export.model import K3ForCausalLM
 from k3export.onnx.runner import Signature
-from k3export.runtime import Sampler, random_prompts, stage_ranks
-from k3export.runtime.grid import generate_on
+from k3export.runtime import random_prompts, stage_ranks
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
 
@@ -60,13 +63,31 @@ def grid_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder / "build"
 
 
-def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
+def torchrun_command(processes: int, *args: str) -> list[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-                           "--master-addr", "127.0.0.1", "--master-port", str(port), *args],
-                          capture_output=True, text=True, timeout=300)
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), *args]
+
+
+def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_command(processes, *args), capture_output=True, text=True, timeout=300)
+
+
+@torch.no_grad()
+def eager_greedy(model: K3ForCausalLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The unsplit eager model's greedy tokens for the prompts as one batch (right-padded)."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = torch.tensor(prompt)
+    cache, tokens = model.empty_cache(len(prompts), 64), []
+    for _ in range(new_tokens):
+        logits, cache = model(ids, cache, lengths)
+        tokens.append(logits[torch.arange(len(prompts)), lengths - 1].argmax(-1))
+        ids, lengths = tokens[-1][:, None], torch.ones(len(prompts), dtype=torch.int64)
+    return torch.stack(tokens, 1).tolist()
 
 
 def test_build_writes_each_rank_of_each_stage(grid_build: Path) -> None:
@@ -80,29 +101,71 @@ def test_build_writes_each_rank_of_each_stage(grid_build: Path) -> None:
             assert f"{rank['folder']}/model.onnx.data" in manifest["files"]
 
 
-@torch.no_grad()
-def test_grid_generates_the_unsplit_models_tokens(grid_build: Path, tiny_model) -> None:
-    proc = torchrun(4, "-m", "k3export.runtime.grid", str(grid_build), "--batch", "2", "--prompt-len", "8",
-                    "--max-new-tokens", "6", "--seed", "3", "--json", "--threads", "1")
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_grid_generates_the_unsplit_models_tokens(grid_build: Path, tiny_model, micro_batches: int) -> None:
+    """The 4 processes walk one schedule with 1 or 2 micro-batches in flight: the unsplit eager
+    model's greedy tokens either way; each process's timing is reported, its sums apart."""
+    proc = torchrun(4, "-m", "k3export.runtime", str(grid_build), "--batch", "2", "--prompt-len", "8",
+                    "--max-new-tokens", "6", "--seed", "3", "--json", "--threads", "1",
+                    "--micro-batches", str(micro_batches))
     assert proc.returncode == 0, proc.stderr[-3000:]
     grid = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(grid["stage_seconds"]) == 4
-    cache = [tiny_model.empty_cache(2, 64)]
-
-    def eager(request):
-        logits, cache[0] = tiny_model(torch.from_numpy(request["input_ids"]), cache[0],
-                                      torch.from_numpy(request["input_lengths"]))
-        return {"logits": logits.numpy()}
-
-    assert grid["tokens"] == generate_on(eager, random_prompts(2, 8, 256, 3), 6, Sampler()).tokens
+    assert grid["tokens"] == eager_greedy(tiny_model, random_prompts(2, 8, 256, 3), 6)
+    assert grid["micro_batches"] == micro_batches and len(grid["stage_seconds"]) == len(grid["stages"]) == 4
+    for times in grid["stages"]:
+        assert 0 < times["sums_seconds"] < times["busy_seconds"] <= times["window_seconds"]
 
 
 def test_wrong_process_count_and_single_process_run_are_refused(grid_build: Path, capsys) -> None:
-    proc = torchrun(2, "-m", "k3export.runtime.grid", str(grid_build))
+    proc = torchrun(2, "-m", "k3export.runtime", str(grid_build))
     assert proc.returncode != 0
     assert "2 stages x 2 ranks, started with 2 processes; expected torchrun --nproc-per-node 4" in proc.stderr
     assert main(["run", str(grid_build)]) == 2
-    assert "-m k3export.runtime.grid" in capsys.readouterr().err
+    assert "torchrun --nproc-per-node 4 -m k3export.runtime DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_failed_rank_stops_the_others(grid_build: Path, fault: str) -> None:
+    """Stage 1's rank 1 (process 3) killed (SIGKILL) or stopped (SIGSTOP, a hang) while the grid
+    decodes: each other process exits non-zero within the stated time, saying why: a link or a sum
+    with a process that is gone broke (naming its stage and rank), or one waited --timeout (3 s) for
+    it (its partner in the sums, or stage 0's rank 1 for its tokens), or torchrun stopped it."""
+    from test_shards import started_worker
+
+    command = torchrun_command(4, "-m", "k3export.runtime", str(grid_build), "--batch", "2", "--prompt-len",
+                               "8", "--max-new-tokens", "50", "--threads", "1", "--timeout", "3")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:  # the sessions are loaded and the processes start
+        err.append(line)
+        if line.startswith("k3export.runtime: 2 stages x 2 ranks"):
+            break
+    time.sleep(0.5)
+    victim = started_worker(proc, 3)
+    os.kill(victim, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    stopped = time.monotonic()
+    named = re.compile(r"stage 1 rank 1 (did not join a sum|\(process 3\) took nothing or sent nothing) for "
+                       r"3 s \(--timeout\): it died or hangs")
+    if fault == "hung":
+        for line in proc.stderr:
+            err.append(line)
+            if named.search(line):
+                break
+        assert time.monotonic() - stopped < 3 + 5, "".join(err)[-3000:]
+        os.kill(victim, signal.SIGCONT)  # so that torchrun's SIGTERM ends it
+    _, rest = proc.communicate(timeout=3 + 15)
+    err = "".join(err) + rest
+    assert proc.returncode != 0 and time.monotonic() - stopped < 3 + 15
+    why = (r"stopped by SIGTERM: torchrun stops every stage|the link with stage \d rank \d \(process \d\) "
+           r"broke|a sum with stage \d rank \d failed"
+           r"|stage \d rank \d (\(process \d\) took nothing|did not join)")
+    for process in range(3):
+        name = rf"stage {process // 2} rank {process % 2} \(process {process}\)"
+        assert re.search(rf"k3export.runtime: {name}: ({why})", err), err[-3000:]
+    if fault == "killed":  # torchrun lists every failed process
+        assert re.search(r"rank\s*: 3 \(local_rank: 3\)\s*exitcode\s*: -9", err), err[-3000:]
+    else:
+        assert named.search(err), err[-3000:]
 
 
 @pytest.mark.slow
@@ -112,26 +175,17 @@ def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
     the grid's greedy tokens are the unsplit eager model's."""
     from test_parallel import four_head_config
 
-    from k3export.model import K3ForCausalLM
-
     config = four_head_config()
     config.to_json(tmp_path / "config.json")
     recipe = RECIPE.format(ranks=4).replace('preset = "k3-tiny"', 'config = "config.json"')
     (tmp_path / "four.toml").write_text(recipe.replace("count = 2", "count = 1"))
     build_recipe(load_recipe(tmp_path / "four.toml"), tmp_path / "build", log=lambda _: None)
-    proc = torchrun(4, "-m", "k3export.runtime.grid", str(tmp_path / "build"), "--batch", "2",
+    proc = torchrun(4, "-m", "k3export.runtime", str(tmp_path / "build"), "--batch", "2",
                     "--prompt-len", "8", "--max-new-tokens", "4", "--seed", "3", "--json", "--threads", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = K3ForCausalLM(config).eval()
     model.init_weights(0)
-    cache = [model.empty_cache(2, 64)]
-
-    def eager(request):
-        logits, cache[0] = model(torch.from_numpy(request["input_ids"]), cache[0],
-                                 torch.from_numpy(request["input_lengths"]))
-        return {"logits": logits.numpy()}
-
-    expected = generate_on(eager, random_prompts(2, 8, 256, 3), 4, Sampler()).tokens
+    expected = eager_greedy(model, random_prompts(2, 8, 256, 3), 4)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == expected
 
 

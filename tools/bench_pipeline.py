@@ -4,12 +4,15 @@ the published recipe from the plan.
 
     python tools/bench_pipeline.py [--build out/k3-small-2] [--max-new-tokens 65] [--prompt-len 32]
                                    [--runs 8x1,16x2,32x4,16x1] [--recipe engines/kimi-k3-16x1.toml]
+    python tools/bench_pipeline.py --build out/k3-small-2x2 --ranks 2   # each stage split over 2 ranks
 
-Measured: each run is `torchrun --nproc-per-node 2 -m k3export.runtime BUILD --batch B
---micro-batches M --json` (float32, ONNX Runtime with one intra-op thread a process, the default
-on a 2-core host), one after the other; the load average (`uptime`) before each is printed with it,
-since other work on the machine takes cores from the stages. The build is made from
-engines/k3-small-2.toml if the folder does not hold one. Runs with the same batch have the same
+Measured: each run is `torchrun --nproc-per-node S*N -m k3export.runtime BUILD --batch B
+--micro-batches M --json` (float32, ONNX Runtime with the default intra-op threads, the host's cores
+/ the processes, at least one), one after the other; the load average (`uptime`) before each is
+printed with it, since other work on the machine takes cores from the stages. The build is made
+from engines/k3-small-2.toml if the folder does not hold one (with --ranks N > 1: that recipe with
+`[parallel] ranks = N`, written beside the folder); a grid's processes report the part of their
+busy time spent in their stage's sums. Runs with the same batch have the same
 prompts (--seed 0), so their greedy tokens are compared: positions that differ are listed (they
 can only be near-ties, where batching's rounding decides the top token).
 
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 from k3export.model.accounting import H200_BYTES, MXFP4_BITS, parameter_report
+from k3export.runtime import stage_ranks
 from k3export.shards.plan import plan_recipe
 from k3export.shards.recipe import load_recipe
 
@@ -46,8 +50,8 @@ def load_average() -> str:
     return " / ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def measure(build: Path, batch: int, micro_batches: int, args: argparse.Namespace) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+def measure(build: Path, processes: int, batch: int, micro_batches: int, args: argparse.Namespace) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "-m",
                "k3export.runtime", str(build), "--batch", str(batch), "--micro-batches", str(micro_batches),
                "--prompt-len", str(args.prompt_len), "--max-new-tokens", str(args.max_new_tokens),
                "--seed", "0", "--json"]
@@ -57,30 +61,49 @@ def measure(build: Path, batch: int, micro_batches: int, args: argparse.Namespac
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def ensure_build(build: Path, ranks: int) -> None:
+    if (build / "manifest.json").is_file():
+        return
+    recipe = ROOT / "engines/k3-small-2.toml"
+    if ranks > 1:
+        split = build.with_suffix(".toml")
+        split.write_text(recipe.read_text() + f"\n[parallel]\nranks = {ranks}\n")
+        recipe = split
+    subprocess.run([sys.executable, "-m", "k3export.cli", "build", str(recipe), "--out", str(build),
+                    "--backend", "onnx"], check=True)
+
+
 def measured_table(args: argparse.Namespace) -> None:
     build = Path(args.build)
-    if not (build / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "k3export.cli", "build", str(ROOT / "engines/k3-small-2.toml"),
-                        "--out", str(build), "--backend", "onnx"], check=True)
+    ensure_build(build, args.ranks)
+    stages = stage_ranks(build)
+    ranks = len(stages[0])
+    names = [f"stage {i}" + (f" rank {r}" if ranks > 1 else "") for i, folders in enumerate(stages)
+             for r in range(len(folders))]
     runs = [tuple(map(int, run.split("x"))) for run in args.runs.split(",")]
     results = {}
-    print(f"k3-small in 2 stages ({build}), float32, prompts up to {args.prompt_len} tokens, "
-          f"--max-new-tokens {args.max_new_tokens}, 2 processes\n")
+    print(f"k3-small in {len(stages)} stages" + (f" x {ranks} ranks" if ranks > 1 else "")
+          + f" ({build}), float32, prompts up to {args.prompt_len} tokens, --max-new-tokens "
+          f"{args.max_new_tokens}, {len(names)} processes\n")
+    busy = "busy (of it sums)" if ranks > 1 else "busy"
     print("| run | sequences | micro-batches | load before (1/5/15 min) | decode tokens/s | vs first | "
-          "stage 0 busy | stage 1 busy | stage 0 ms a step | stage 1 ms a step | bytes a token 0->1 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          + " | ".join(f"{name} {busy}" for name in names) + " | "
+          + " | ".join(f"{name} ms a step" for name in names) + " | bytes a token 0->1 |")
+    print("|" + "---|" * (7 + 2 * len(names)))
     for label, (batch, count) in zip("abcdefgh", runs, strict=False):
         load = load_average()
-        result = measure(build, batch, count, args)
+        result = measure(build, len(names), batch, count, args)
         results[label] = (batch, count, result)
         rate = result["decode_tokens_per_second"]
         first = results["a"][2]["decode_tokens_per_second"]
-        stages = result["stages"]
-        steps = [s["busy_seconds"] / (result["decode_steps"] * count) * 1e3 for s in stages]
+        times = result["stages"]
+        steps = [t["busy_seconds"] / (result["decode_steps"] * count) * 1e3 for t in times]
+        fractions = [f"{t['busy_fraction']:.0%}" + (f" ({t['sums_seconds'] / t['busy_seconds']:.0%})"
+                                                    if ranks > 1 else "") for t in times]
         print(f"| ({label}) | {batch} | {count} of {batch // count} | {load} | {rate:.1f} | "
-              f"{rate / first:.2f}x | " + " | ".join(f"{s['busy_fraction']:.0%}" for s in stages)
-              + " | " + " | ".join(f"{ms:.0f}" for ms in steps)
-              + f" | {stages[0]['sent_bytes_per_token']:.0f} |", flush=True)
+              f"{rate / first:.2f}x | " + " | ".join(fractions) + " | "
+              + " | ".join(f"{ms:.0f}" for ms in steps)
+              + f" | {times[0]['sent_bytes_per_token']:.0f} |", flush=True)
     print()
     by_batch: dict[int, list[str]] = {}
     for label, (batch, _, _) in results.items():
@@ -145,6 +168,7 @@ def main() -> None:
     parser.add_argument("--build", default=str(ROOT / "out/k3-small-2"))
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=65)
+    parser.add_argument("--ranks", type=int, default=1, help="of each stage, for a build made here")
     parser.add_argument("--runs", default="8x1,16x2,32x4,16x1",
                         help="SEQUENCESxMICRO_BATCHES, comma-separated")
     parser.add_argument("--recipe", default=str(ROOT / "engines/kimi-k3-16x1.toml"), help="for the estimate")

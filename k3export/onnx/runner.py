@@ -171,6 +171,7 @@ class BoundOnnxrtRunner(StatefulRunner):
         self.path, self.threads = path, threads
         self.extra_outputs = extra_outputs or []
         self.spares: dict[str, np.ndarray] = {}
+        self.collective_time = 0.0  # a whole graph sums nothing; runtime.segments' pieces do
 
     def activate_impl(self) -> None:
         self.session = onnxrt_session(self.path, self.threads, self.extra_outputs)
@@ -185,37 +186,48 @@ class BoundOnnxrtRunner(StatefulRunner):
                            for s in self.signature.outputs if s.name.startswith(PRESENT) and not s.aliases}
 
     def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        binding = self.session.io_binding()
-        values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self.caches.items()}
-        for spec in self.signature.inputs:
-            if spec.name in values:
-                binding.bind_ortvalue_input(spec.name, values[spec.name])
-            else:
-                binding.bind_cpu_input(spec.name, np.ascontiguousarray(feeds[spec.name]))
+        into = {}  # the outputs written into cache buffers
         for spec in self.signature.outputs:
             if spec.aliases:
-                binding.bind_ortvalue_output(spec.name, values[spec.aliases])
+                into[spec.name] = self.caches[spec.aliases]
             elif spec.name in self.spares:
-                spare = ort.OrtValue.ortvalue_from_numpy(self.spares[spec.name])
-                binding.bind_ortvalue_output(spec.name, spare)
-            else:
-                binding.bind_output(spec.name, "cpu")
-        for name in self.extra_outputs:
-            binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
-        results = OrderedDict()
-        values_out = binding.get_outputs()
-        count = len(self.signature.outputs)
-        for name, value in zip(self.extra_outputs, values_out[count:], strict=True):
-            results[name] = value.numpy()
-        for spec, value in zip(self.signature.outputs, values_out[:count], strict=True):
+                into[spec.name] = self.spares[spec.name]
+        values = {**feeds, **self.caches}
+        outputs = self.run({s.name: values[s.name] for s in self.signature.inputs},
+                           [*self.extra_outputs, *(s.name for s in self.signature.outputs)], into)
+        for spec in self.signature.outputs:
             if spec.aliases:
-                self.aliased[spec.name] = value.data_ptr() == values[spec.aliases].data_ptr()
-                results[spec.name] = self.caches[spec.aliases]
+                self.aliased[spec.name] = outputs[spec.name] is into[spec.name]
+                outputs[spec.name] = self.caches[spec.aliases]
             elif spec.name in self.spares:
                 past = present_to_past(spec.name)
                 self.caches[past], self.spares[spec.name] = self.spares[spec.name], self.caches[past]
-                results[spec.name] = self.caches[past]
-            else:
-                results[spec.name] = value.numpy()
-        return results
+                outputs[spec.name] = self.caches[past]
+        return outputs
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: list[str],
+            into: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        """One run of the graph (`run_bound`); a runner of the same graph in pieces runs them here."""
+        return run_bound(self.session, feeds, outputs, into)
+
+
+def run_bound(session: ort.InferenceSession, feeds: dict[str, np.ndarray], outputs: list[str],
+              into: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+    """One run of `session` through IO binding: the feeds wrapped, not copied; each output named in
+    `into` written into that buffer (one that is also a feed's buffer is written in place). Returns
+    `outputs` by name; a bound one is its buffer itself when ONNX Runtime wrote it there."""
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array)))
+    for name in outputs:
+        if name in into:
+            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(into[name]))
+        else:
+            binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    results = OrderedDict()
+    for name, value in zip(outputs, binding.get_outputs(), strict=True):
+        buffer = into.get(name)
+        kept = buffer is not None and value.data_ptr() == buffer.ctypes.data
+        results[name] = buffer if kept else value.numpy()
+    return results

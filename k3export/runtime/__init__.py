@@ -1,7 +1,8 @@
 """The sharded runtime: a built recipe's stages run in order, each holding its own caches.
 
     k3export run DIR --prompt-len 32 --seed 0 --max-new-tokens 16        # in-process, one session a stage
-    torchrun --nproc-per-node N -m k3export.runtime DIR --prompt-len 32   # one process a stage (gloo)
+    torchrun --nproc-per-node S -m k3export.runtime DIR --prompt-len 32   # one process a stage (gloo)
+    torchrun --nproc-per-node S*N -m k3export.runtime DIR                 # stages split over N ranks
 
 The batch's rows go through in micro-batches (`--micro-batches M`, k3export.runtime.schedule), each
 with its own rows of every stage's caches; under torchrun they are in flight together, one stage
@@ -10,9 +11,11 @@ but the grouping.
 
 A stage takes named tensors and gives named tensors; what backs it is its own business. Here it is
 ONNX Runtime through IO binding (onnx.runner.BoundOnnxrtRunner: the MLA cache written in place), driven
-by the stage's export.json, so no tensor name is written here: a stage's feeds are the previous
-stage's outputs of the same name, or the request's own (token ids, cache and input lengths). A
-TensorRT engine per stage would be another runner of the same shape; none can run here (no GPU).
+by the stage's export.json (a rank of a split stage: runtime.segments.SegmentedRunner, the same
+caches, its graph in pieces between the sums of the stage's ranks), so no tensor name is written
+here: a stage's feeds are the previous stage's outputs of the same name, or the request's own (token
+ids, cache and input lengths). A TensorRT engine per stage would be another runner of the same
+shape; none can run here (no GPU).
 A build with taps (`build RECIPE --taps`) has more outputs per stage; nothing here reads them.
 `check --build` runs this same chain as one check runner (k3export.check.runners.chain.ChainRunner).
 """
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch.distributed import ProcessGroup
 
 from k3export.artifacts import read_manifest, require, verify
 from k3export.errors import UserError
@@ -52,6 +56,7 @@ from k3export.runtime.schedule import (
     round_robin,
     split_prompts,
 )
+from k3export.runtime.segments import SegmentedRunner
 
 BUILD_MANIFEST = "manifest.json"
 
@@ -120,22 +125,26 @@ def stage_exports(build_dir: str | Path) -> list[Path]:
     ranks = len(stages[0])
     if ranks > 1:
         raise UserError(f"{build_dir}: every stage is split over {ranks} ranks ([parallel] ranks); run it "
-                        f"with torchrun --nproc-per-node {ranks * len(stages)} -m k3export.runtime.grid DIR")
+                        f"with torchrun --nproc-per-node {ranks * len(stages)} -m k3export.runtime DIR")
     return [folders[0] for folders in stages]
 
 
 class Stage:
-    """One stage: an ONNX Runtime session over its export folder, holding its caches.
-    `extra_outputs`: intermediate tensors of its graph returned too (check's routing choices)."""
+    """One stage, or one rank of a split stage: an ONNX Runtime session over its export folder (a
+    rank's: its pieces, summed over `group`, the process group of the stage's ranks), holding its
+    caches. `extra_outputs`: intermediate tensors of its graph returned too (check's routing choices)."""
 
     def __init__(self, export_dir: Path, name: str, threads: int | None = None,
-                 extra_outputs: list[str] | None = None) -> None:
+                 extra_outputs: list[str] | None = None, group: ProcessGroup | None = None) -> None:
         manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
         self.signature = Signature(manifest)
         self.layers = range(*manifest["layers"])
         self.dtype = manifest["dtype"]
-        self.runner = BoundOnnxrtRunner(export_dir / GRAPH_FILE, self.signature, name=name, threads=threads,
-                                        extra_outputs=extra_outputs)
+        if manifest.get("parallel", {}).get("ranks", 1) > 1:
+            self.runner = SegmentedRunner(export_dir / GRAPH_FILE, self.signature, group, name, threads)
+        else:
+            self.runner = BoundOnnxrtRunner(export_dir / GRAPH_FILE, self.signature, name=name,
+                                            threads=threads, extra_outputs=extra_outputs)
         self.seconds = 0.0
 
     def feeds(self, request: dict[str, np.ndarray], previous: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -182,12 +191,13 @@ def intra_op_threads(args: argparse.Namespace, processes: int) -> int:
 
 
 class Pipeline:
-    """The stages in order, in this process."""
+    """The stages in order, in this process (a split build's: one rank of each, its sums over
+    `group`)."""
 
     def __init__(self, export_dirs: list[Path], threads: int | None = None,
-                 extra_outputs: list[list[str]] | None = None) -> None:
+                 extra_outputs: list[list[str]] | None = None, group: ProcessGroup | None = None) -> None:
         extra_outputs = extra_outputs or [[] for _ in export_dirs]
-        self.stages = [Stage(d, f"stage{i}", threads, extra) for i, (d, extra)
+        self.stages = [Stage(d, f"stage{i}", threads, extra, group) for i, (d, extra)
                        in enumerate(zip(export_dirs, extra_outputs, strict=True))]
         for stage in self.stages:
             stage.runner.activate()
@@ -293,7 +303,7 @@ def generate(pipeline: Pipeline, prompts: list[list[int]], max_new_tokens: int, 
             # What would cross to the next stage (the last: the tokens back to the first).
             last = i + 1 == len(stages)
             sent = 8 * batch.size if last else nbytes([outputs[n] for n in passed_on(stages, i)])
-            times[i].record(batch, started, stage.runner.inference_time, sent)
+            times[i].record(batch, started, stage.runner.inference_time, sent, stage.runner.collective_time)
         ids = tokens.take(batch, outputs["logits"])
         batch.advance()
         batch.input_ids = ids[:, None].astype(np.int64)
@@ -373,7 +383,8 @@ def report(args: argparse.Namespace, result: Generation, names: list[str]) -> No
     for name, seconds, times in zip(names, result.stage_seconds, result.stages, strict=True):
         line = f"  {name}: {seconds:.3f} s in its graph"
         if times["busy_fraction"] is not None:
-            line += (f"; decode: busy {times['busy_seconds']:.3f} s, waiting "
+            sums = f" (sums {times['sums_seconds']:.3f} s)" if times["sums_seconds"] else ""
+            line += (f"; decode: busy {times['busy_seconds']:.3f} s{sums}, waiting "
                      f"{times['waiting_seconds']:.3f} s ({times['busy_fraction']:.0%} busy), sends "
                      f"{times['sent_bytes_per_token']:.0f} B a token")
         print(line)

@@ -1,29 +1,40 @@
-"""One process per pipeline stage on torch.distributed, several micro-batches in flight:
+"""One process per pipeline stage (per rank of a split stage) on torch.distributed, several
+micro-batches in flight:
 
     torchrun --nproc-per-node 2 -m k3export.runtime out/k3-tiny --prompt-len 32 --max-new-tokens 16
+    torchrun --nproc-per-node 4 -m k3export.runtime out/grid   # 2 stages x 2 ranks ([parallel] ranks = 2)
 
-Rank r holds stage r alone: its session and every micro-batch's rows of its caches. Every rank makes
-the prompts and their micro-batches itself (the same arguments give the same ones, the lengths of each
-call included), so a message carries only a header (kind, micro-batch, rows, seq) and, for RUN, the
-tensors the next stage takes from this one, by name in that stage's input order. Every rank walks
-schedule.round_robin's order. Rank 0 prefills micro-batches 0..M-1 one after another, sending each on
-as soon as it is done (isend: it computes the next while the last one travels), then runs a
-micro-batch's next decode step as soon as its tokens are back. The other ranks compute what comes in,
-in order, and send it on; the last one samples and sends each micro-batch's tokens back to rank 0
-(FINISHED once all its rows are done: rank 0 then sends STOP along the chain instead of another
-step). With M at least the number of stages, every stage has a micro-batch to work on while the
-others compute theirs. A receiver posts its next header before it computes, so the header arrives
-meanwhile; the tensors it posts once the header has given their shapes (gloo moves a send once its
-receive is posted, so on the receiving side the transfer itself is not hidden; k3-small sends 12 KB
-a row, over the loopback here).
+A build of S stages, each split over N ranks (N = 1: not split), runs in S*N processes: process p is
+rank p % N of stage p // N and holds that rank's session and every micro-batch's rows of its caches
+(a rank's graph runs in pieces between the sums over its stage's ranks: runtime.segments). The ranks
+of a stage compute the same boundary, so each rank r is a lane of its own: a chain from stage 0's
+rank r to the last stage's rank r, which sends the tokens back to stage 0's rank r (every rank of the
+last stage has the same logits). A stage's ranks meet only in their sums, which they call in the same
+order because every process walks the same schedule. Below, "stage" is a stage's process in one lane.
 
-Faults: every wait for another stage has a deadline (`--timeout`, 60 s): a stage that sends or takes
-nothing for that long is named (it died or hangs, or a stage before it did) and this process exits 1.
-A stage process that dies breaks its gloo links (its neighbours name it and exit 1), and torchrun,
-which checks its processes every 0.1 s, stops the others (SIGTERM: each says so and exits 1) and
-lists the dead one in its report. Ctrl-C (SIGINT to every process) stops each at once, exit 130.
-Loading the sessions and the closing exchange of timings use the process group's own timeout.
-gloo on CPU; with NCCL (`--dist-backend nccl`) the same tensors would go through the GPUs.
+Every process makes the prompts and their micro-batches itself (the same arguments give the same
+ones, the lengths of each call included), so a message carries only a header (kind, micro-batch,
+rows, seq) and, for RUN, the tensors the next stage takes from this one, by name in that stage's
+input order. Every process walks schedule.round_robin's order. Stage 0 prefills micro-batches
+0..M-1 one after another, sending each on as soon as it is done (isend: it computes the next while
+the last one travels), then runs a micro-batch's next decode step as soon as its tokens are back.
+The other stages compute what comes in, in order, and send it on; the last one samples and sends
+each micro-batch's tokens back to stage 0 (FINISHED once all its rows are done: stage 0 then sends
+STOP along the chain instead of another step). With M at least the number of stages, every stage has
+a micro-batch to work on while the others compute theirs. A receiver posts its next header before
+it computes, so the header arrives meanwhile; the tensors it posts once the header has given their
+shapes (gloo moves a send once its receive is posted, so on the receiving side the transfer itself
+is not hidden; k3-small sends 12 KB a row, over the loopback here).
+
+Faults: every wait for another process has a deadline (`--timeout`, 60 s): a stage that sends or
+takes nothing for that long, or a rank that does not join its stage's sum for that long (the timeout
+of the stage's process group), is named (it died or hangs, or a stage before it did) and this process
+exits 1. A process that dies breaks its gloo links and sums (the processes that meet it name it and
+exit 1), and torchrun, which checks its processes every 0.1 s, stops the others (SIGTERM: each says
+so and exits 1) and lists the dead one in its report by process number (stage p // N, rank p % N).
+Ctrl-C (SIGINT to every process) stops each at once, exit 130. Loading the sessions and the closing
+exchange of timings use the default process group's own timeout. gloo on CPU; with NCCL
+(`--dist-backend nccl`) the same tensors would go through the GPUs.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,8 +71,8 @@ from k3export.runtime import (
     passed_on,
     prompts_of,
     report,
-    stage_exports,
     stage_name,
+    stage_ranks,
 )
 from k3export.runtime.schedule import (
     MicroBatch,
@@ -74,16 +87,31 @@ RUN, STOP, FINISHED = 1, 2, 3  # a header's kind
 TOKENS = TensorSpec("tokens", "int64", ["batch"], "the last stage's tokens for a micro-batch's next step")
 
 
+def process_name(process: int, ranks: int) -> str:
+    """A process as messages name it: its stage, and its rank of a split stage (`ranks` > 1)."""
+    if ranks == 1:
+        return f"stage {process} (rank {process})"
+    return f"stage {process // ranks} rank {process % ranks} (process {process})"
+
+
+def gloo_reason(error: RuntimeError) -> str:
+    """gloo's reason for a failed send, receive or sum, without its place and hints: it says
+    "[file:line] Connection reset by peer [address]. This is typically ..."."""
+    reason = re.search(r"\] ([^.\[]*)", str(error))
+    return reason.group(1).strip() if reason else str(error)
+
+
 class StageFailed(Exception):
     """Another stage stopped answering: this process exits 1."""
 
 
 class Links:
-    """This rank's messages, every send non-blocking and every wait with a deadline. A message is a
+    """This process's messages, every send non-blocking and every wait with a deadline. A message is a
     header [kind, micro-batch, rows, seq] and, for RUN, tensors whose shapes the header gives."""
 
-    def __init__(self, timeout: int, window: int) -> None:
+    def __init__(self, timeout: int, window: int, ranks: int) -> None:
         self.timeout = timeout
+        self.ranks = ranks  # of each stage, to name a peer
         self.window = window  # messages sent ahead before waiting for the oldest to be received
         self.header: tuple[dist.Work, torch.Tensor] | None = None  # the next one, posted ahead
         self.sending: deque[tuple[int, list[tuple[dist.Work, torch.Tensor]]]] = deque()  # kept until sent
@@ -104,7 +132,7 @@ class Links:
             self.wait(work, peer)
 
     def expect(self, peer: int) -> None:
-        """Posts the receive of the next header from `peer`, so that it arrives while this rank computes."""
+        """Posts the receive of the next header from `peer`, so that it arrives while this one computes."""
         header = torch.empty(4, dtype=torch.int64)
         self.header = (self.post(dist.irecv, header, peer), header)
 
@@ -137,14 +165,12 @@ class Links:
 
     def failure(self, error: RuntimeError, peer: int) -> StageFailed:
         """What a failed send or receive with `peer` means, in words."""
+        name = process_name(peer, self.ranks)
         if "Timed out" in str(error):
-            return StageFailed(f"stage {peer} (rank {peer}) took nothing or sent nothing for "
-                               f"{self.timeout} s (--timeout): it died or hangs, or a stage before it did")
-        # gloo says "[file:line] Connection reset by peer [address]. This is typically ..."
-        reason = re.search(r"\] ([^.\[]*)", str(error))
-        reason = reason.group(1).strip() if reason else str(error)
-        return StageFailed(f"the link with stage {peer} (rank {peer}) broke ({reason}): it died, or a "
-                           "stage before it did")
+            return StageFailed(f"{name} took nothing or sent nothing for {self.timeout} s (--timeout): it "
+                               "died or hangs, or a stage before it did")
+        return StageFailed(f"the link with {name} broke ({gloo_reason(error)}): it died, or a stage before "
+                           "it did")
 
     def flush(self) -> None:
         """Waits until every message sent has been taken."""
@@ -152,54 +178,98 @@ class Links:
             self.wait_sent()
 
 
-def compute(stage: Stage, batch: MicroBatch,
-            feed: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
-    """Runs `batch`'s current call on this stage, its caches; returns the outputs and when it started."""
-    stage.use(batch.index)
-    started = time.perf_counter()
-    return stage(stage.feeds(feed, {})), started
+@dataclass(frozen=True)
+class NamedSums:
+    """The context of a split stage's calls: a sum of its ranks that fails within (a partner died, or
+    did not join it within `timeout`) is raised as a StageFailed naming the partners (gloo does not
+    say which one). gloo raises RuntimeError (ONNX Runtime's errors are not one)."""
+
+    process: int
+    ranks: int
+    timeout: int
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: Any) -> None:
+        if self.ranks == 1 or not isinstance(error, RuntimeError):
+            return
+        stage, rank = divmod(self.process, self.ranks)
+        others = [str(r) for r in range(self.ranks) if r != rank]
+        partners = (f"stage {stage} rank {others[0]}" if len(others) == 1
+                    else f"one of stage {stage}'s ranks {', '.join(others)}")
+        if "Timed out" in str(error):
+            raise StageFailed(f"{partners} did not join a sum for {self.timeout} s (--timeout): it died or "
+                              "hangs, or a stage before it did") from None
+        raise StageFailed(f"a sum with {partners} failed ({gloo_reason(error)}): it died, or stopped when "
+                          "a process it waits for failed") from None
 
 
 @dataclass(frozen=True)
 class Peers:
-    """The ranks a stage process exchanges messages with: the stage before it (None: it is the first)
-    and after it (None: the last), and the first one, to which the last sends the tokens. One rank a
-    stage here; in a grid of ranks each would name its counterpart in the neighbouring stages."""
+    """The processes a stage's process exchanges messages with, all in its lane (its rank of every
+    stage): the stage before it (None: it is the first) and after it (None: the last), the first,
+    to which the last sends the tokens, and the last, from which the first takes them."""
 
     previous: int | None
     next: int | None
     first: int
+    last: int
 
     @classmethod
-    def of(cls, rank: int, world: int) -> Peers:
-        return cls(rank - 1 if rank else None, rank + 1 if rank + 1 < world else None, 0)
+    def of(cls, process: int, stages: int, ranks: int) -> Peers:
+        stage, rank = divmod(process, ranks)
+        return cls(process - ranks if stage else None, process + ranks if stage + 1 < stages else None,
+                   rank, (stages - 1) * ranks + rank)
 
 
-def first_stage(stage: Stage, batches: list[MicroBatch], links: Links, clock: StageTimes, passed: list[str],
-                peers: Peers, last: int) -> None:
-    """Stage 0: each micro-batch's prefill, then its decode steps as its tokens come back from `last`."""
-    links.expect(last)  # the first tokens, posted ahead as every later message
+@dataclass
+class Part:
+    """This process's part of the schedule: its stage, where its messages go, its clock."""
+
+    stage: Stage
+    links: Links
+    peers: Peers
+    clock: StageTimes
+    sums: NamedSums
+
+    def compute(self, batch: MicroBatch, feed: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+        """Runs `batch`'s current call on this stage, its caches; returns the outputs and when it started."""
+        self.stage.use(batch.index)
+        started = time.perf_counter()
+        with self.sums:
+            return self.stage(self.stage.feeds(feed, {})), started
+
+    def record(self, batch: MicroBatch, started: float, sent: int) -> None:
+        runner = self.stage.runner
+        self.clock.record(batch, started, runner.inference_time, sent, runner.collective_time)
+
+
+def first_stage(part: Part, batches: list[MicroBatch], passed: list[str]) -> None:
+    """Stage 0: each micro-batch's prefill, then its decode steps as its tokens come back from the last."""
+    links, peers = part.links, part.peers
+    links.expect(peers.last)  # the first tokens, posted ahead as every later message
     for batch in round_robin(batches):
         if batch.calls:
-            kind, index, received = links.receive(last, [TOKENS])
+            kind, index, received = links.receive(peers.last, [TOKENS])
             assert index == batch.index, "the last stage's tokens come in round-robin order"
             batch.finished = kind == FINISHED
             if not all(b.finished for b in batches):
-                links.expect(last)
+                links.expect(peers.last)
             if batch.finished:
                 links.send(peers.next, STOP, batch, [])
                 continue
             batch.input_ids = received["tokens"][:, None]
-        outputs, started = compute(stage, batch, batch.request())
-        sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed])
-        clock.record(batch, started, stage.runner.inference_time, sent)
+        outputs, started = part.compute(batch, batch.request())
+        part.record(batch, started, links.send(peers.next, RUN, batch, [outputs[n] for n in passed]))
         batch.advance()
 
 
-def later_stage(stage: Stage, batches: list[MicroBatch], links: Links, clock: StageTimes, passed: list[str],
-                peers: Peers, received: list[TensorSpec], tokens: Tokens) -> None:
+def later_stage(part: Part, batches: list[MicroBatch], passed: list[str], received: list[TensorSpec],
+                tokens: Tokens) -> None:
     """Stages 1..: what comes in, in order, sent on; the last one samples and sends the tokens back to
     the first."""
+    links, peers = part.links, part.peers
     running = len(batches)
     links.expect(peers.previous)
     while running:
@@ -212,77 +282,95 @@ def later_stage(stage: Stage, batches: list[MicroBatch], links: Links, clock: St
             if peers.next is not None:
                 links.send(peers.next, STOP, batch, [])
             continue
-        outputs, started = compute(stage, batch, {**batch.lengths(), **tensors})
+        outputs, started = part.compute(batch, {**batch.lengths(), **tensors})
         if peers.next is None:
             ids = tokens.take(batch, outputs["logits"])
             sent = links.send(peers.first, FINISHED if batch.finished else RUN, batch, [ids])
         else:
             sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed])
-        clock.record(batch, started, stage.runner.inference_time, sent)
+        part.record(batch, started, sent)
         batch.advance()
 
 
-def run_rank(args: argparse.Namespace) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    exports = stage_exports(args.build)
-    if world != len(exports):
-        raise UserError(f"{args.build}: {len(exports)} stages, started with {world} processes; expected "
-                        f"torchrun --nproc-per-node {len(exports)}")
+def run_process(args: argparse.Namespace, exports: list[list[Path]]) -> None:
+    process, world = dist.get_rank(), dist.get_world_size()
+    stages, ranks = len(exports), len(exports[0])
+    grid = f"{stages} stages" + (f" x {ranks} ranks" if ranks > 1 else "")
+    if len({len(s) for s in exports}) != 1 or world != stages * ranks:
+        raise UserError(f"{args.build}: {grid}, started with {world} processes; expected "
+                        f"torchrun --nproc-per-node {stages * ranks}")
+    index = process // ranks
+    lane = [folders[process % ranks] for folders in exports]
     threads = intra_op_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    prompts = prompts_of(args, exports)  # on every rank, so that all refuse a bad request alike
-    count = args.micro_batches or default_micro_batches(len(prompts), world)
-    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    prompts = prompts_of(args, lane)  # on every process, so that all refuse a bad request alike
+    count = args.micro_batches or default_micro_batches(len(prompts), stages)
     batches = split_prompts(prompts, count)  # refuses a bad --micro-batches before any session loads
-    if world == 1:  # one stage: no messages
-        pipeline = Pipeline(exports, threads)
-        try:
-            result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop), count)
-        finally:
-            pipeline.close()
-        result.threads = threads
-        report(args, result, [f"rank 0: {stage_name(pipeline.stages[0])}"])
-        return
-    # Every rank reads every stage's signature (to agree on what crosses); each activates its own.
-    stages = [Stage(d, f"stage{i}", threads) for i, d in enumerate(exports)]
-    stage = stages[rank]
-    stage.runner.activate()
+    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    tokens = Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
+    # The ranks of each stage sum over a group of their own, which every process creates, in the same
+    # order (torch.distributed's rule); a rank that does not join a sum is named after --timeout.
+    groups = [dist.new_group(list(range(s * ranks, (s + 1) * ranks)), timeout=timedelta(seconds=args.timeout))
+              if ranks > 1 else None for s in range(stages)]
+    sums = NamedSums(process, ranks, args.timeout)
+    if stages == 1:  # one stage: no messages, it samples its own tokens
+        pipeline = Pipeline(lane, threads, group=groups[0])
+        lane_stages = pipeline.stages
+    else:  # every process reads every stage's signature (to agree on what crosses); each activates its own
+        lane_stages = [Stage(d, f"stage{i}", threads, group=groups[i]) for i, d in enumerate(lane)]
+        lane_stages[index].runner.activate()
     try:
-        stage.reset_slots([b.size for b in batches])
-        clock = StageTimes(stage.runner.name)
-        passed = passed_on(stages, rank) if rank + 1 < world else []
-        previous = {s.name for s in stages[rank - 1].signature.outputs} if rank else set()
-        received = [s for s in stage.signature.feeds if s.name in previous]
-        tokens = Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
-        links = Links(args.timeout, window=count)
         dist.barrier()  # every session is loaded
-        if rank == 0:
-            print(f"k3export.runtime: {world} stages, {count} micro-batches of {[b.size for b in batches]} "
-                  f"rows, {threads} thread{'s' if threads > 1 else ''} a stage, --timeout {args.timeout:g} s",
+        if process == 0:
+            print(f"k3export.runtime: {grid}, {count} micro-batches of {[b.size for b in batches]} rows, "
+                  f"{threads} thread{'s' if threads > 1 else ''} a process, --timeout {args.timeout:g} s",
                   file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        peers = Peers.of(rank, world)
-        if rank == 0:
-            first_stage(stage, batches, links, clock, passed, peers, last=world - 1)
+        if stages == 1:
+            with sums:
+                result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop),
+                                  count)
+            mine = {"seconds": result.stage_seconds[0], "times": result.stages[0], "tokens": result.tokens,
+                    "prefill": result.prefill_seconds, "decode": result.decode_seconds,
+                    "steps": result.decode_steps}
         else:
-            later_stage(stage, batches, links, clock, passed, peers, received, tokens)
-        links.flush()
-        mine = {"seconds": stage.seconds, "times": clock.summary()}
-        if rank == world - 1:
-            mine.update(tokens=tokens.rows, prefill=tokens.prefilled_at - start,
-                        decode=tokens.decode_seconds(), steps=max(b.calls for b in batches) - 1)
+            stage = lane_stages[index]
+            part = Part(stage, Links(args.timeout, count, ranks), Peers.of(process, stages, ranks),
+                        StageTimes(stage.runner.name), sums)
+            mine = pipelined(part, lane_stages, index, batches, tokens)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
-        if rank == 0:
+        if process == 0:
             last = gathered[-1]
             result = Generation(last["tokens"], last["prefill"], last["decode"], last["steps"],
                                 [g["seconds"] for g in gathered], count, [g["times"] for g in gathered],
                                 threads)
-            report(args, result, [f"rank {i}: {stage_name(s)}" for i, s in enumerate(stages)])
+            label = "rank {p}" if ranks == 1 else "stage {s} rank {r}"
+            report(args, result, [label.format(p=p, s=p // ranks, r=p % ranks)
+                                  + f": {stage_name(lane_stages[p // ranks])}" for p in range(world)])
     finally:
-        stage.runner.deactivate()
+        lane_stages[index].runner.deactivate()
 
 
-def watch_signals(rank: str) -> None:
+def pipelined(part: Part, lane: list[Stage], index: int, batches: list[MicroBatch],
+              tokens: Tokens) -> dict[str, Any]:
+    """Stage `index` of `lane` (S > 1) walks the schedule; its timings, and the last stage's tokens."""
+    part.stage.reset_slots([b.size for b in batches])
+    start = time.perf_counter()
+    passed = passed_on(lane, index) if index + 1 < len(lane) else []
+    if index == 0:
+        first_stage(part, batches, passed)
+    else:
+        previous = {s.name for s in lane[index - 1].signature.outputs}
+        received = [s for s in part.stage.signature.feeds if s.name in previous]
+        later_stage(part, batches, passed, received, tokens)
+    part.links.flush()
+    mine = {"seconds": part.stage.seconds, "times": part.clock.summary()}
+    if index + 1 == len(lane):
+        mine.update(tokens=tokens.rows, prefill=tokens.prefilled_at - start, decode=tokens.decode_seconds(),
+                    steps=max(b.calls for b in batches) - 1)
+    return mine
+
+
+def watch_signals(name: str) -> None:
     """SIGINT (Ctrl-C) and SIGTERM (torchrun stopping the others when one fails) end this process at
     once with a message, even while its main thread is blocked in gloo or ONNX Runtime, where a
     Python handler would wait for the call to return: Python's C-level handler, in whichever thread
@@ -297,37 +385,43 @@ def watch_signals(rank: str) -> None:
         interrupted = os.read(read, 1)[0] == signal.SIGINT
         why = ("interrupted (Ctrl-C)" if interrupted else
                "stopped by SIGTERM: torchrun stops every stage when one fails (its report names which)")
-        print(f"k3export.runtime: stage {rank} (rank {rank}): {why}", file=sys.stderr, flush=True)
+        print(f"k3export.runtime: {name}: {why}", file=sys.stderr, flush=True)
         os._exit(130 if interrupted else 1)
 
     threading.Thread(target=watch, name="signals", daemon=True).start()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m k3export.runtime",
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node S*N -m k3export.runtime",
                                      description=__doc__.split("\n")[0])
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=positive_int, default=60, metavar="SECONDS",
-                        help="the longest wait for another stage (a message from it, or taking one) "
-                        "before naming it and exiting 1")
+                        help="the longest wait for another process (a message from it, taking one, or "
+                        "joining a sum) before naming it and exiting 1")
     parser.add_argument("--dist-backend", default="gloo", choices=["gloo", "nccl"])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    watch_signals(os.environ.get("RANK", "?"))
-    dist.init_process_group(args.dist_backend)
-    rank = dist.get_rank()
+    process = int(os.environ.get("RANK", 0))
     try:
-        run_rank(args)
+        exports = stage_ranks(args.build)
+    except UserError as e:  # before the process group: every process refuses alike
+        print(f"k3export.runtime: error: {e}", file=sys.stderr)
+        return 2
+    name = process_name(process, len(exports[0]))
+    watch_signals(name)
+    dist.init_process_group(args.dist_backend)
+    try:
+        run_process(args, exports)
     except UserError as e:
         print(f"k3export.runtime: error: {e}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     except StageFailed as e:
-        # One write with its newline, so that stages failing together do not share a line.
-        sys.stderr.write(f"k3export.runtime: stage {rank} (rank {rank}): {e}\n")
+        # One write with its newline, so that processes failing together do not share a line.
+        sys.stderr.write(f"k3export.runtime: {name}: {e}\n")
         sys.stderr.flush()
         sys.stdout.flush()
         # Not destroy_process_group: its teardown can wait on a peer that is gone.

@@ -141,30 +141,37 @@ class Tokens:
 class StageTimes:
     """One stage's decode calls: `busy` is the time in its graph (session), the window runs from the
     start of its first decode call to the end of its last, and the rest of the window is waiting
-    (for inputs, sends, sampling: the pipeline's bubble). `sent` counts the bytes it passes on in
-    decode calls (to the next stage; the last stage: the tokens back to the first)."""
+    (for inputs, sends, sampling: the pipeline's bubble). `sums`: the part of `busy` a split
+    stage's rank spends in the sums with the stage's other ranks (runtime.segments). `sent` counts
+    the bytes it passes on in decode calls (to the next stage; the last stage: the tokens back to
+    the first)."""
 
     name: str
     busy: float = 0.0
+    sums: float = 0.0
     start: float | None = None
     end: float = 0.0
     rows: int = 0  # decode rows computed (a micro-batch's size per call)
     sent: int = 0
 
-    def record(self, batch: MicroBatch, started: float, seconds: float, sent_bytes: int) -> None:
-        """A call of `batch` (before its `advance`) that ran its graph from `started` for `seconds`."""
+    def record(self, batch: MicroBatch, started: float, seconds: float, sent_bytes: int,
+               sums: float = 0.0) -> None:
+        """A call of `batch` (before its `advance`) that ran its graph from `started` for `seconds`,
+        `sums` of them in sums with the stage's other ranks."""
         if batch.calls == 0:
             return
         if self.start is None:
             self.start = started
         self.end = started + seconds
         self.busy += seconds
+        self.sums += sums
         self.rows += batch.size
         self.sent += sent_bytes
 
     def summary(self) -> dict[str, Any]:
         window = self.end - self.start if self.start is not None else 0.0
-        return {"name": self.name, "busy_seconds": self.busy, "window_seconds": window,
+        return {"name": self.name, "busy_seconds": self.busy, "sums_seconds": self.sums,
+                "window_seconds": window,
                 "waiting_seconds": window - self.busy,
                 "busy_fraction": self.busy / window if window else None,
                 "sent_bytes_per_token": self.sent / self.rows if self.rows else None}

@@ -9,8 +9,12 @@ its partners on the other ranks.
 The nodes keep the graph's (topological) order; piece k holds those between collective k-1 and k, its
 inputs are what it reads that earlier pieces, sums or the caller made, its outputs what later pieces,
 sums or the caller read. The weights stay in the export's data file, which each piece's session reads
-in place (no copy of the file). Caches go in and come out as plain feeds and results (copied, not bound
-in place as check's BoundOnnxrtRunner does for a whole graph).
+in place (no copy of the file). Each piece runs through IO binding (onnx.runner.run_bound): a call
+may name buffers (`into`) for outputs, which the piece that makes them writes.
+
+`SegmentedRunner` is such a graph as the runner of a runtime.Stage: its caches held and bound as
+onnx.runner.BoundOnnxrtRunner holds them (the MLA cache written in place by the piece that scatters
+into it, the KDA states double-buffered), so each micro-batch has its own rows, as on any stage.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.distributed as dist
 
 from k3export.errors import UserError
 from k3export.onnx.collectives import DOMAIN, OP_TYPE
+from k3export.onnx.runner import BoundOnnxrtRunner, Signature, run_bound
 
 
 @dataclass
@@ -97,7 +102,7 @@ class SegmentedGraph:
         read_later.reverse()
         options = ort.SessionOptions()
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3  # not the TensorScatter copy warning: caches are plain feeds here
+        options.log_severity_level = 3  # not TensorScatter's copy warning when caches come without `into`
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(path.parent))
         if threads:
@@ -123,21 +128,49 @@ class SegmentedGraph:
         self.keep_partials = keep_partials
         self.partials: list[np.ndarray] = []
 
-    def __call__(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, feed: dict[str, np.ndarray],
+                 into: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The graph's outputs for `feed` (every graph input); those named in `into` written into
+        its buffers."""
         values = dict(feed)
         self.partials = []
         for k, piece in enumerate(self.pieces):
             start = time.perf_counter()
-            results = piece.session.run(piece.outputs, {name: values[name] for name in piece.inputs})
+            values.update(run_bound(piece.session, {name: values[name] for name in piece.inputs},
+                                    piece.outputs, into or {}))
             self.compute_seconds += time.perf_counter() - start
-            values.update(zip(piece.outputs, results, strict=True))
             if k < len(self.collectives):
                 node = self.collectives[k]
                 start = time.perf_counter()
-                if self.keep_partials:  # a copy: the sum is done in place, in the piece's output
-                    self.partials.append(values[node.input[0]].copy())
-                summed = torch.from_numpy(np.ascontiguousarray(values[node.input[0]]))
+                partial = values[node.input[0]]
+                if self.keep_partials:
+                    self.partials.append(partial)
+                summed = torch.tensor(partial)  # a copy: a later piece may read the partial too
                 dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
                 values[node.output[0]] = summed.numpy()
                 self.collective_seconds += time.perf_counter() - start
         return {name: values[name] for name in self.output_names}
+
+
+class SegmentedRunner(BoundOnnxrtRunner):
+    """A split rank's graph (`SegmentedGraph`, its sums over `group`) holding its caches as
+    BoundOnnxrtRunner does. `collective_time`: the last call's seconds in sums, within its
+    `inference_time`."""
+
+    def __init__(self, path: Path, signature: Signature, group: dist.ProcessGroup | None, name: str,
+                 threads: int | None = None, keep_partials: bool = False) -> None:
+        super().__init__(path, signature, name, threads)
+        self.group, self.keep_partials = group, keep_partials
+
+    def activate_impl(self) -> None:
+        self.graph = SegmentedGraph(self.path, self.group, self.threads, self.keep_partials)
+
+    def deactivate_impl(self) -> None:
+        del self.graph
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: list[str],
+            into: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        before = self.graph.collective_seconds
+        results = self.graph(feeds, into)
+        self.collective_time = self.graph.collective_seconds - before
+        return results

@@ -56,7 +56,7 @@ from k3export.model.parallel import split_model
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, graph_signature
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.ops.collectives import recording_partials
-from k3export.runtime.segments import SegmentedGraph
+from k3export.runtime.segments import SegmentedRunner
 from k3export.weights.checkpoint import build_model
 
 WORKER_TIMEOUT_S = 600.0  # the longest a worker may take to load or to answer one call
@@ -96,19 +96,6 @@ def valid_tokens(partial: np.ndarray, input_lengths: np.ndarray) -> np.ndarray:
     return np.concatenate([rows[b, :n] for b, n in enumerate(input_lengths)])
 
 
-class SegmentedRunner(StatefulRunner):
-    """A rank's SegmentedGraph holding its caches, as a check runner (within its worker process)."""
-
-    def __init__(self, graph: SegmentedGraph, signature: Signature) -> None:
-        super().__init__(signature, "grid rank")
-        self.graph = graph
-
-    def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        outputs = self.graph({**feeds, **self.caches})
-        self.keep_caches(outputs)
-        return OrderedDict(outputs)
-
-
 class RankWorker:
     """In a worker process: a rank's graph and its eager split model, each with its own caches."""
 
@@ -121,8 +108,9 @@ class RankWorker:
         model = build_model(config, getattr(torch, manifest["dtype"]), manifest["weights"], layers)
         model = split_model(model, rank, ranks)
         eager = ExportGraph(model, layers, manifest.get("last_logits", False), "taps" in manifest)
-        self.graph = SegmentedGraph(folder / GRAPH_FILE, threads=1, keep_partials=True)
-        self.runners = [SegmentedRunner(self.graph, signature), EagerRunner(eager, "eager split", signature)]
+        self.graph = SegmentedRunner(folder / GRAPH_FILE, signature, None, "grid rank", threads=1,
+                                     keep_partials=True)
+        self.runners = [self.graph, EagerRunner(eager, "eager split", signature)]
         for runner in self.runners:
             runner.activate()
 
@@ -140,14 +128,14 @@ class RankWorker:
         outputs = self.runners[0].infer(feeds, check_inputs=False)
         with recording_partials() as expected:
             self.runners[1].infer(feeds, check_inputs=False)
-        if len(expected) != len(self.graph.partials):
-            raise UserError(f"the graph sums {len(self.graph.partials)} times, the eager split model "
-                            f"{len(expected)} times: the rank's graph is not its split model's")
+        actual = self.graph.graph.partials
+        if len(expected) != len(actual):
+            raise UserError(f"the graph sums {len(actual)} times, the eager split model {len(expected)} "
+                            "times: the rank's graph is not its split model's")
         partials = []
-        for k, (where, actual, reference) in enumerate(zip(self.collectives, self.graph.partials, expected,
-                                                           strict=True)):
+        for k, (where, mine, reference) in enumerate(zip(self.collectives, actual, expected, strict=True)):
             comparison = compare(f"layer {where['layer']} {where['after']}",
-                                 valid_tokens(actual, feeds["input_lengths"]),
+                                 valid_tokens(mine, feeds["input_lengths"]),
                                  valid_tokens(reference.numpy(), feeds["input_lengths"]), self.tolerance)
             partials.append({"collective": k, "layer": where["layer"], "after": where["after"],
                              "rel": comparison.rel, "bound": comparison.bound, "passed": comparison.passed})
