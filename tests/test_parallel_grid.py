@@ -34,31 +34,18 @@ from k3export.runtime import random_prompts, stage_ranks
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
 
-RECIPE = """
-[model]
-preset = "k3-tiny"
-[weights]
-seed = 0
-dtype = "float32"
-[stages]
-count = 2
-[parallel]
-ranks = {ranks}
-[cache]
-capacity = 64
-batch = 2
-[profiles]
-prefill = {{ batch = 2, seq = 16 }}
-decode = {{ batch = 2 }}
-[build]
-backend = "onnx"
-"""
+GRID_RECIPE = Path(__file__).resolve().parents[1] / "engines/k3-tiny-2x2.toml"
+
+
+def grid_recipe(ranks: int) -> str:
+    """The shipped k3-tiny 2 x 2 recipe, each stage split over `ranks` instead."""
+    return GRID_RECIPE.read_text().replace("\nranks = 2", f"\nranks = {ranks}")
 
 
 @pytest.fixture(scope="module")
 def grid_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("grid")
-    (folder / "grid.toml").write_text(RECIPE.format(ranks=2))
+    shutil.copy(GRID_RECIPE, folder / "grid.toml")
     build_recipe(load_recipe(folder / "grid.toml"), folder / "build", log=lambda _: None)
     return folder / "build"
 
@@ -177,7 +164,7 @@ def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
 
     config = four_head_config()
     config.to_json(tmp_path / "config.json")
-    recipe = RECIPE.format(ranks=4).replace('preset = "k3-tiny"', 'config = "config.json"')
+    recipe = grid_recipe(4).replace('preset = "k3-tiny"', 'config = "config.json"')
     (tmp_path / "four.toml").write_text(recipe.replace("count = 2", "count = 1"))
     build_recipe(load_recipe(tmp_path / "four.toml"), tmp_path / "build", log=lambda _: None)
     proc = torchrun(4, "-m", "k3export.runtime", str(tmp_path / "build"), "--batch", "2",
@@ -196,7 +183,7 @@ def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
     (-2, r"key 'parallel.ranks' = -2: expected an integer >= 1")], ids=["3", "0", "-2"])
 def test_recipe_ranks_that_do_not_divide_or_are_not_positive_are_refused(tmp_path: Path, ranks: int,
                                                                        expected: str, capsys) -> None:
-    (tmp_path / "bad.toml").write_text(RECIPE.format(ranks=ranks))
+    (tmp_path / "bad.toml").write_text(grid_recipe(ranks))
     with pytest.raises(UserError, match=r"bad.toml: " + expected):
         load_recipe(tmp_path / "bad.toml")
     assert main(["build", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "out")]) == 2
@@ -242,7 +229,7 @@ def test_a_grid_build_refuses_another_rank_count_and_a_stage_outside_it(grid_bui
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(grid_build / "manifest.json", out)  # what the refusal reads: the build's recipe
-    (tmp_path / "one.toml").write_text(RECIPE.format(ranks=1))
+    (tmp_path / "one.toml").write_text(grid_recipe(1))
     assert main(["build", str(tmp_path / "one.toml"), "--out", str(out)]) == 2
     assert (f"--out {out}: built with [parallel] ranks = 2 ({out / 'manifest.json'}), but "
             f"{tmp_path / 'one.toml'} now says ranks = 1") in capsys.readouterr().err
