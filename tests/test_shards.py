@@ -348,6 +348,34 @@ def started_worker(torchrun: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank}")
 
 
+def fault_a_worker(command: list[str], banner: str, rank: int, fault: str, named: str) -> tuple[int, str]:
+    """Starts `command` (torchrun), waits until its processes print `banner` (their sessions loaded),
+    then kills (SIGKILL) or stops (SIGSTOP, a hang) the worker of `rank` while they decode. A hung
+    worker must be named (the regular expression `named`) within --timeout (3 s) + 5 s; it is then let
+    go, so that torchrun's SIGTERM ends it. Every process must be gone within 3 + 15 s. Returns
+    torchrun's exit code and everything the processes wrote to stderr."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if line.startswith(banner):
+            break
+    time.sleep(0.5)
+    victim = started_worker(proc, rank)
+    os.kill(victim, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    stopped = time.monotonic()
+    if fault == "hung":
+        for line in proc.stderr:  # two processes' messages may share a line: their writes interleave
+            err.append(line)
+            if re.search(named, line):
+                break
+        assert time.monotonic() - stopped < 3 + 5, "".join(err)[-3000:]
+        os.kill(victim, signal.SIGCONT)
+    _, rest = proc.communicate(timeout=3 + 15)
+    assert time.monotonic() - stopped < 3 + 15
+    return proc.returncode, "".join(err) + rest
+
+
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_a_failed_stage_stops_the_others(onnx_build, fault: str) -> None:
     """Stage 1 of 3 killed (SIGKILL) or stopped (SIGSTOP, a hang) while the others decode: the others
@@ -357,29 +385,10 @@ def test_a_failed_stage_stops_the_others(onnx_build, fault: str) -> None:
     out, _ = onnx_build
     command = torchrun_command(out, "--prompt-len", "12", "--batch", "2", "--max-new-tokens", "200",
                                "--timeout", "3")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err = []
-    for line in proc.stderr:  # the sessions are loaded and the ranks start
-        err.append(line)
-        if line.startswith("k3export.runtime: 3 stages"):
-            break
-    time.sleep(0.5)
-    victim = started_worker(proc, 1)
-    os.kill(victim, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
-    stopped = time.monotonic()
-    if fault == "hung":
-        expected = ("k3export.runtime: stage 2 (rank 2): stage 1 (rank 1) took nothing or sent nothing for "
-                    "3 s (--timeout): it died or hangs")
-        for line in proc.stderr:  # two stages' messages may share a line: their writes interleave
-            err.append(line)
-            if expected in line:
-                break
-        assert time.monotonic() - stopped < 3 + 5, "".join(err)[-3000:]
-        os.kill(victim, signal.SIGCONT)  # so that torchrun's SIGTERM ends it
-    _, rest = proc.communicate(timeout=15)
-    err = "".join(err) + rest
-    assert proc.returncode != 0
-    assert time.monotonic() - stopped < 3 + 15
+    named = re.escape("k3export.runtime: stage 2 (rank 2): stage 1 (rank 1) took nothing or sent nothing for "
+                      "3 s (--timeout): it died or hangs")
+    code, err = fault_a_worker(command, "k3export.runtime: 3 stages", 1, fault, named)
+    assert code != 0
     if fault == "killed":
         # Each other stage says why it stops: torchrun stopped it, or its link with a dead stage broke.
         for rank in (0, 2):
