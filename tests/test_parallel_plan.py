@@ -63,6 +63,29 @@ def test_the_two_host_recipe_plans_its_ranks(capsys) -> None:
     assert all(rank["fits_h200"] for rank in plan["parallel"]["stages"])
 
 
+def test_recipe_links_set_the_plans_bandwidths(tmp_path: Path, capsys) -> None:
+    """[links] gives the plan its two bandwidths (between stages, among a stage's ranks), and the
+    command line's options override them; a bandwidth that is not a positive number is refused."""
+    text = (Path(__file__).parents[1] / "engines" / "k3-tiny-2x2.toml").read_text()
+    recipe = tmp_path / "links.toml"
+    recipe.write_text(text + "\n[links]\nstages_gb_per_s = 10\nranks_gb_per_s = 20.5\n")
+
+    def planned(*options: str) -> dict:
+        assert main(["plan", str(recipe), "--json", *options]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plan, default = planned(), planned("--link-gb-per-s", "50", "--collective-gb-per-s", "450")
+    assert (plan["link_gb_per_s"], plan["parallel"]["collective_gb_per_s"]) == (10, 20.5)
+    sent = plan["stages"][0]["seconds_per_token_sent"]
+    assert sent == pytest.approx(5 * default["stages"][0]["seconds_per_token_sent"])
+    collective = [p["parallel"]["stages"][0]["collective_seconds_per_token"] for p in (plan, default)]
+    assert collective[0] == pytest.approx(450 / 20.5 * collective[1])
+    for bad in ("0", "-1", '"fast"', "true", "inf"):
+        recipe.write_text(text + f"\n[links]\nranks_gb_per_s = {bad}\n")
+        assert main(["plan", str(recipe)]) == 2
+        assert "key 'links.ranks_gb_per_s' = " in capsys.readouterr().err
+
+
 def test_ranks_that_do_not_divide_are_refused(capsys) -> None:
     # 96 heads and the MLP widths divide by 3, the 896 experts do not.
     assert main(["plan", "--preset", "kimi-k3", "--stages", "2", "--ranks", "3"]) == 2

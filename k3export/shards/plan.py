@@ -260,13 +260,15 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
                 max(load.weight_bytes))
 
 
-def plan_recipe(recipe: Any, link_gb_per_s: float = LINK_GB_PER_S) -> Plan:
-    """The plan a recipe (k3export.shards.recipe.Recipe) builds: its stage ranges, or balanced ones."""
+def plan_recipe(recipe: Any, link_gb_per_s: float | None = None) -> Plan:
+    """The plan a recipe (k3export.shards.recipe.Recipe) builds: its stage ranges, or balanced ones;
+    its links between stages at `link_gb_per_s`, else the recipe's [links], else LINK_GB_PER_S."""
     model = recipe.preset or str(recipe.config_path)
     return make_plan(recipe.config, list(recipe.stage_ranges) if recipe.stage_ranges else recipe.stage_count,
                      model=model, dtype=recipe.dtype, packed_experts=recipe.packed_experts,
                      context=recipe.capacity, batch=recipe.batch,
-                     prefill_tokens=recipe.prefill_batch * recipe.prefill_seq, link_gb_per_s=link_gb_per_s)
+                     prefill_tokens=recipe.prefill_batch * recipe.prefill_seq,
+                     link_gb_per_s=link_gb_per_s or recipe.stages_gb_per_s or LINK_GB_PER_S)
 
 
 def _gb(n: float) -> str:
@@ -438,25 +440,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if (args.recipe is None) == (args.preset is None):
         raise UserError("plan: expected a RECIPE file or --preset NAME --stages N (one of them)")
-    if args.recipe:
-        plan = plan_recipe(load_recipe(args.recipe), args.link_gb_per_s)
+    recipe = load_recipe(args.recipe) if args.recipe else None
+    if recipe:
+        plan = plan_recipe(recipe, args.link_gb_per_s)
     else:
         if args.stages is None:
             raise UserError("plan --preset: expected --stages N")
         config = K3Config.from_preset(args.preset)
         plan = make_plan(config, args.stages, model=args.preset, dtype=args.dtype or config.torch_dtype,
                          packed_experts=args.packed_experts, context=args.context, batch=args.batch,
-                         prefill_tokens=args.prefill_tokens, link_gb_per_s=args.link_gb_per_s)
-    ranks = args.ranks if args.ranks is not None else load_recipe(args.recipe).ranks if args.recipe else 1
+                         prefill_tokens=args.prefill_tokens,
+                         link_gb_per_s=args.link_gb_per_s or LINK_GB_PER_S)
+    ranks = args.ranks or (recipe.ranks if recipe else 1)
+    collective_gb_per_s = (args.collective_gb_per_s or (recipe and recipe.ranks_gb_per_s)
+                           or COLLECTIVE_GB_PER_S)
     if ranks == 1:
         print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
         return 0
-    stages = rank_stages(plan, ranks, args.collective_gb_per_s)
+    stages = rank_stages(plan, ranks, collective_gb_per_s)
     if args.json:
-        print(json.dumps({**plan.to_json(), "parallel": rank_plan_json(stages, args.collective_gb_per_s)},
-                         indent=2))
+        parallel = rank_plan_json(stages, collective_gb_per_s)
+        print(json.dumps({**plan.to_json(), "parallel": parallel}, indent=2))
     else:
-        print(format_plan(plan) + "\n\n" + format_rank_plan(stages, args.collective_gb_per_s))
+        print(format_plan(plan) + "\n\n" + format_rank_plan(stages, collective_gb_per_s))
     return 0
 
 
@@ -474,13 +480,14 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--batch", type=positive_int, default=1, help="sequences in the cache (with --preset)")
     plan.add_argument("--prefill-tokens", type=positive_int, default=1024,
                       help="batch x seq of the largest prefill, for the activation estimate (with --preset)")
-    plan.add_argument("--link-gb-per-s", type=positive_real, default=LINK_GB_PER_S,
-                      help="bandwidth between stages, GB/s (default: 400 Gb/s InfiniBand)")
+    plan.add_argument("--link-gb-per-s", type=positive_real,
+                      help="bandwidth between stages, GB/s (default: the recipe's [links] stages_gb_per_s, "
+                           f"else {LINK_GB_PER_S:g}: 400 Gb/s InfiniBand)")
     plan.add_argument("--ranks", type=positive_int, metavar="N",
                       help="GPUs per stage: every stage split over N (k3export/model/parallel.py); per GPU "
                            "figures (default: the recipe's [parallel] ranks, else 1)")
-    plan.add_argument("--collective-gb-per-s", type=positive_real, default=450.0,
-                      help="bandwidth of the collectives within a stage, GB/s (default: NVLink 4, one "
-                           "direction)")
+    plan.add_argument("--collective-gb-per-s", type=positive_real,
+                      help="bandwidth of the collectives within a stage, GB/s (default: the recipe's [links] "
+                           f"ranks_gb_per_s, else {COLLECTIVE_GB_PER_S:g}: NVLink 4, one direction)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(run=cmd_plan)

@@ -10,6 +10,8 @@
                 covers 1 up to these
     [parallel]  ranks = 8                 optional: GPUs per stage, every stage split over them
                                           (tensor-parallel heads, expert-parallel experts; default 1)
+    [links]     stages_gb_per_s = 50      optional, for `plan`: between stages (hosts: InfiniBand), and
+                ranks_gb_per_s = 450      within a stage, its ranks' collectives (NVLink); GB/s
     [build]     backend = "tensorrt-rtx"  onnx | tensorrt-rtx | tensorrt; target = "sm89"
                 taps = false              true: every stage exports its layers' taps (export --taps),
                                           for `check --build DIR --taps`
@@ -21,6 +23,7 @@ expected. Unknown keys are refused too (a misspelt key would otherwise be silent
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import tomllib
 from dataclasses import dataclass
@@ -45,6 +48,7 @@ _KEYS: dict[str, set[str]] = {
     "profiles": {"prefill", "decode"},
     "build": {"backend", "target", "taps"},
     "parallel": {"ranks"},
+    "links": {"stages_gb_per_s", "ranks_gb_per_s"},
 }
 
 
@@ -71,6 +75,8 @@ class Recipe:
     target: str | None
     taps: bool = False  # stage exports carry taps.{layer}.* outputs (global layer indices)
     ranks: int = 1  # GPUs per stage (k3export/model/parallel.py); 1: stages are not split
+    stages_gb_per_s: float | None = None  # link between stages; None: the plan's default
+    ranks_gb_per_s: float | None = None  # link among a stage's ranks (the collectives); None: default
 
     @property
     def weights(self) -> dict[str, Any]:
@@ -105,6 +111,15 @@ class _Reader:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise self.fail(key, f"an integer >= {low}")
         return value
+
+    def bandwidth(self, key: str) -> float | None:
+        """An optional positive, finite number of GB/s."""
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise self.fail(key, "a positive number of GB/s")
+        return float(value)
 
     def choice(self, key: str, options: tuple[str, ...], default: str | None = None) -> str:
         value = self.get(key)
@@ -240,4 +255,6 @@ def load_recipe(path: str | Path) -> Recipe:
                   packed_experts=packed, stage_count=count, stage_ranges=ranges, capacity=capacity,
                   batch=batch, prefill_batch=profile_batches["profiles.prefill.batch"],
                   prefill_seq=prefill_seq, decode_batch=profile_batches["profiles.decode.batch"],
-                  backend=backend, target=target, taps=bool(taps), ranks=ranks)
+                  backend=backend, target=target, taps=bool(taps), ranks=ranks,
+                  stages_gb_per_s=r.bandwidth("links.stages_gb_per_s"),
+                  ranks_gb_per_s=r.bandwidth("links.ranks_gb_per_s"))
