@@ -1,11 +1,9 @@
-"""One rank of tests/test_parallel_export.py's grid runs: the rank's export (RANKS_DIR/rank-{r}) run
-greedily from a ragged prompt, written to OUT/rank-{r}.npz: the tokens and each call's logits at the
-rows' last valid positions. BACKEND "onnx": ONNX Runtime pieces with torch.distributed sums between
-them (k3export.runtime.segments); "network": the TensorRT-RTX parsed network, evaluated on CPU
-(k3export.engine.network, its DIST_COLLECTIVE layers summed by torch.distributed).
+"""One rank of tests/test_parallel_export.py's grid run: the TensorRT-RTX network parsed from the
+rank's export (RANKS_DIR/rank-{r}), evaluated on CPU (k3export.engine.network, its DIST_COLLECTIVE
+layers summed by torch.distributed), run greedily from a ragged prompt, written to OUT/rank-{r}.npz:
+the tokens and each call's logits at the rows' last valid positions.
 
-    python -m torch.distributed.run --nproc-per-node N tests/parallel_grid_worker.py RANKS_DIR OUT \
-        BACKEND NEW_TOKENS
+    python -m torch.distributed.run --nproc-per-node N tests/parallel_grid_worker.py RANKS_DIR OUT NEW_TOKENS
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from k3export.engine.network import NetworkEvaluator, parse_network, to_numpy
 from k3export.onnx.runner import PAST, PRESENT, Signature
-from k3export.runtime.segments import SegmentedGraph
 
 PROMPT_LENGTHS = [6, 4]
 
@@ -30,20 +28,18 @@ def prompts(vocab: int) -> np.ndarray:
 
 
 def network(folder: Path) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-    from k3export.engine.network import NetworkEvaluator, parse_network, to_numpy
-
     evaluator = NetworkEvaluator(parse_network(folder / "model.onnx"))
     return lambda feed: {name: to_numpy(value) for name, value in evaluator.evaluate(feed).items()}
 
 
-def main(ranks_dir: str, out: str, backend: str, new_tokens: str) -> None:
+def main(ranks_dir: str, out: str, new_tokens: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     folder = Path(ranks_dir) / f"rank-{rank}"
     manifest = json.loads((folder / "export.json").read_text())
     signature = Signature(manifest)
-    graph = SegmentedGraph(folder / "model.onnx", threads=1) if backend == "onnx" else network(folder)
+    graph = network(folder)
     ids = prompts(json.loads((folder / "config.json").read_text())["vocab_size"])
     lengths = np.array(PROMPT_LENGTHS)
     cache_lengths = np.zeros(len(lengths), dtype=np.int64)
@@ -59,8 +55,7 @@ def main(ranks_dir: str, out: str, backend: str, new_tokens: str) -> None:
                   if name.startswith(PRESENT)}
         cache_lengths = cache_lengths + lengths
         ids, lengths = tokens[-1][:, None], np.ones(len(lengths), dtype=np.int64)
-    np.savez(Path(out) / f"rank-{rank}.npz", tokens=np.stack(tokens, 1), logits=np.stack(logits),
-             pieces=len(getattr(graph, "pieces", [])))
+    np.savez(Path(out) / f"rank-{rank}.npz", tokens=np.stack(tokens, 1), logits=np.stack(logits))
     dist.destroy_process_group()
 
 
