@@ -19,12 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_parallel import four_head_config
 from test_shards import corrupt_stage, fault_a_worker
 
 from k3export.check.runners import grid
 from k3export.check.runners.chain import chain_manifest
 from k3export.check.runners.grid import GridRunner, grid_stages
 from k3export.cli import main
+from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
 from k3export.onnx.runner import Signature
@@ -133,14 +135,24 @@ def test_a_failed_rank_stops_the_others(grid_build: Path, fault: str) -> None:
         assert re.search(named, err), err[-3000:]
 
 
-@pytest.mark.slow
-@torch.no_grad()
-def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
-    """One stage over 4 ranks (k3-tiny with 4 KDA and 4 MLA heads: one head a rank, 2 experts a rank):
-    the grid's greedy tokens are the unsplit eager model's."""
-    from test_parallel import four_head_config
+def four_head_short_config() -> K3Config:
+    """tests/test_parallel.py's 4-head k3-tiny (one KDA and one MLA head a rank of 4, 2 of its 8
+    experts a rank) cut to 3 layers that keep every kind: a dense KDA layer, a KDA MoE layer and an
+    MLA MoE layer, with an AttnRes block boundary between them (4 rank exports of 9 layers would
+    cost CI a minute)."""
+    data = four_head_config().to_dict()
+    data["num_hidden_layers"] = 3
+    data["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3])
+    data["attn_res_block_size"] = 2
+    return K3Config.from_dict(data)
 
-    config = four_head_config()
+
+@torch.no_grad()
+@pytest.mark.usefixtures("bounded_check")
+def test_four_ranks_of_a_four_head_model(tmp_path: Path, capsys) -> None:
+    """One stage over 4 ranks: the grid under torchrun gives the unsplit eager model's greedy
+    tokens, and check --build (4 workers) passes against the unsplit eager model."""
+    config = four_head_short_config()
     config.to_json(tmp_path / "config.json")
     recipe = grid_recipe(4).replace('preset = "k3-tiny"', 'config = "config.json"')
     (tmp_path / "four.toml").write_text(recipe.replace("count = 2", "count = 1"))
@@ -152,6 +164,8 @@ def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
     model.init_weights(0)
     expected = eager_greedy(model, random_prompts(2, 8, 256, 3), 4)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == expected
+    assert main(["check", "--build", str(tmp_path / "build"), "--steps", "2", "--prompt-len", "8"]) == 0
+    assert "first divergent stage and rank: none" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("ranks", "expected"), [
