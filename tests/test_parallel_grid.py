@@ -135,6 +135,13 @@ def test_a_failed_rank_stops_the_others(grid_build: Path, fault: str) -> None:
         assert re.search(named, err), err[-3000:]
 
 
+@pytest.mark.parametrize("artifact", ["--onnx", "--network"])
+def test_one_rank_alone_is_refused_by_check(grid_build: Path, artifact: str, capsys) -> None:
+    """A rank's graph computes only its share of the sums: checking it alone names the grid check."""
+    assert main(["check", artifact, str(grid_build / "stage-0" / "rank-1")]) == 2
+    assert "rank 1 of 2 of a split model" in capsys.readouterr().err
+
+
 def four_head_short_config() -> K3Config:
     """tests/test_parallel.py's 4-head k3-tiny (one KDA and one MLA head a rank of 4, 2 of its 8
     experts a rank) cut to 3 layers that keep every kind: a dense KDA layer, a KDA MoE layer and an

@@ -141,6 +141,12 @@ def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
     if manifest["weights"].get("stripped"):
         raise UserError(f"{export_dir}: exported with --no-weights, so there are no numbers to check; "
                         "it is checked structurally (onnx.checker full_check)")
+    if "parallel" in manifest:
+        split = manifest["parallel"]
+        raise UserError(f"{export_dir}: rank {split['rank']} of {split['ranks']} of a split model (its "
+                        "export.json's 'parallel'); a rank computes only its share, summed with the other "
+                        "ranks': check the grid it belongs to, k3export check --build BUILD_DIR "
+                        "(docs/parallel.md)")
     return manifest, config, fitting_lengths([manifest], batch, prompt_len, steps)
 
 
