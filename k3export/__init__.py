@@ -11,7 +11,8 @@ The packages, in pipeline order (model -> export -> engine -> shards -> check):
                 the export as something that runs (runner.py: signature, runner base, ONNX Runtime)
     engine/     TensorRT-RTX: parse and build engines, and the CPU evaluator of a parsed network
     shards/     recipes, the plan that cuts the model into stages, and the stage build
-    runtime/    a sharded build run stage after stage (`k3export run`, `torchrun -m k3export.runtime`)
+    runtime/    a sharded build run stage after stage (`k3export run`), or a process a stage and rank
+                under `torchrun -m k3export.runtime` (segments.py: a rank's graph between its sums)
     check/      an artifact against the eager model: the driver, the comparison, one runner each
     cli.py      the command line; demo.py its `demo`
     config.py, artifacts.py, options.py, progress.py, errors.py   the model config, files written
