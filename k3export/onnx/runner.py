@@ -139,20 +139,27 @@ class StatefulRunner(BaseRunner):
                 self.caches[present_to_past(name)] = value
 
 
+def session_options(path: Path, threads: int | None = None) -> ort.SessionOptions:
+    """CPU session options for the graph at `path` or a graph made from it in memory (its weights read
+    from beside `path`), with `threads` intra-op threads (None: ONNX Runtime's default)."""
+    options = ort.SessionOptions()
+    # Spinning worker threads would slow the eager model, or another stage, running beside them.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    if threads:
+        options.intra_op_num_threads = threads
+    return options
+
+
 def onnxrt_session(path: Path, threads: int | None = None,
                    extra_outputs: list[str] | None = None) -> ort.InferenceSession:
     """A CPU session of the graph at `path`; `extra_outputs` names intermediate tensors to output too
     (the graph is then loaded from memory, its weights from beside `path`)."""
-    options = ort.SessionOptions()
-    # Spinning worker threads would slow the eager model running beside them in this process.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if threads:
-        options.intra_op_num_threads = threads
+    options = session_options(path, threads)
     if not extra_outputs:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     model = onnx.load(path, load_external_data=False)
     model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra_outputs)
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from k3export.errors import UserError
 from k3export.onnx.collectives import DOMAIN, OP_TYPE
-from k3export.onnx.runner import BoundOnnxrtRunner, Signature, run_bound
+from k3export.onnx.runner import BoundOnnxrtRunner, Signature, run_bound, session_options
 
 
 @dataclass
@@ -100,13 +100,8 @@ class SegmentedGraph:
             if k:
                 later.add(self.collectives[k - 1].input[0])
         read_later.reverse()
-        options = ort.SessionOptions()
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options = session_options(path, threads)
         options.log_severity_level = 3  # not TensorScatter's copy warning when caches come without `into`
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                         str(path.parent))
-        if threads:
-            options.intra_op_num_threads = threads
         self.pieces = []
         for nodes, needed in zip(groups, read_later, strict=True):
             made = {name for node in nodes for name in node.output}
