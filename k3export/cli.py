@@ -205,6 +205,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = run(args.network or args.engine or args.build or args.onnx, steps=args.steps, seed=args.seed,
                  batch=args.batch, prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print,
                  **extra)
+    from k3export.check.machine import machine_line
+
     verdict = _check_verdict(report)
     if args.report:
         kind = next(a for a in ("network", "engine", "build", "onnx") if getattr(args, a))
@@ -219,6 +221,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.build:
         from k3export.check.runners.chain import stage_lines
         print("\n".join(stage_lines(report)))
+    print(machine_line(report["machine"]))
     print(verdict)
     if args.report:
         print(f"report: {out.path / 'report.md'}, plots layers.png and steps.png beside it")
@@ -229,7 +232,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_verdict(report: dict) -> str:
     """PASSED or FAILED with every reason, then the bound and the token agreement."""
-    from k3export.check.compare import HALF_REL_CAP, MAX_TIE_FRACTION
+    from k3export.check.compare import HALF_REL_CAP
 
     reasons = []
     if report.get("first_nonfinite"):
@@ -241,9 +244,6 @@ def _check_verdict(report: dict) -> str:
         reasons.append("replicated outputs differ from rank 0's: " + ", ".join(report["ranks_differ"]))
     if report["token_mismatches"]:
         reasons.append(f"{report['token_mismatches']} greedy tokens differ past the tie margin")
-    if report.get("too_many_ties"):
-        reasons.append(f"{report['token_ties']} of {report['token_positions']} greedy positions differ "
-                       f"within the tie margin (over {MAX_TIE_FRACTION:.0%}: the comparison says nothing)")
     bound = report["tolerance"]["rel"]
     if report["dtype"] != "float32":
         bound = f"min({max(bound, HALF_REL_CAP)}, max({bound}, 2x the eager float32 spread))"
@@ -251,10 +251,23 @@ def _check_verdict(report: dict) -> str:
     if report.get("held_routing"):
         held = (f"; eager held to the graph's expert choices, {report['routing_flips']} token-layer choices "
                 "of its own differed")
+    tokens = (f"greedy streams identical: {report['greedy_streams_identical']}; token mismatches "
+              f"{report['token_mismatches']}, ties {report.get('token_ties', '-')} of "
+              f"{report.get('token_positions', '-')} positions")
     return (("PASSED" if report["passed"] else "FAILED: " + "; ".join(reasons))
-            + f" ({report['dtype']}, relative error <= {bound}; greedy streams identical: "
-            f"{report['greedy_streams_identical']}; token mismatches {report['token_mismatches']}, ties "
-            f"{report.get('token_ties', '-')} of {report.get('token_positions', '-')} positions{held})")
+            + f" ({report['dtype']}, relative error <= {bound}{_headroom_text(report)}; {tokens}{held})")
+
+
+def _headroom_text(report: dict) -> str:
+    """How close the run came to each threshold (1.0 is the threshold itself)."""
+    room = report.get("headroom", {})
+    parts = []
+    if "relative_error" in room:
+        worst = room["relative_error"]
+        parts.append(f"worst {worst['output']} at {worst['ratio']:.2f} of its bound")
+    if room.get("tie_gap", {}).get("ratio"):
+        parts.append(f"widest disagreement at {room['tie_gap']['ratio']:.2f} of the tie margin")
+    return f"; {', '.join(parts)}" if parts else ""
 
 
 def cmd_build(args: argparse.Namespace) -> int:
