@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 from k3export.config import PRESETS, K3Config
@@ -367,6 +368,8 @@ def _add_quiet(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3export", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="print the traceback of input errors too")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorRT's own warnings and info (otherwise counted in one line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="parameters, active parameters, cache and weight bytes")
@@ -486,6 +489,7 @@ class _StderrHandler(logging.Handler):
     """Warnings as `k3export: warning: ...` on whatever sys.stderr is when they are emitted."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        sys.stdout.flush()  # after the lines printed before it, under `2>&1 | cat` too
         print(f"k3export: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
 
 
@@ -500,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     set_quiet(getattr(args, "quiet", False))
     if not logging.getLogger("k3export").handlers:
         logging.getLogger("k3export").addHandler(_StderrHandler())
+    logging.getLogger("k3export").setLevel(logging.DEBUG if args.verbose else logging.NOTSET)
+    _tensorrt_held_back().clear()
     started = time.perf_counter()
     try:
         code = args.run(args)
@@ -516,9 +522,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3export: internal error in `{args.command}` (a bug in k3export, not in your input): "
               "please report it with the traceback above", file=sys.stderr)
         return 3
+    sys.stdout.flush()  # the command's lines before the notes below, under `2>&1 | cat` too
+    held = _tensorrt_held_back()
+    if held:
+        print(f"(TensorRT: {held['warning']} warnings, {held['info']} info messages held back; "
+              f"`k3export --verbose {args.command} ...` shows them)", file=sys.stderr)
     if not getattr(args, "json", False):
         print(f"({args.command} took {time.perf_counter() - started:.1f} s)", file=sys.stderr)
     return code
+
+
+def _tensorrt_held_back() -> Counter:
+    """TensorRT's messages held back in this process (k3export.engine.trt_log), or none: that module
+    is loaded only by the commands that use TensorRT."""
+    module = sys.modules.get("k3export.engine.trt_log")
+    return module.held_back if module else Counter()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import onnx
 
 from k3export.artifacts import atomic_path, require, verify
 from k3export.engine.rtx_setup import ensure_symlink
+from k3export.engine.trt_log import tensorrt_logger
 from k3export.errors import UserError
 from k3export.model.accounting import H200_BYTES
 from k3export.onnx.domain import DOMAIN
@@ -216,7 +217,7 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
     require(manifest, export_dir / MANIFEST_FILE, "inputs")
     profiles = profile_shapes(manifest, limits or Limits())
     trt = trt or load_tensorrt_rtx()
-    logger = trt.Logger(trt.Logger.WARNING)
+    logger = tensorrt_logger(trt)
     creators = k3plugins.trt.register(trt)
     # The parser owns the weights the network points at: keep it alive until the build is done.
     builder, network, _parser = parse(export_dir / GRAPH_FILE, trt, logger)
