@@ -166,7 +166,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exporting to {out.path} (torch.export, then ONNX translation; minutes for large models)")
     with out.staged() as stage, spinner("export: torch.export, then the ONNX translation"):
         manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins,
-                                capacity=args.capacity, last_logits=args.last_logits, taps=args.taps)
+                                capacity=args.capacity, last_logits=args.last_logits, taps=args.taps,
+                                routing_outputs=args.routing_outputs)
     nodes = manifest["custom_nodes"]
     size = sum(record["bytes"] for record in out.manifest["files"].values())
     held = "no weights (they are graph inputs)" if args.no_weights else "with weights"
@@ -407,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--taps", action="store_true",
                         help="add each layer's mixer and FFN outputs and AttnRes partial after it as outputs "
                         "taps.{layer}.{mixer,ffn,partial}, for `check --taps` to localise a divergence")
+    export.add_argument("--routing-outputs", action="store_true",
+                        help="add each MoE layer's chosen experts as outputs routing.{layer}, so that an "
+                        "engine built from the export can be checked in half precision (check holds the "
+                        "eager routers to them); a served engine needs none")
     export.add_argument("--ranks", type=positive_int, default=1, metavar="N",
                         help="split every layer over N GPUs (tensor-parallel heads, expert-parallel experts; "
                              "k3export/model/parallel.py) and export one rank's graph, with DistCollective "

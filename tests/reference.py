@@ -47,10 +47,15 @@ def scaled_copy(export: Path, folder: Path, name: str, factor: float) -> Path:
     values = torch.frombuffer(raw[start:start + length], dtype=dtype) * factor
     raw[start:start + length] = values.to(dtype).view(torch.uint8).numpy().tobytes()
     data.write_bytes(bytes(raw))
-    manifest = json.loads((folder / "export.json").read_text())
-    manifest["files"][info["location"]] = file_record(data)
-    (folder / "export.json").write_text(json.dumps(manifest))
+    rerecord_file(folder, info["location"])
     return folder
+
+
+def rerecord_file(folder: Path, name: str) -> None:
+    """Records a changed file's new sha256 in its export folder's export.json."""
+    manifest = json.loads((folder / "export.json").read_text())
+    manifest["files"][name] = file_record(folder / name)
+    (folder / "export.json").write_text(json.dumps(manifest))
 
 
 # Layer 0's short convolution of k: it feeds the layer's KDA state, so present.0.kda_state moves.

@@ -549,7 +549,7 @@ class NetworkEvaluator:
         self.inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
         # Extra outputs: intermediate tensors to return too (a check's held routing).
         self.outputs = [network.get_output(i).name for i in range(network.num_outputs)]
-        self.outputs += extra_outputs or []
+        self.outputs += [name for name in extra_outputs or [] if name not in self.outputs]
         steps = {}
         for i in range(network.num_layers):
             layer = network.get_layer(i)
