@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import importlib.metadata
-import importlib.util
 import shutil
 import time
 import warnings
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
+from k3export.engine.flavours import FLAVOURS, load_tensorrt, require_machine, target_problem
 from k3export.errors import UserError
 from k3export.options import existing_file, non_negative_int
 from k3export.progress import track
@@ -58,8 +59,9 @@ def _versions(backend: str) -> dict[str, str]:
 
     versions = {"torch": torch.__version__, "onnx": onnx.__version__, "k3export": importlib.metadata.version(
         "k3export"), "k3plugins_plugin_version": PLUGIN_VERSION}
-    if backend == "tensorrt-rtx":
-        versions["tensorrt_rtx"] = importlib.metadata.version("tensorrt-rtx-cu13")
+    if backend in FLAVOURS:
+        module = FLAVOURS[backend].module
+        versions[module] = importlib.import_module(module).__version__
     return versions
 
 
@@ -149,18 +151,20 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
         # Free the stage's weights before the engine build: the parser holds its own copy.
         del model
         _release_exporter_graph()
-        if backend == "tensorrt-rtx":
+        if backend in FLAVOURS:
             engine = staged / f"{name.replace('/', '.')}.{recipe.target}.engine"
-            # One batch range serves both profiles; the cache capacity is the export's.
-            limits = Limits(batch=max(recipe.prefill_batch, recipe.decode_batch), seq=recipe.prefill_seq)
-            result = build_engine(staged, engine, target=recipe.target, limits=limits, manifest=export)
+            # Each profile its own ranges, as served; the cache capacity is the export's.
+            limits = Limits(recipe.prefill_batch, recipe.prefill_seq, recipe.decode_batch)
+            result = build_engine(staged, engine, load_tensorrt(backend), target=recipe.target, limits=limits,
+                                  manifest=export)
     files = {f"{name}/{f}": record for f, record in folder.manifest["files"].items()}
     files[f"{name}/{MANIFEST_FILE}"] = file_record(out / name / MANIFEST_FILE)
     return {
         "folder": name, "graph": f"{name}/{export['graph']}",
         "engine": f"{name}/{Path(result.engine).name}" if result else None,
         "inputs": export["inputs"], "outputs": export["outputs"], "dtype": export["dtype"],
-        "profiles": result.profiles if result else None, "files": files,
+        "profiles": result.profiles if result else None,
+        "device_memory": result.device_memory if result else None, "files": files,
     }
 
 
@@ -177,7 +181,7 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
         parts = [_build_export(recipe, stage.layers, f"{stage_folder(index)}/rank-{r}", r, out, backend,
                                no_weights, taps, overwrite, log) for r in range(recipe.ranks)]
         # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
-        places = ("folder", "graph", "engine", "profiles")
+        places = ("folder", "graph", "engine", "profiles", "device_memory")
         built = {**parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
                  "ranks": [{"stage": index, "rank": r, "gpu": r, **{k: p[k] for k in places}}
                            for r, p in enumerate(parts)],
@@ -197,13 +201,18 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
     stages export their layers' taps (default: the recipe's build.taps). Returns the manifest."""
     backend = backend or recipe.backend
     taps = recipe.taps if taps is None else taps
-    if backend == "tensorrt":
-        raise UserError(f"{recipe.path}: backend 'tensorrt' (full TensorRT): k3export builds engines "
-                        "with TensorRT-RTX only (full TensorRT cannot be installed here); build with "
-                        "--backend onnx and build the engines from the stage graphs on the target machine")
-    if backend == "tensorrt-rtx" and importlib.util.find_spec("tensorrt_rtx") is None:
-        raise UserError("backend 'tensorrt-rtx': tensorrt_rtx is not installed "
-                        "(pip install -c constraints.txt -e '.[engine]'), or build with --backend onnx")
+    # Everything this machine lacks, named at once, before any export or checkpoint read.
+    checkpoint = [] if no_weights or recipe.checkpoint is None or recipe.checkpoint.is_dir() else [
+        f"{recipe.path}: [weights] checkpoint = {recipe.data['weights']['checkpoint']!r}: no folder at "
+        f"{recipe.checkpoint.resolve()} (download the checkpoint there, or build with --no-weights)"]
+    if backend in FLAVOURS:
+        problem = target_problem(FLAVOURS[backend], recipe.target)
+        if problem:
+            raise UserError(f"{recipe.path}: [build] target = {recipe.target!r} with backend {backend!r}: "
+                            f"expected {problem}")
+        require_machine(FLAVOURS[backend], recipe.target, checkpoint)
+    elif checkpoint:
+        raise UserError(checkpoint[0])
     plan = plan_recipe(recipe)
     indices = range(len(plan.stages))
     bad = [i for i in only or [] if i not in indices]
@@ -267,7 +276,8 @@ def add_build_arguments(build: argparse.ArgumentParser) -> None:
     build.add_argument("recipe", nargs="?", metavar="RECIPE", type=existing_file,
                        help="a recipe (engines/*.toml): build every pipeline stage into --out DIR")
     build.add_argument("--backend", choices=BACKENDS, help="with RECIPE: instead of the recipe's backend "
-                       "(onnx stops after the export)")
+                       "(onnx stops after the export); with --onnx DIR: tensorrt-rtx (the default) or "
+                       "tensorrt (full TensorRT, on a machine with the target GPU)")
     build.add_argument("--no-weights", action="store_true",
                        help="with RECIPE: graphs at real shapes, the weights as inputs (no checkpoint read)")
     build.add_argument("--taps", action="store_true",
