@@ -140,10 +140,10 @@ def test_profiles_keep_the_capacity() -> None:
     assert decode["past.3.mla_latent"][2] == [8, 1, 100, 576]
     with pytest.raises(UserError, match="--max-seq 101, --max-batch 4 and --decode-batch 4: .* capacity 100"):
         profile_shapes(manifest, Limits(prefill_batch=4, prefill_seq=101))
-    # A row holds 4 x (100 + 1 + 100 x 576) bytes: 138 GB of inputs fit an H200, 231 GB do not; each
-    # profile is held to it at its own shapes.
+    # A prefill row holds 4 x (100 + 1 + 100 x 576) bytes, a decode row 4 x (1 + 1 + 100 x 576): 138 GB
+    # of inputs fit an H200, 230 GB do not; each profile is held to it at its own shapes.
     profile_shapes(manifest, Limits(prefill_batch=600_000, prefill_seq=100, decode_batch=600_000))
-    with pytest.raises(UserError, match="the decode profile's batch 1000000 x seq 1: .* 230.8 GB, more than"):
+    with pytest.raises(UserError, match="the decode profile's batch 1000000 x seq 1: .* 230.4 GB, more than"):
         profile_shapes(manifest, Limits(prefill_batch=1, prefill_seq=100, decode_batch=10**6))
     with pytest.raises(UserError, match="no \"capacity\""):
         profile_shapes({"inputs": []}, Limits())
