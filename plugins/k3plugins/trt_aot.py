@@ -43,6 +43,7 @@ from k3plugins import kernel_variants
 from k3plugins.aot import compile_variant
 from k3plugins.definitions import KDA, LATENT_MLA, PluginDefinition
 from k3plugins.mla import PREFILL, _mla_attn_kernel, block_dims
+from k3plugins.moe import _tanh, _weight_tile
 from k3plugins.variants import KernelVariant
 
 # Any recurrent variant gives the kernel function; dtype and block sizes are chosen when compiling.
@@ -116,6 +117,101 @@ def latent_mla_aot_launch(q_dims: Sequence[Any], kv_dims: Sequence[Any]) -> tupl
     C = kv_dims[2]
     block_t, block_h = PREFILL.block_t, PREFILL.block_h
     return (B * ((T + block_t - 1) // block_t), (H + block_h - 1) // block_h), [T, C, H]
+
+
+@triton.jit
+def _routed_experts_token(z, experts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, u,
+                          PACKED: tl.constexpr, L: tl.constexpr, I: tl.constexpr, E: tl.constexpr,
+                          TOP_K: tl.constexpr, OFFSET: tl.constexpr, BETA: tl.constexpr,
+                          LINEAR_BETA: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    # Token n's output columns l0 .. l0 + BLOCK_L over its k slots: for each slot held here, h of one
+    # I block at a time (gate/up reduced over L, rounded to z's dtype as the eager op does), then its
+    # share of the down projection. Every program owns its outputs: no atomics, no zeroing, and the
+    # sum over the slots is in a fixed order. The gate/up work is repeated for each L block.
+    n = tl.program_id(0).to(tl.int64)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for j in range(TOP_K):
+        e = tl.load(experts + n * TOP_K + j) - OFFSET
+        if (e >= 0) & (e < E):  # pairs routed to experts held elsewhere add nothing
+            e = e.to(tl.int64)
+            routing = tl.load(weights + n * TOP_K + j)
+            for i0 in range(0, I, BLOCK_I):
+                offs_i = i0 + tl.arange(0, BLOCK_I)
+                mask_i = offs_i < I
+                a = tl.zeros([BLOCK_I], dtype=tl.float32)
+                b = tl.zeros([BLOCK_I], dtype=tl.float32)
+                for k0 in range(0, L, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    x = tl.load(z + n * L + offs_k, mask=offs_k < L, other=0.0)
+                    gate = _weight_tile(w1, w1_scale, e * I + offs_i, mask_i, k0, L, x.dtype, PACKED, BLOCK_I,
+                                        BLOCK_K)
+                    up = _weight_tile(w3, w3_scale, e * I + offs_i, mask_i, k0, L, x.dtype, PACKED, BLOCK_I,
+                                      BLOCK_K)
+                    xf = x.to(tl.float32)[None, :]
+                    a += tl.sum(gate.to(tl.float32) * xf, axis=1)
+                    b += tl.sum(up.to(tl.float32) * xf, axis=1)
+                h = BETA * _tanh(a / BETA) * tl.sigmoid(a) * (LINEAR_BETA * _tanh(b / LINEAR_BETA))
+                h = h.to(z.dtype.element_ty).to(tl.float32)
+                down = _weight_tile(w2, w2_scale, e * L + offs_l, mask_l, i0, I, z.dtype.element_ty, PACKED,
+                                    BLOCK_L, BLOCK_I)
+                acc += routing * tl.sum(down.to(tl.float32) * h[None, :], axis=1)
+    tl.store(u + n * L + offs_l, acc, mask=mask_l)
+
+
+@triton.jit
+def _routed_experts_aot_kernel(z, experts, weights, w1, w3, w2, u, L: tl.constexpr, I: tl.constexpr,
+                               E: tl.constexpr, TOP_K: tl.constexpr, OFFSET: tl.constexpr,
+                               BETA: tl.constexpr, LINEAR_BETA: tl.constexpr, BLOCK_L: tl.constexpr,
+                               BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+    _routed_experts_token(z, experts, weights, w1, None, w3, None, w2, None, u, False, L, I, E, TOP_K, OFFSET,
+                          BETA, LINEAR_BETA, BLOCK_L, BLOCK_I, BLOCK_K)
+
+
+@triton.jit
+def _routed_experts_mxfp4_aot_kernel(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                                     w2_scale, u, L: tl.constexpr, I: tl.constexpr, E: tl.constexpr,
+                                     TOP_K: tl.constexpr, OFFSET: tl.constexpr, BETA: tl.constexpr,
+                                     LINEAR_BETA: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr,
+                                     BLOCK_K: tl.constexpr):
+    _routed_experts_token(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                          u, True, L, I, E, TOP_K, OFFSET, BETA, LINEAR_BETA, BLOCK_L, BLOCK_I, BLOCK_K)
+
+
+# Output columns per program, intermediate rows per step, reduction step (a multiple of 32: MXFP4
+# scale groups); sized so that no variant spills on sm_90a or sm_100a (tests/test_aot.py).
+MOE_BLOCK_L, MOE_BLOCK_I, MOE_BLOCK_K = 64, 32, 64
+MOE_NUM_WARPS = 4
+
+
+def routed_experts_aot_kernel(dtype: str, packed: bool, L: int, I: int, E: int, top_k: int,
+                              expert_offset: int, beta: float, linear_beta: float) -> KernelVariant:
+    """The AOT RoutedExperts (float experts in `dtype`) or RoutedExpertsMXFP4 (int32 words) kernel for
+    z in `dtype`: the model's widths L and I, the E experts held (model experts expert_offset ..),
+    top_k and the SiTU betas compiled in (static in the network; an AOT scalar cannot be a float)."""
+    if packed and (L % 32 or I % 32):
+        raise ValueError(f"RoutedExpertsMXFP4: L={L} and I={I} must be multiples of 32")
+    t = _TRITON_DTYPES[dtype]
+    weight = "*i32" if packed else f"*{t}"
+    names = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale") if packed \
+        else ("w1", "w3", "w2")
+    signature = {"z": f"*{t}", "experts": "*i64", "weights": "*fp32", **dict.fromkeys(names, weight),
+                 "u": "*fp32"}
+    constexprs = {"L": L, "I": I, "E": E, "TOP_K": top_k, "OFFSET": expert_offset, "BETA": beta,
+                  "LINEAR_BETA": linear_beta, "BLOCK_L": MOE_BLOCK_L, "BLOCK_I": MOE_BLOCK_I,
+                  "BLOCK_K": MOE_BLOCK_K}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    fn = _routed_experts_mxfp4_aot_kernel if packed else _routed_experts_aot_kernel
+    form = "mxfp4" if packed else t
+    return KernelVariant(f"routed_experts_aot_{t}_w{form}_l{L}_i{I}_e{E}_k{top_k}", fn, signature, constexprs,
+                         MOE_NUM_WARPS)
+
+
+def routed_experts_aot_launch(z_dims: Sequence[Any], L: int) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid, scalar args: none) from z [N, L]; N may be a `tensorrt.plugin` shape expression."""
+    return (z_dims[0], (L + MOE_BLOCK_L - 1) // MOE_BLOCK_L), []
 
 
 def _dtype_names(trt: Any) -> dict[Any, str]:
