@@ -32,7 +32,13 @@ from typing import Any
 import onnx
 
 from k3export.artifacts import atomic_path, require, verify
-from k3export.engine.flavours import flavour_of, register_plugins, require_machine, target_problem
+from k3export.engine.flavours import (
+    flavour_of,
+    network_flags,
+    register_plugins,
+    require_machine,
+    target_problem,
+)
 from k3export.errors import UserError
 from k3export.model.accounting import H200_BYTES
 from k3export.onnx.domain import DOMAIN
@@ -114,7 +120,7 @@ def parse(model_path: Path, trt: ModuleType, logger: Any, *, strict: bool = True
     if strict:
         check_plugins(model_path, trt)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)
+    network = builder.create_network(network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(model_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))

@@ -47,6 +47,7 @@ class Flavour:
     extra: str  # the k3export install extra that brings it
     targets: tuple[str, ...] | None  # the compute capabilities it names; None: the machine's GPU only
     preview_features: tuple[str, ...]
+    network_flags: tuple[str, ...]  # NetworkDefinitionCreationFlag names
     plugins: str  # the k3plugins module whose register(trt) it uses
     setup: Callable[[], object] | None = None  # run before the import (completes the install)
 
@@ -57,9 +58,10 @@ class Flavour:
 
 FLAVOURS: dict[str, Flavour] = {f.backend: f for f in (
     Flavour("tensorrt-rtx", "TensorRT-RTX", "tensorrt_rtx", "engine", RTX_TARGETS,
-            ("ALIASED_PLUGIN_IO_10_03",), "k3plugins.trt", ensure_symlink),
+            ("ALIASED_PLUGIN_IO_10_03",), (), "k3plugins.trt", ensure_symlink),
+    # PREFER_AOT_PYTHON_PLUGINS: KDA and LatentMLA have a JIT form too; the AOT one is built.
     Flavour("tensorrt", "full TensorRT", "tensorrt", "tensorrt", None,
-            ("ALIASED_PLUGIN_IO_10_03",), "k3plugins.trt_aot"),
+            ("ALIASED_PLUGIN_IO_10_03",), ("PREFER_AOT_PYTHON_PLUGINS",), "k3plugins.trt_aot"),
 )}
 
 
@@ -81,6 +83,12 @@ def load_tensorrt(backend: str = "tensorrt-rtx") -> ModuleType:
     if flavour.setup is not None:
         flavour.setup()
     return importlib.import_module(flavour.module)
+
+
+def network_flags(trt: ModuleType) -> int:
+    """The create_network flags of `trt`'s flavour, as the bit mask the builder takes."""
+    return sum(1 << int(getattr(trt.NetworkDefinitionCreationFlag, name))
+               for name in flavour_of(trt).network_flags)
 
 
 def register_plugins(trt: ModuleType) -> dict[str, object]:

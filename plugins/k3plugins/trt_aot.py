@@ -1,20 +1,19 @@
-"""Full TensorRT 10.x's `tensorrt.plugin` registration of the k3 ops, both compiled ahead of time.
+"""Full TensorRT's `tensorrt.plugin` registration of the k3 ops, each compiled ahead of time.
 
 UNEXECUTED: full TensorRT cannot be installed on the machines this was written on (and TensorRT-RTX
-ships no working `tensorrt.plugin`), so `register()` has never run; the plain parts it is built from
-(`kda_aot_kernel`, `kda_aot_launch`, `latent_mla_aot_kernel`, `latent_mla_aot_launch`, the
-definitions' shapes) are tested directly, the AOT kernels also for their PTX and, in Triton's
-interpreter, their numerics.
+ships no working `tensorrt.plugin`), so `register(trt)` has never run; the plain parts it is built
+from (the `*_aot_kernel` and `*_aot_launch` functions, the definitions' shapes) are tested directly,
+the AOT kernels also for their PTX on sm_90a and sm_100a (tests/test_aot.py) and, in Triton's
+interpreter, their numerics (tests/kernels).
 
-    import k3plugins.trt_aot
-    k3plugins.trt_aot.register()   # imports tensorrt.plugin; before parsing the ONNX file
+    k3export build --onnx DIR --backend tensorrt --target sm90   # calls register(tensorrt) itself
 
-Each op gets a just-in-time `impl` (Python at run time, the definitions' launch, as the IPluginV3
-adapters do) and an `aot_impl`: PTX baked into the engine, so that the engine runs without Python.
-TensorRT's ONNX parser picks per node: `aot = 1` (what `k3export export --aot-plugins` writes) asks
-for the AOT form, `aot = 0` for the JIT one; a node without the attribute follows the network's flag
-PREFER_AOT_PYTHON_PLUGINS or PREFER_JIT_PYTHON_PLUGINS, and with neither the plugin, having both
-forms, is refused.
+This is full TensorRT's one registration of each op (k3export.engine.flavours; TensorRT-RTX
+registers the IPluginV3 adapters of k3plugins.trt instead). Each `aot_impl` compiles its kernel for
+the GPU the build runs on (`aot.device_target()`: sm_90a on H100/H200, sm_100a on B200) and the
+engine holds the PTX, so it runs with no Python. KDA and LatentMLA also keep a just-in-time `impl`
+(Python at run time); the builder sets PREFER_AOT_PYTHON_PLUGINS, so the AOT form is built. The
+routed experts have the AOT form only.
 
 An AOT plugin is one kernel launch with no workspace and int32 scalar arguments only, so:
 - KDA runs the recurrence (exact for any T, the decode kernel) also for prefill: the chunked form is
@@ -24,11 +23,19 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   kernel. Decode is thus slower than under the JIT plugin. `scale`, the head dim and `v_dim` are
   model constants, taken from the node and compiled in as constexprs (an AOT scalar cannot be a
   float).
+- RoutedExperts(MXFP4) runs one program per token and block of 256 output columns over its k slots
+  (no expert sort, no h buffer, no atomics): the gate/up products are recomputed for each column
+  block (14 times at kimi-k3's L = 3584), which the grouped JIT kernels avoid. Widths, expert count,
+  top-k, the expert offset and the SiTU betas are compiled in.
 - KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
   IPluginV3 adapters declare it: the recurrent kernel is safe in place.
 An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
 take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
 kernel also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
+
+Open: `tensorrt.plugin` names a plugin "namespace::name" with no version, while the exports name the
+routed experts plugin_version "2"; whether the parser matches them is unverified (the builder's
+plugin check refuses, naming the node, if it does not).
 """
 
 import itertools
@@ -40,8 +47,8 @@ import triton
 import triton.language as tl
 
 from k3plugins import kernel_variants
-from k3plugins.aot import compile_variant
-from k3plugins.definitions import KDA, LATENT_MLA, PluginDefinition
+from k3plugins.aot import compile_variant, device_target
+from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, PluginDefinition
 from k3plugins.mla import PREFILL, _mla_attn_kernel, block_dims
 from k3plugins.moe import _tanh, _weight_tile
 from k3plugins.variants import KernelVariant
@@ -240,7 +247,7 @@ def _run(definition: PluginDefinition, tensors: Sequence[Any], fields: dict[str,
 def _aot_result(trtp: Any, variant: KernelVariant, grid: tuple[Any, Any],
                 scalars: list[Any]) -> tuple[Any, ...]:
     """What an `aot_impl` returns: kernel name, PTX, launch parameters and the scalar arguments."""
-    compiled = compile_variant(variant)
+    compiled = compile_variant(variant, device_target())  # the build GPU's: sm_90a, sm_100a
     params = trtp.KernelLaunchParams()
     params.grid_x, params.grid_y = grid
     params.block_x = compiled.metadata.num_warps * 32
@@ -264,9 +271,10 @@ def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
     return combinations
 
 
-def register() -> None:
-    """Registers k3::KDA and k3::LatentMLA with `tensorrt.plugin` (full TensorRT only). UNEXECUTED."""
-    import tensorrt as trt
+def register(trt: Any) -> dict[str, Any]:
+    """Registers k3::KDA, k3::LatentMLA, k3::RoutedExperts and k3::RoutedExpertsMXFP4 with
+    `tensorrt.plugin` (`trt` is full TensorRT's module; k3export.engine.flavours calls this for it).
+    Returns no creators: tensorrt.plugin keeps its own. UNEXECUTED (no full TensorRT here)."""
     import tensorrt.plugin as trtp
 
     Desc = trtp.TensorDesc
@@ -309,3 +317,49 @@ def register() -> None:
         variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale)
         grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr))
         return _aot_result(trtp, variant, grid, scalars)
+
+    def routed_experts_result(z, experts, w1, packed: bool, situ_beta: float, situ_linear_beta: float,
+                              expert_offset: int) -> tuple[Any, ...]:
+        # Every width is static in the network: L (z's), I (w1's rows, or its words' count), E, k.
+        L = z.shape_expr[1].constant_value()
+        rows = w1.shape_expr[1].constant_value()
+        variant = routed_experts_aot_kernel(names[z.dtype], packed, L, 8 * rows // L if packed else rows,
+                                            w1.shape_expr[0].constant_value(),
+                                            experts.shape_expr[1].constant_value(), expert_offset, situ_beta,
+                                            situ_linear_beta)
+        grid, scalars = routed_experts_aot_launch(list(z.shape_expr), L)
+        return _aot_result(trtp, variant, grid, scalars)
+
+    @trtp.register("k3::RoutedExperts")
+    def routed_experts_desc(z: Desc, experts: Desc, weights: Desc, w1: Desc, w3: Desc, w2: Desc,
+                            situ_beta: float, situ_linear_beta: float, expert_offset: int) -> Desc:
+        return output_descs(trtp, trt, ROUTED_EXPERTS, (z, experts, weights, w1, w3, w2), {})[0]
+
+    @trtp.autotune("k3::RoutedExperts")
+    def routed_experts_autotune(z, experts, weights, w1, w3, w2, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(ROUTED_EXPERTS, aot=True)]
+
+    @trtp.aot_impl("k3::RoutedExperts")
+    def routed_experts_aot(z, experts, weights, w1, w3, w2, situ_beta: float, situ_linear_beta: float,
+                           expert_offset: int, outputs, tactic: int):
+        return routed_experts_result(z, experts, w1, False, situ_beta, situ_linear_beta, expert_offset)
+
+    @trtp.register("k3::RoutedExpertsMXFP4")
+    def routed_experts_mxfp4_desc(z: Desc, experts: Desc, weights: Desc, w1_packed: Desc, w1_scale: Desc,
+                                  w3_packed: Desc, w3_scale: Desc, w2_packed: Desc, w2_scale: Desc,
+                                  situ_beta: float, situ_linear_beta: float, expert_offset: int) -> Desc:
+        tensors = (z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+        return output_descs(trtp, trt, ROUTED_EXPERTS_MXFP4, tensors, {})[0]
+
+    @trtp.autotune("k3::RoutedExpertsMXFP4")
+    def routed_experts_mxfp4_autotune(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale,
+                                      w2_packed, w2_scale, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(ROUTED_EXPERTS_MXFP4, aot=True)]
+
+    @trtp.aot_impl("k3::RoutedExpertsMXFP4")
+    def routed_experts_mxfp4_aot(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                                 w2_scale, situ_beta: float, situ_linear_beta: float, expert_offset: int,
+                                 outputs, tactic: int):
+        return routed_experts_result(z, experts, w1_packed, True, situ_beta, situ_linear_beta, expert_offset)
+
+    return {}
