@@ -285,7 +285,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     problem = target_problem(flavour, target)
     if problem:
         raise UserError(f"build --backend {flavour.backend} --target {target}: expected {problem}")
-    require_machine(flavour, target)
+    require_machine(flavour, target, strip=args.strip)
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
     limits = Limits(args.max_batch, args.max_seq, args.decode_batch or args.max_batch)
     # Verified and the limits refused before the engine's record is begun (build_engine's are then cheap).
@@ -294,8 +294,10 @@ def cmd_build(args: argparse.Namespace) -> int:
           f"(profiles: prefill batch 1..{limits.prefill_batch} x seq 1..{limits.prefill_seq}, decode batch "
           f"1..{limits.decode_batch} x 1; the export's cache capacity)")
     out.begin()
-    result = build_engine(args.onnx, args.out, load_tensorrt(flavour.backend), target=target, limits=limits)
+    result = build_engine(args.onnx, args.out, load_tensorrt(flavour.backend), target=target, limits=limits,
+                          strip=args.strip)
     out.finish({"export": str(Path(args.onnx).resolve()), "backend": result.backend, "target": result.target,
+                "stripped": result.stripped,
                 "profiles": result.profiles, "device_memory": result.device_memory,
                 "network": asdict(result.network)})
     plugins = result.network.plugin_layers
@@ -462,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--max-seq", type=positive_int, default=Limits.prefill_seq,
                        help="prefill tokens per call")
     build.add_argument("--decode-batch", type=positive_int, metavar="N", help="sequences per decode call")
+    build.add_argument("--strip", action="store_true",
+                       help="weight-stripped engines (STRIP_PLAN, REFIT_IDENTICAL): the engine file holds no "
+                       "weights; loading refits it from its export's model.onnx. Needs a GPU where it builds")
     from k3export.shards.stages import add_build_arguments
     add_build_arguments(build)
     _add_quiet(build)

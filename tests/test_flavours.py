@@ -110,3 +110,15 @@ def test_build_onnx_with_full_tensorrt_names_what_is_missing(tmp_path: Path, cap
                  "--target", "sm90"]) == 2
     err = capsys.readouterr().err
     assert "`import tensorrt` fails" in err and "no sm90 GPU" in err and not out.exists()
+
+
+@pytest.mark.skipif(not HAS_RTX, reason="tensorrt_rtx is not installed")
+def test_stripped_build_needs_a_gpu(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorRT-RTX 1.7 aborts the process building a weight-stripped engine without a GPU (measured):
+    refused instead, before the export is read, as a recipe's stripped build is."""
+    fake_nvidia_smi(tmp_path, [], monkeypatch)
+    out = tmp_path / "model.engine"
+    assert main(["build", "--onnx", str(tmp_path), "--out", str(out), "--strip"]) == 2
+    assert "a GPU for a weight-stripped build (--strip)" in capsys.readouterr().err and not out.exists()
+    assert main(["build", str(ROOT / "engines/k3-tiny.toml"), "--out", str(tmp_path / "b"), "--strip"]) == 2
+    assert "weight-stripped" in capsys.readouterr().err and not (tmp_path / "b").exists()

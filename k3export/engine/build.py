@@ -81,6 +81,7 @@ class BuildResult:
     engine: str
     backend: str
     target: str
+    stripped: bool  # weight-stripped: load_engine refits it from the export's model.onnx
     profiles: list[dict[str, dict[str, list[int]]]]  # per profile: input -> [min, opt, max] shapes
     device_memory: list[dict[str, Any]]  # per profile: name, bytes, source (see profile_memory)
     bytes: int
@@ -225,18 +226,20 @@ def profile_memory(manifest: dict[str, Any], limits: Limits, engine: Any = None)
 
 
 def build_engine(export_dir: str | Path, out: str | Path, trt: ModuleType, *, target: str,
-                 limits: Limits | None = None, manifest: dict[str, Any] | None = None) -> BuildResult:
+                 limits: Limits | None = None, strip: bool = False,
+                 manifest: dict[str, Any] | None = None) -> BuildResult:
     """Parses export_dir/model.onnx with the k3 plugins of `trt`'s flavour registered and writes an
     engine to `out` (through a temporary name) for `target`, with the prefill and decode profiles.
     `trt` is `tensorrt_rtx` or `tensorrt` (flavours.load_tensorrt); a target the flavour cannot build
-    on this machine is refused first. The folder is verified against its export.json first, unless
-    the caller passes the `manifest` export_model just returned (a stage build's staged folder, whose
-    file list is written when it completes)."""
+    on this machine is refused first. `strip`: a weight-stripped engine (STRIP_PLAN, REFIT_IDENTICAL),
+    which `load_engine` refits from the export's model.onnx. The folder is verified against its
+    export.json first, unless the caller passes the `manifest` export_model just returned (a stage
+    build's staged folder, whose file list is written when it completes)."""
     flavour = flavour_of(trt)
     problem = target_problem(flavour, target)
     if problem:
         raise UserError(f"--target {target!r}: expected {problem}")
-    require_machine(flavour, target)
+    require_machine(flavour, target, strip=strip)
     start = time.perf_counter()
     export_dir, out = Path(export_dir), Path(out)
     if manifest is None:
@@ -260,6 +263,9 @@ def build_engine(export_dir: str | Path, out: str | Path, trt: ModuleType, *, ta
     # without which the build refuses the plugin.
     for feature in flavour.preview_features:
         config.set_preview_feature(getattr(trt.PreviewFeature, feature), True)
+    if strip:  # the weights stay in model.onnx.data, once; REFIT_IDENTICAL: refitted with these same values
+        config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+        config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
     for shapes in profiles:
         profile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in shapes.items():
@@ -276,8 +282,22 @@ def build_engine(export_dir: str | Path, out: str | Path, trt: ModuleType, *, ta
             raise UserError(f"{export_dir / GRAPH_FILE}: {flavour.title} could not build an engine for "
                             f"{target} (see the log above)")
     memory = profile_memory(manifest, limits, deserialize(trt, logger, out) if flavour.needs_gpu else None)
-    return BuildResult(str(out), flavour.backend, target, profiles, memory, out.stat().st_size,
+    return BuildResult(str(out), flavour.backend, target, strip, profiles, memory, out.stat().st_size,
                        time.perf_counter() - start, summary)
+
+
+def load_engine(trt: ModuleType, logger: Any, path: Path, weights: Path) -> Any:
+    """The engine at `path`, ready to run: deserialized from the file as a stream and, if it was
+    built weight-stripped (the only refittable engines k3export builds), refitted from the ONNX file
+    `weights` (its export's model.onnx, external data beside it). GPU only."""
+    engine = deserialize(trt, logger, path)
+    if engine.refittable:
+        refitter = trt.Refitter(engine, logger)
+        if not (trt.OnnxParserRefitter(refitter, logger).refit_from_file(str(weights))
+                and refitter.refit_cuda_engine()):
+            raise UserError(f"{path}: refitting its weights from {weights} failed (see the log); it was "
+                            f"built from another export, or the export changed since")
+    return engine
 
 
 def deserialize(trt: ModuleType, logger: Any, path: Path) -> Any:

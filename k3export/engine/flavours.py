@@ -124,9 +124,15 @@ def module_problem(flavour: Flavour) -> str | None:
             f"pip install -c constraints.txt -e '.[{flavour.extra}]'")
 
 
-def machine_problems(flavour: Flavour, target: str) -> list[str]:
-    """What this machine lacks to build `flavour` engines for `target`: the module, the GPU."""
+def machine_problems(flavour: Flavour, target: str, strip: bool = False) -> list[str]:
+    """What this machine lacks to build `flavour` engines for `target` (weight-stripped with `strip`):
+    the module, the GPU."""
     problems = [p for p in [module_problem(flavour)] if p]
+    if strip and not flavour.needs_gpu and not gpu_targets():
+        # Measured (2026-12, k3-tiny, SM89): STRIP_PLAN, REFIT or REFIT_IDENTICAL make TensorRT-RTX 1.7's
+        # builder run Myelin's CUDA check, which aborts the process without a GPU.
+        problems.append(f"a GPU for a weight-stripped build (--strip): {flavour.title} 1.7 aborts the "
+                        "process building one without a GPU")
     if flavour.needs_gpu:
         present = gpu_targets()
         if target not in present:
@@ -137,13 +143,14 @@ def machine_problems(flavour: Flavour, target: str) -> list[str]:
     return problems
 
 
-def require_machine(flavour: Flavour, target: str, also: list[str] | None = None) -> None:
+def require_machine(flavour: Flavour, target: str, also: list[str] | None = None,
+                    strip: bool = False) -> None:
     """Refuses (exit 2), naming everything missing, when this machine cannot build for `target`;
     `also` adds the caller's own findings (a missing checkpoint)."""
-    problems = machine_problems(flavour, target) + (also or [])
+    problems = machine_problems(flavour, target, strip) + (also or [])
     if problems:
         where = (f"run it on a host with {target} GPUs and {flavour.title} installed"
-                 if flavour.needs_gpu else "run it where these are")
+                 if flavour.needs_gpu or strip else "run it where these are")
         raise UserError(f"{flavour.title} engines for {target}: this machine lacks what the build "
                         "needs:\n  - " + "\n  - ".join(problems) + f"\n{where} (or build with --backend "
                         f"onnx here and the engines from the stage graphs there)")

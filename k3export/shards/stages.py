@@ -65,9 +65,10 @@ def _versions(backend: str) -> dict[str, str]:
     return versions
 
 
-def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool) -> dict[str, Any]:
+def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool, strip: bool) -> dict[str, Any]:
     """What decides a stage's files: a stage built under other settings is rebuilt."""
-    return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights, "taps": taps}
+    return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights, "taps": taps,
+            "strip": strip}
 
 
 def _intact(out: Path, entry: dict[str, Any]) -> str | None:
@@ -132,7 +133,7 @@ def _release_exporter_graph() -> None:
 
 
 def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path, backend: str,
-                  no_weights: bool, taps: bool, overwrite: bool,
+                  no_weights: bool, taps: bool, strip: bool, overwrite: bool,
                   log: Callable[[str], None]) -> dict[str, Any]:
     """Exports `layers` (rank `rank` of the recipe's ranks) into DIR/name and builds its engine; returns
     what the manifest records of it."""
@@ -156,7 +157,7 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
             # Each profile its own ranges, as served; the cache capacity is the export's.
             limits = Limits(recipe.prefill_batch, recipe.prefill_seq, recipe.decode_batch)
             result = build_engine(staged, engine, load_tensorrt(backend), target=recipe.target, limits=limits,
-                                  manifest=export)
+                                  strip=strip, manifest=export)
     files = {f"{name}/{f}": record for f, record in folder.manifest["files"].items()}
     files[f"{name}/{MANIFEST_FILE}"] = file_record(out / name / MANIFEST_FILE)
     return {
@@ -169,17 +170,17 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
 
 
 def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str, no_weights: bool,
-                 taps: bool, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
+                 taps: bool, strip: bool, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
     """Exports stage `index` (and builds its engine) into DIR/stage-{index}, or with [parallel] ranks = N
     each rank into DIR/stage-{index}/rank-{r}, one after the other; returns its manifest entry."""
     stage = plan.stages[index]
     started = time.perf_counter()
     if recipe.ranks == 1:
         built = _build_export(recipe, stage.layers, stage_folder(index), 0, out, backend, no_weights, taps,
-                              overwrite, log)
+                              strip, overwrite, log)
     else:
         parts = [_build_export(recipe, stage.layers, f"{stage_folder(index)}/rank-{r}", r, out, backend,
-                               no_weights, taps, overwrite, log) for r in range(recipe.ranks)]
+                               no_weights, taps, strip, overwrite, log) for r in range(recipe.ranks)]
         # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
         places = ("folder", "graph", "engine", "profiles", "device_memory")
         built = {**parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
@@ -193,7 +194,8 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
 
 
 def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None, no_weights: bool = False,
-                 taps: bool | None = None, only: list[int] | None = None, overwrite: bool = False,
+                 taps: bool | None = None, strip: bool = False, only: list[int] | None = None,
+                 overwrite: bool = False,
                  log: Callable[[str], None] = print,
                  after_stage: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Builds the recipe's stages into `out` (all, or the indices in `only`), skipping stages whose
@@ -210,7 +212,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         if problem:
             raise UserError(f"{recipe.path}: [build] target = {recipe.target!r} with backend {backend!r}: "
                             f"expected {problem}")
-        require_machine(FLAVOURS[backend], recipe.target, checkpoint)
+        require_machine(FLAVOURS[backend], recipe.target, checkpoint, strip=strip)
     elif checkpoint:
         raise UserError(checkpoint[0])
     plan = plan_recipe(recipe)
@@ -227,7 +229,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         shutil.rmtree(stale, ignore_errors=True)
     OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
     _refuse_other_ranks(out, recipe)
-    settings = _settings(recipe, backend, no_weights, taps)
+    settings = _settings(recipe, backend, no_weights, taps, strip)
     previous = _previous(out, settings)
     manifest: dict[str, Any] = {
         "written_by": WRITTEN_BY, "command": "build", "recipe_file": str(recipe.path),
@@ -249,7 +251,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         else:
             log(f"stage {i} (layers {layers[0]}..{layers[1] - 1}, {stage.weight_bytes / 1e9:.3g} GB of "
                 f"weights): {problem}, building ({backend})")
-            entry = _build_stage(recipe, plan, i, out, backend, no_weights, taps, overwrite, log)
+            entry = _build_stage(recipe, plan, i, out, backend, no_weights, taps, strip, overwrite, log)
             gc.collect()
         manifest["stages"].append(entry)
         manifest["files"] = {name: rec for e in manifest["stages"] for name, rec in e["files"].items()}
@@ -262,7 +264,8 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
 def cmd_build_recipe(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
-                            taps=True if args.taps else None, only=args.stage, overwrite=args.overwrite)
+                            taps=True if args.taps else None, strip=args.strip, only=args.stage,
+                            overwrite=args.overwrite)
     built = [s for s in manifest["stages"] if s["files"]]
     size = sum(r["bytes"] for r in manifest["files"].values())
     print(f"wrote {args.out}/{MANIFEST}: {len(built)} of {len(manifest['stages'])} stages "
