@@ -24,13 +24,15 @@ manifest says (an interrupted build resumes) and rebuilds one whose files are mi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
 import importlib
 import importlib.metadata
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,29 +180,86 @@ def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str
     if recipe.ranks == 1:
         built = _build_export(recipe, stage.layers, stage_folder(index), 0, out, backend, no_weights, taps,
                               strip, overwrite, log)
-    else:
-        parts = [_build_export(recipe, stage.layers, f"{stage_folder(index)}/rank-{r}", r, out, backend,
-                               no_weights, taps, strip, overwrite, log) for r in range(recipe.ranks)]
-        # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
-        places = ("folder", "graph", "engine", "profiles", "device_memory")
-        built = {**parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
-                 "ranks": [{"stage": index, "rank": r, "gpu": r, **{k: p[k] for k in places}}
-                           for r, p in enumerate(parts)],
-                 "files": {name: record for p in parts for name, record in p["files"].items()}}
+        built["seconds"] = round(time.perf_counter() - started, 1)
+        return _stage_entry(plan, index, built)
+    parts = [_build_export(recipe, stage.layers, rank_folder(index, r), r, out, backend, no_weights, taps,
+                           strip, overwrite, log) for r in range(recipe.ranks)]
+    return _grid_entry(plan, index, parts, round(time.perf_counter() - started, 1))
+
+
+def rank_folder(index: int, rank: int) -> str:
+    return f"{stage_folder(index)}/rank-{rank}"
+
+
+def _stage_entry(plan: Plan, index: int, built: dict[str, Any]) -> dict[str, Any]:
+    stage = plan.stages[index]
     files = built.pop("files")
     return {"index": index, "layers": [stage.layers.start, stage.layers.stop], **built,
-            "weight_bytes": stage.weight_bytes, "seconds": round(time.perf_counter() - started, 1),
-            "files": files}
+            "weight_bytes": stage.weight_bytes, "files": files}
+
+
+def _grid_entry(plan: Plan, index: int, parts: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """A split stage's manifest entry from its ranks' records, in rank order."""
+    # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
+    places = ("folder", "graph", "engine", "profiles", "device_memory")
+    return _stage_entry(plan, index, {
+        **parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
+        "ranks": [{"stage": index, "rank": r, "gpu": r, **{k: p[k] for k in places}}
+                  for r, p in enumerate(parts)],
+        "seconds": seconds, "files": {name: record for p in parts for name, record in p["files"].items()}})
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Holds an exclusive lock on the build folder's manifest: the processes building one rank each
+    (`build RECIPE --stage I --rank R`, one per GPU of a host) read and rewrite it in turn."""
+    with open(out / ".manifest.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_rank(recipe: Recipe, plan: Plan, index: int, rank: int, out: Path, backend: str,
+                no_weights: bool, taps: bool, strip: bool, overwrite: bool, header: dict[str, Any],
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """Builds rank `rank` of stage `index` alone and records it: until every rank of the stage is
+    there the stage's entry keeps them under "rank_builds" with no files (so the stage counts as not
+    built); the last rank to finish assembles the entry a whole-stage build writes."""
+    started = time.perf_counter()
+    part = _build_export(recipe, plan.stages[index].layers, rank_folder(index, rank), rank, out, backend,
+                         no_weights, taps, strip, overwrite, log)
+    part["seconds"] = round(time.perf_counter() - started, 1)
+    with _locked(out):
+        manifest = {**header, "stages": _previous(out, header["settings"]), "files": {}}
+        stages = {e.get("index"): e for e in manifest["stages"]}
+        for i, stage in enumerate(plan.stages):  # entries for the stages no process has touched yet
+            stages.setdefault(i, {"index": i, "layers": [stage.layers.start, stage.layers.stop],
+                                  "folder": stage_folder(i), "files": {}})
+        done = {**stages[index].get("rank_builds", {}), str(rank): part}
+        if len(done) == recipe.ranks:
+            parts = [done[str(r)] for r in range(recipe.ranks)]
+            stages[index] = _grid_entry(plan, index, parts, max(p["seconds"] for p in parts))
+        else:
+            stages[index] = {**stages[index], "files": {}, "rank_builds": done}
+        manifest["stages"] = [stages[i] for i in range(len(plan.stages))]
+        manifest["files"] = {name: rec for e in manifest["stages"] for name, rec in e["files"].items()}
+        write_json(out / MANIFEST, manifest)
+    log(f"stage {index} rank {rank}: built; {len(done)} of {recipe.ranks} ranks of the stage recorded")
+    return manifest
 
 
 def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None, no_weights: bool = False,
                  taps: bool | None = None, strip: bool = False, only: list[int] | None = None,
-                 overwrite: bool = False,
+                 rank: int | None = None, overwrite: bool = False,
                  log: Callable[[str], None] = print,
                  after_stage: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Builds the recipe's stages into `out` (all, or the indices in `only`), skipping stages whose
     files still match the manifest; `after_stage(i)` runs once stage i is recorded. `taps`: the
-    stages export their layers' taps (default: the recipe's build.taps). Returns the manifest."""
+    stages export their layers' taps (default: the recipe's build.taps). `rank`: only that rank of
+    the one stage in `only` (a process per rank, any number at once on one folder). Returns the
+    manifest."""
     backend = backend or recipe.backend
     taps = recipe.taps if taps is None else taps
     # Everything this machine lacks, named at once, before any export or checkpoint read.
@@ -219,18 +278,25 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
     indices = range(len(plan.stages))
     bad = [i for i in only or [] if i not in indices]
     if bad:
-        grid = f" (each split over {recipe.ranks} ranks; --stage I builds all of stage I's ranks)" \
+        grid = f" (each split over {recipe.ranks} ranks; --stage I builds all of stage I's ranks, "\
+            "--stage I --rank R one)" \
             if recipe.ranks > 1 else ""
         raise UserError(f"--stage {bad[0]}: expected a stage of {recipe.path}, "
                         f"0..{len(plan.stages) - 1}{grid}")
+    if rank is not None and (recipe.ranks == 1 or len(only or []) != 1 or rank >= recipe.ranks):
+        raise UserError(f"--rank {rank}: expected one --stage I and a rank 0..{recipe.ranks - 1} of "
+                        f"{recipe.path}'s [parallel] ranks = {recipe.ranks}" if recipe.ranks > 1 else
+                        f"--rank {rank}: {recipe.path} does not split its stages ([parallel] ranks = 1)")
     out = Path(out)
-    # A killed run leaves a stage's staging folder behind; it is ours, so clear it before the check.
-    for stale in [*out.glob("stage-*/.k3export-stage-*"), *out.glob("stage-*/rank-*/.k3export-stage-*")]:
+    # A killed run leaves a staging folder behind; it is ours (in rank mode only this rank's: the
+    # other ranks' processes may be writing theirs), so clear it before the check.
+    patterns = [f"{rank_folder(only[0], rank)}/.k3export-stage-*"] if rank is not None else \
+        ["stage-*/.k3export-stage-*", "stage-*/rank-*/.k3export-stage-*"]
+    for stale in [path for pattern in patterns for path in out.glob(pattern)]:
         shutil.rmtree(stale, ignore_errors=True)
     OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
     _refuse_other_ranks(out, recipe)
     settings = _settings(recipe, backend, no_weights, taps, strip)
-    previous = _previous(out, settings)
     manifest: dict[str, Any] = {
         "written_by": WRITTEN_BY, "command": "build", "recipe_file": str(recipe.path),
         "recipe_sha256": recipe.sha256, "recipe": recipe.data, "settings": settings,
@@ -240,6 +306,10 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
                      "decode": {"batch": recipe.decode_batch}},
         "versions": _versions(backend), "stages": [], "files": {},
     }
+    if rank is not None:
+        return _build_rank(recipe, plan, only[0], rank, out, backend, no_weights, taps, strip, overwrite,
+                           manifest, log)
+    previous = _previous(out, settings)
     for i, stage in track(enumerate(plan.stages), "build: stages", total=len(plan.stages)):
         layers = [stage.layers.start, stage.layers.stop]
         entry = next((e for e in previous if e.get("index") == i and e.get("layers") == layers), None)
@@ -265,7 +335,7 @@ def cmd_build_recipe(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
                             taps=True if args.taps else None, strip=args.strip, only=args.stage,
-                            overwrite=args.overwrite)
+                            rank=args.rank, overwrite=args.overwrite)
     built = [s for s in manifest["stages"] if s["files"]]
     size = sum(r["bytes"] for r in manifest["files"].values())
     print(f"wrote {args.out}/{MANIFEST}: {len(built)} of {len(manifest['stages'])} stages "
@@ -288,5 +358,9 @@ def add_build_arguments(build: argparse.ArgumentParser) -> None:
                        "taps = true under the recipe's [build]), for `check --build DIR --taps`")
     build.add_argument("--stage", type=non_negative_int, action="append", metavar="I",
                        help="with RECIPE: build only stage I (repeatable); the others keep what they have")
+    build.add_argument("--rank", type=non_negative_int, metavar="R",
+                       help="with RECIPE and one --stage I of a split stage: build only its rank R, a "
+                       "process a rank (a host runs its 8 at once into one --out folder, each with "
+                       "CUDA_VISIBLE_DEVICES=R)")
     build.add_argument("--overwrite", action="store_true",
                        help="with RECIPE: write into a folder that holds other files (they are kept)")
