@@ -104,6 +104,12 @@ def partition(weights: list[int], parts: int) -> list[range]:
                  lambda s: s <= heaviest)
 
 
+# Peak host memory of one build process (the export, then the engine of the same weights), fitted over
+# measured stage builds: 812 MB + 2.31 x the weights it builds (TensorRT-RTX 1.7, k3-small float32
+# stages, docs/benchmarks.md#stage-builds). Full TensorRT's and weight-stripped builds are unmeasured.
+BUILD_FIXED_BYTES, BUILD_BYTES_PER_WEIGHT_BYTE = 812e6, 2.31
+
+
 class GpuMemory:
     """What one GPU holds: weights, caches and activations (the fields or properties of a subclass)."""
 
@@ -118,6 +124,11 @@ class GpuMemory:
     @property
     def fits_h200(self) -> bool:
         return self.total_bytes <= H200_BYTES
+
+    @property
+    def build_host_bytes(self) -> int:
+        """Host memory one process building these weights peaks at (BUILD_FIXED_BYTES, ...)."""
+        return round(BUILD_FIXED_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * self.weight_bytes)
 
 
 @dataclass
@@ -183,7 +194,7 @@ class Plan:
                 "seconds_per_token_sent": s.seconds_per_token_sent,
                 "memory": {"weights": s.weight_bytes, "cache": s.cache_bytes,
                            "activations": s.activation_bytes, "total": s.total_bytes,
-                           "fits_h200": s.fits_h200},
+                           "fits_h200": s.fits_h200, "build_host": s.build_host_bytes},
             } for s in self.stages],
         }
 
@@ -308,6 +319,9 @@ def format_plan(plan: Plan) -> str:
         "seq, hidden] (the first: token ids) and sends the next stage's (the last: logits)",
         "activations assume the served engine: the k3 mixer plugins and the grouped routed-experts plugin "
         "(only the chosen experts run)",
+        "host memory to build a stage (one process): " + ", ".join(
+            f"stage {s.index} {_gb(s.build_host_bytes)} GB" for s in plan.stages)
+        + f" (measured fit: {BUILD_FIXED_BYTES / 1e9:.2f} GB + {BUILD_BYTES_PER_WEIGHT_BYTE} x its weights)",
     ]
     return "\n".join(lines)
 
@@ -421,6 +435,10 @@ def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float) -> str
         "[u | shared] in float32, latent + hidden values; the dense layer's output in the model dtype)",
         "the MLA latent cache is the same on every rank (one key head); KDA state and conv tails are "
         "split by heads; activations are the unsplit stage's estimate (an upper bound)",
+        "host memory to build one rank (a process): " + ", ".join(
+            f"stage {s.index} {_gb(s.build_host_bytes)} GB" for s in stages)
+        + f"; a host building its {ranks} ranks at once (build --stage I --rank R, one per GPU) needs "
+        f"{ranks} x that",
     ]
     return "\n".join(lines)
 
@@ -431,6 +449,7 @@ def rank_plan_json(stages: list[RankStage], collective_gb_per_s: float) -> dict:
         "replicated_weight_bytes": s.replicated_weight_bytes, "weight_bytes": s.weight_bytes,
         "cache_bytes_per_sequence": s.cache_bytes_per_sequence, "cache_bytes": s.cache_bytes,
         "activation_bytes": s.activation_bytes, "total_bytes": s.total_bytes, "fits_h200": s.fits_h200,
+        "build_host_bytes": s.build_host_bytes,
         "collective_bytes_per_token": s.collective_bytes_per_token,
         "collective_seconds_per_token": s.collective_seconds_per_token} for s in stages]}
 
