@@ -143,7 +143,8 @@ def test_profiles_keep_the_capacity() -> None:
     # A prefill row holds 4 x (100 + 1 + 100 x 576) bytes, a decode row 4 x (1 + 1 + 100 x 576): 138 GB
     # of inputs fit an H200, 230 GB do not; each profile is held to it at its own shapes.
     profile_shapes(manifest, Limits(prefill_batch=600_000, prefill_seq=100, decode_batch=600_000))
-    with pytest.raises(UserError, match="the decode profile's batch 1000000 x seq 1: .* 230.4 GB, more than"):
+    with pytest.raises(UserError, match=r"--decode-batch 1000000 \(the decode profile, batch 1000000 x seq "
+                                        r"1\): .* 230.4 GB, more than"):
         profile_shapes(manifest, Limits(prefill_batch=1, prefill_seq=100, decode_batch=10**6))
     with pytest.raises(UserError, match="no \"capacity\""):
         profile_shapes({"inputs": []}, Limits())

@@ -189,13 +189,15 @@ def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, l
     ranges = limits.ranges()
     # An engine whose inputs and outputs alone outgrow the largest GPU could run nowhere (and a
     # profile far past it makes the TensorRT-RTX builder abort the process).
+    options = {"prefill": f"--max-batch {limits.prefill_batch} --max-seq {limits.prefill_seq}",
+               "decode": f"--decode-batch {limits.decode_batch}"}
     for name, dims in ranges.items():
         needed = call_bytes([manifest], dims["batch"][2], dims["seq"][2])
         if needed > H200_BYTES:
-            raise UserError(f"build: the {name} profile's batch {dims['batch'][2]} x seq {dims['seq'][2]}: "
-                            f"the engine's inputs and outputs at that shape hold {needed / 1e9:,.1f} GB, "
-                            f"more than an H200's {H200_BYTES / 1e9:.0f} GB; lower --max-batch, "
-                            f"--decode-batch or --max-seq")
+            raise UserError(f"build: {options[name]} (the {name} profile, batch {dims['batch'][2]} x seq "
+                            f"{dims['seq'][2]}): the engine's inputs and outputs at that shape hold "
+                            f"{needed / 1e9:,.1f} GB, more than an H200's {H200_BYTES / 1e9:.0f} GB; lower "
+                            f"{options[name].split()[0]}{' or --max-seq' if name == 'prefill' else ''}")
     profiles = []
     for dims in ranges.values():
         dims["capacity"] = (capacity,) * 3
