@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
+from k3export.artifacts import MANIFEST_LOCK, WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
 from k3export.engine.flavours import FLAVOURS, load_tensorrt, require_machine, target_problem
 from k3export.errors import UserError
 from k3export.options import existing_file, non_negative_int
@@ -213,7 +213,7 @@ def _grid_entry(plan: Plan, index: int, parts: list[dict[str, Any]], seconds: fl
 def _locked(out: Path) -> Iterator[None]:
     """Holds an exclusive lock on the build folder's manifest: the processes building one rank each
     (`build RECIPE --stage I --rank R`, one per GPU of a host) read and rewrite it in turn."""
-    with open(out / ".manifest.lock", "a") as lock:
+    with open(out / MANIFEST_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
