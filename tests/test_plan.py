@@ -138,6 +138,10 @@ def test_host_memory_of_a_build(capsys) -> None:
     plan = json.loads(capsys.readouterr().out)
     for stage in plan["stages"]:
         assert stage["memory"]["build_host"] == round(812e6 + 2.31 * stage["memory"]["weights"])
+        # Each profile's activations at its own tokens: prefill 1 x 8192, decode 8 x 1.
+        by_profile = stage["memory"]["activations_by_profile"]
+        assert by_profile["prefill"] == stage["memory"]["activations"]
+        assert by_profile["decode"] * 8192 == by_profile["prefill"] * 8
     for rank in plan["parallel"]["stages"]:
         assert rank["build_host_bytes"] == round(812e6 + 2.31 * rank["weight_bytes"])
         assert 200e9 < rank["build_host_bytes"] < 300e9
