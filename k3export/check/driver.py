@@ -53,6 +53,7 @@ from k3export.check.compare import (
     top1_agreement,
     verdict,
 )
+from k3export.check.machine import machine
 from k3export.check.routing import held_routing, routing_outputs
 from k3export.check.runners.eager import EagerRunner, Float32Boundary
 from k3export.check.taps import compare_taps, first_divergent
@@ -301,6 +302,7 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
                 tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
             feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
     report.update(verdict(report["steps"], nonfinite_weights))
+    report["machine"] = machine()
     report["routing_flips"] = sum(s.get("routing_flips", {}).get("eager", 0) for s in report["steps"])
     report["greedy_streams_identical"] = streams[0] == streams[1]
     if taps:

@@ -39,6 +39,7 @@ from k3export.engine.flavours import (
     require_machine,
     target_problem,
 )
+from k3export.engine.trt_log import tensorrt_logger
 from k3export.errors import UserError
 from k3export.model.accounting import H200_BYTES
 from k3export.onnx.domain import DOMAIN
@@ -249,7 +250,7 @@ def build_engine(export_dir: str | Path, out: str | Path, trt: ModuleType, *, ta
     require(manifest, export_dir / MANIFEST_FILE, "inputs")
     limits = limits or Limits()
     profiles = profile_shapes(manifest, limits)
-    logger = trt.Logger(trt.Logger.WARNING)
+    logger = tensorrt_logger(trt)
     creators = register_plugins(trt)
     # The parser owns the weights the network points at: keep it alive until the build is done.
     builder, network, _parser = parse(export_dir / GRAPH_FILE, trt, logger)

@@ -47,6 +47,7 @@ from torch import Tensor
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*, the plugins' reference computations)
 from k3export.engine.build import parse
 from k3export.engine.flavours import load_tensorrt
+from k3export.engine.trt_log import tensorrt_logger
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE
 from k3export.onnx.runner import NUMPY_CARRIER
@@ -112,7 +113,7 @@ def parse_network(model_path: str | Path, trt: ModuleType | None = None) -> Pars
     # The registry does not own the Python creators: one freed while registered crashes the next
     # lookup, so they live as long as the process.
     _CREATORS.update(k3plugins.trt.register(trt))
-    logger = trt.Logger(trt.Logger.ERROR)
+    logger = tensorrt_logger(trt)
     builder, network, parser = parse(model_path, trt, logger)
     return ParsedNetwork(trt, network, model_path, (logger, builder, parser))
 

@@ -84,6 +84,7 @@ class EngineRunner(StatefulRunner):
 
         from k3export.engine.build import load_engine
         from k3export.engine.flavours import load_tensorrt, register_plugins
+        from k3export.engine.trt_log import tensorrt_logger
 
         backend = "tensorrt" if importlib.util.find_spec("tensorrt") else "tensorrt-rtx"
         config.USE_TENSORRT_RTX = backend == "tensorrt-rtx"  # which module Polygraphy imports as trt
@@ -91,7 +92,7 @@ class EngineRunner(StatefulRunner):
 
         trt = load_tensorrt(backend)
         register_plugins(trt)  # the k3 plugins the engine was built with, as its flavour registers them
-        self.runner = TrtRunner(load_engine(trt, trt.Logger(trt.Logger.WARNING), self.engine, self.weights))
+        self.runner = TrtRunner(load_engine(trt, tensorrt_logger(trt), self.engine, self.weights))
         self.runner.activate()
 
     def deactivate_impl(self) -> None:
