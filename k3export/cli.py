@@ -277,6 +277,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     from k3export.artifacts import OutputFile, verify
     from k3export.engine.build import Limits, build_engine, profile_shapes
+    from k3export.engine.flavours import FLAVOURS, load_tensorrt, require_machine, target_problem
     from k3export.onnx.export import MANIFEST_FILE
 
     if args.recipe:
@@ -288,22 +289,36 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise UserError("build --taps: expected a RECIPE (its stages are exported with taps); an engine "
                         "from --onnx DIR has the export's outputs: export it with `k3export export --taps`")
 
+    if args.backend == "onnx":
+        raise UserError(f"build --onnx DIR --backend onnx: an export is already ONNX; expected --backend "
+                        f"{' or '.join(FLAVOURS)}")
+    flavour = FLAVOURS[args.backend or "tensorrt-rtx"]
+    target = args.target or ("sm89" if flavour.targets else None)
+    if target is None:
+        raise UserError(f"build --backend {flavour.backend}: expected --target (the GPU in this machine, "
+                        "such as sm90 for H100/H200 or sm100 for B200)")
+    problem = target_problem(flavour, target)
+    if problem:
+        raise UserError(f"build --backend {flavour.backend} --target {target}: expected {problem}")
+    require_machine(flavour, target, strip=args.strip)
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
-    limits = Limits(args.max_batch, args.max_seq)
+    limits = Limits(args.max_batch, args.max_seq, args.decode_batch or args.max_batch)
     # Verified and the limits refused before the engine's record is begun (build_engine's are then cheap).
     profile_shapes(verify(args.onnx, MANIFEST_FILE), limits)
-    print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
-          f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}; the export's "
-          f"cache capacity)")
+    print(f"building a {flavour.title} engine for {target} from {args.onnx} with the k3 plugins "
+          f"(profiles: prefill batch 1..{limits.prefill_batch} x seq 1..{limits.prefill_seq}, decode batch "
+          f"1..{limits.decode_batch} x 1; the export's cache capacity)")
     out.begin()
-    result = build_engine(args.onnx, args.out, target=args.target, limits=limits)
-    out.finish({"export": str(Path(args.onnx).resolve()), "target": result.target,
-                "profiles": result.profiles, "network": asdict(result.network)})
+    result = build_engine(args.onnx, args.out, load_tensorrt(flavour.backend), target=target, limits=limits,
+                          strip=args.strip)
+    out.finish({"export": str(Path(args.onnx).resolve()), "backend": result.backend, "target": result.target,
+                "stripped": result.stripped,
+                "profiles": result.profiles, "device_memory": result.device_memory,
+                "network": asdict(result.network)})
     plugins = result.network.plugin_layers
     print(f"wrote {result.engine}: {_human(result.bytes, 'B')} in {result.seconds:.1f} s; "
           f"{result.network.layers} layers, {len(plugins)} k3 plugin layers")
-    print(f"its record (profiles, network census, sha256): {out.record_path}")
-    print("this engine cannot be run on this machine (no GPU); TensorRT-RTX has no sm90 target")
+    print(f"its record (profiles, device memory per profile, network census, sha256): {out.record_path}")
     return 0
 
 
@@ -455,16 +470,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(check)
     check.set_defaults(run=cmd_check)
 
-    from k3export.engine.build import TARGETS, Limits
+    from k3export.engine.build import Limits
 
-    build = sub.add_parser("build", help="a TensorRT-RTX engine from an export, k3 plugins in place")
+    build = sub.add_parser("build", help="a TensorRT(-RTX) engine from an export, k3 plugins in place")
     build.add_argument("--onnx", metavar="DIR", type=existing_dir, help="a `k3export export` folder")
     build.add_argument("--out", required=True, metavar="FILE", type=output_path,
                        help="the engine file to write, FILE.json beside it recording how it was built (with "
                        "RECIPE: the folder of the stages and their manifest.json)")
-    build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
-    build.add_argument("--max-batch", type=positive_int, default=Limits.batch)
-    build.add_argument("--max-seq", type=positive_int, default=Limits.seq, help="prefill tokens per call")
+    build.add_argument("--target", metavar="SM", help="compute capability: TensorRT-RTX's sm75, sm80, "
+                       "sm86, sm89 (default), sm120, sm121; full TensorRT: this machine's GPU (sm90, "
+                       "sm100, ...)")
+    build.add_argument("--max-batch", type=positive_int, default=Limits.prefill_batch,
+                       help="sequences per prefill call (and per decode call unless --decode-batch)")
+    build.add_argument("--max-seq", type=positive_int, default=Limits.prefill_seq,
+                       help="prefill tokens per call")
+    build.add_argument("--decode-batch", type=positive_int, metavar="N", help="sequences per decode call")
+    build.add_argument("--strip", action="store_true",
+                       help="weight-stripped engines (STRIP_PLAN, REFIT_IDENTICAL): the engine file holds no "
+                       "weights; loading refits it from its export's model.onnx. Needs a GPU where it builds")
     from k3export.shards.stages import add_build_arguments
     add_build_arguments(build)
     _add_quiet(build)

@@ -84,13 +84,14 @@ def test_tensorrt_messages_reach_the_logger_not_stdout(tmp_path, capfd, caplog):
     from onnx import TensorProto, helper
 
     from k3export.engine import trt_log
-    from k3export.engine.build import load_tensorrt_rtx, parse
+    from k3export.engine.build import parse
+    from k3export.engine.flavours import load_tensorrt
 
     x = helper.make_tensor_value_info("x", TensorProto.INT64, [2])
     y = helper.make_tensor_value_info("y", TensorProto.INT64, [2])
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
-    trt = load_tensorrt_rtx()
+    trt = load_tensorrt()
     trt_log.held_back.clear()
     parse(tmp_path / "m.onnx", trt, trt_log.tensorrt_logger(trt))
     assert trt_log.held_back["warning"] >= 1

@@ -62,7 +62,8 @@ def test_engine_runner_carries_its_caches_through_the_check(tiny_export):
     made = []
 
     def runner(signature, extra_outputs):
-        made.append(OnnxrtBackedEngineRunner(tiny_export / "model.onnx", signature))
+        graph = tiny_export / "model.onnx"
+        made.append(OnnxrtBackedEngineRunner(graph, signature, graph))
         return made[-1]
 
     report = run_check(tiny_export, steps=3, prompt_len=10, log=lambda _: None, graph_runner=runner)

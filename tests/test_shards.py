@@ -64,9 +64,9 @@ def count_calls(mp: pytest.MonkeyPatch) -> dict[str, list[range]]:
         calls["export"].append(layers)
         return real_export(model, out_dir, layers, *args, **kwargs)
 
-    def build_engine(export_dir, out, **kwargs):
+    def build_engine(export_dir, out, trt, **kwargs):
         calls["engine"].append(Path(export_dir))
-        return real_engine(export_dir, out, **kwargs)
+        return real_engine(export_dir, out, trt, **kwargs)
 
     mp.setattr(export, "export_model", export_model)
     mp.setattr(engine, "build_engine", build_engine)

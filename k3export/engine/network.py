@@ -45,7 +45,8 @@ from onnx import numpy_helper
 from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*, the plugins' reference computations)
-from k3export.engine.build import load_tensorrt_rtx, parse
+from k3export.engine.build import parse
+from k3export.engine.flavours import load_tensorrt
 from k3export.engine.trt_log import tensorrt_logger
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE
@@ -108,7 +109,7 @@ def parse_network(model_path: str | Path, trt: ModuleType | None = None) -> Pars
     model_path = Path(model_path)
     if not model_path.is_file():
         raise UserError(f"{model_path}: no such file")
-    trt = trt or load_tensorrt_rtx()
+    trt = trt or load_tensorrt()
     # The registry does not own the Python creators: one freed while registered crashes the next
     # lookup, so they live as long as the process.
     _CREATORS.update(k3plugins.trt.register(trt))

@@ -25,6 +25,7 @@ import numpy as np
 
 from k3export.check.driver import run_check
 from k3export.errors import UserError
+from k3export.onnx.export import GRAPH_FILE
 from k3export.onnx.runner import Signature, StatefulRunner
 
 
@@ -73,23 +74,25 @@ def require_engine_runtime() -> None:
 class EngineRunner(StatefulRunner):
     """A TensorRT engine through Polygraphy's TrtRunner, which copies the caches in and out (numpy)."""
 
-    def __init__(self, engine: Path, signature: Signature, name: str = "engine") -> None:
+    def __init__(self, engine: Path, signature: Signature, weights: Path, name: str = "engine") -> None:
         super().__init__(signature, name)
         self.engine = engine
+        self.weights = weights  # the export's model.onnx: a weight-stripped engine is refitted from it
 
     def activate_impl(self) -> None:
         from polygraphy import config
 
-        if importlib.util.find_spec("tensorrt") is None:
-            config.USE_TENSORRT_RTX = True  # polygraphy then imports tensorrt_rtx as trt
-        from polygraphy.backend.common import BytesFromPath
-        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
-        from polygraphy.mod.trt_importer import lazy_import_trt
+        from k3export.engine.build import load_engine
+        from k3export.engine.flavours import load_tensorrt, register_plugins
+        from k3export.engine.trt_log import tensorrt_logger
 
-        import k3plugins.trt
+        backend = "tensorrt" if importlib.util.find_spec("tensorrt") else "tensorrt-rtx"
+        config.USE_TENSORRT_RTX = backend == "tensorrt-rtx"  # which module Polygraphy imports as trt
+        from polygraphy.backend.trt import TrtRunner
 
-        k3plugins.trt.register(lazy_import_trt())  # the k3 plugins the engine was built with
-        self.runner = TrtRunner(EngineFromBytes(BytesFromPath(str(self.engine))))
+        trt = load_tensorrt(backend)
+        register_plugins(trt)  # the k3 plugins the engine was built with, as its flavour registers them
+        self.runner = TrtRunner(load_engine(trt, tensorrt_logger(trt), self.engine, self.weights))
         self.runner.activate()
 
     def deactivate_impl(self) -> None:
@@ -111,12 +114,13 @@ def run_engine_check(path: str | Path, log: Any = print, **options: Any) -> dict
     for engine, export in targets:
         log(f"engine {engine} (export {export})")
 
-        def runner(signature: Signature, extra_outputs: list[str], engine: Path = engine) -> StatefulRunner:
+        def runner(signature: Signature, extra_outputs: list[str], engine: Path = engine,
+                   export: Path = export) -> StatefulRunner:
             if extra_outputs:
                 raise UserError(f"--engine {engine}: a half-precision check holds the eager model to the "
                                 "graph's expert choices, which an engine does not output; check the export "
                                 "with --onnx or --network, or a float32 engine")
-            return EngineRunner(engine, signature)
+            return EngineRunner(engine, signature, export / GRAPH_FILE)
 
         reports.append(run_check(export, log=log, graph_runner=runner, **options))
         reports[-1]["engine"] = str(engine)
