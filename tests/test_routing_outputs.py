@@ -101,3 +101,21 @@ def test_bfloat16_with_routing_outputs_passes_check_network(routed, tmp_path) ->
     scaled = scaled_copy(routed["bfloat16"], tmp_path / "scaled", PERTURBED, 1.5)
     failed = run_network_check(scaled, steps=0, log=lambda line: None)
     assert not failed["passed"] and "present.0.kda_state" in failed["failed_outputs"]
+
+
+def test_engine_runner_returns_the_routing_outputs(routed) -> None:
+    """check --engine on a float16 engine built from such an export: EngineRunner hands the engine's
+    routing outputs to the driver (Polygraphy's ONNX Runtime runner standing in for its TrtRunner on
+    the export's graph, as in test_engine_check), and the check passes held to them."""
+    from test_engine_check import OnnxrtBackedEngineRunner
+
+    made = []
+
+    def runner(signature, routing):
+        graph = routed["float16"] / "model.onnx"
+        made.append(OnnxrtBackedEngineRunner(graph, signature, graph, routing=routing))
+        return made[-1]
+
+    report = run_check(routed["float16"], steps=1, log=lambda line: None, graph_runner=runner)
+    assert made[0].routing == [f"routing.{i}" for i in range(1, 9)]
+    assert report["passed"] and report["held_routing"], report["failed_outputs"]
