@@ -234,7 +234,8 @@ def test_a_grid_build_refuses_another_rank_count_and_a_stage_outside_it(grid_bui
             f"{tmp_path / 'one.toml'} now says ranks = 1") in capsys.readouterr().err
     assert main(["build", str(grid_build.parent / "grid.toml"), "--stage", "2", "--out", str(out)]) == 2
     assert ("--stage 2: expected a stage of " + str(grid_build.parent / "grid.toml") + ", 0..1 (each split "
-            "over 2 ranks; --stage I builds all of stage I's ranks)") in capsys.readouterr().err
+            "over 2 ranks; --stage I builds all of stage I's ranks, --stage I --rank R one)"
+            ) in capsys.readouterr().err
 
 
 @pytest.fixture
