@@ -1,4 +1,4 @@
-"""One instruction-set leg of tests/test_cpu_verdicts.py: checks run in a process of its own, because
+"""One instruction-set leg of tests/test_half_precision.py: checks run in a process of its own, because
 ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY are read once per process.
 
     python tests/cpu_verdict_worker.py SPEC.json

@@ -245,10 +245,14 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     nonfinite_weights = nonfinite_tensors(models[0].named_parameters())
     if dtype != "float32":
         models.append(build_model(config, torch.float32, manifest["weights"], layers))
-    if routing is None and "routing_outputs" in manifest:  # export --routing-outputs
-        routing = [s["name"] for s in manifest["routing_outputs"]] if dtype != "float32" else []
-    if routing is None:
-        routing = routing_outputs(graph) if dtype != "float32" else []
+    # Where the graph's expert choices are read: its own outputs (export --routing-outputs), or
+    # intermediates the runner exposes.
+    source = "graph outputs" if "routing_outputs" in manifest else "intermediates"
+    if routing is None and dtype == "float32":
+        routing = []
+    elif routing is None:
+        routing = ([s["name"] for s in manifest["routing_outputs"]] if source == "graph outputs"
+                   else routing_outputs(graph))
     eager_graph = eager_graph or (lambda model, tapped: ExportGraph(model, layers, last_logits, tapped))
     eager = eager_graph(models[0], tapped)
     if dtype == "bfloat16":
@@ -264,7 +268,8 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     if "input_ids" in feed:
         feed["input_ids"][np.arange(prompt_len) >= np.array(lengths)[:, None]] = 0
     report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
-                              "capacity": signature.capacity, "held_routing": bool(routing), "steps": []}
+                              "capacity": signature.capacity, "held_routing": bool(routing),
+                              "routing_read_from": source if routing else None, "steps": []}
     tap_steps: list[dict[str, Any]] = []
     streams: list[list[list[int]]] = [[], []]
     cache_lengths = np.zeros(batch, np.int64)

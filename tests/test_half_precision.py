@@ -1,0 +1,171 @@
+"""Half-precision checks: the same verdict on every CPU, and engines checked held to their own routing.
+
+Verdicts across instruction sets: the checks run under each setting of the two knobs that choose
+torch's CPU kernels, one process a leg (each knob is read once per process;
+tests/cpu_verdict_worker.py). A bfloat16 check once failed on an AVX-512 machine (11 ties of 109
+against a 10% rule) and passed under an AVX2 cap on the same machine. Each leg asserts that its knob
+really moved the bits the check compares (else it skips, naming the CPU: its best level may already
+be the capped one, or the knob's kernels may not be on the check's path: ONNX Runtime is not torch),
+that the correct export passes with room, and that the 1.5x weight perturbation fails on its numbers:
+a cache and the logits among the failed outputs. tools/cpu_bits.py measures which ops each knob moves.
+
+Routing outputs (`export --routing-outputs`): each MoE layer's expert choices as graph outputs
+routing.{layer}, so that a half-precision engine, whose outputs are fixed when it is built, can be
+checked held to its own choices. Check reads them in place of the intermediates it otherwise exposes
+at load; they change nothing else the graph computes (the same numbers as the export without them,
+in the same process), and a perturbed export still fails.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from reference import PERTURBED, rerecord_file, scaled_copy
+
+from k3export.check.driver import run_check
+from k3export.check.machine import KNOBS
+from k3export.cli import main
+from k3export.config import K3Config
+from k3export.onnx.export import ROUTING_PREFIX, add_routing_outputs
+
+HERE = Path(__file__).parent
+# leg -> (environment, the (dtype, check) pairs it runs): bfloat16 matmuls go through oneDNN, so
+# its cap moves bfloat16; ATen's level moves softmax, norms and elementwise kernels.
+LEGS = {
+    "default": ({}, [("bfloat16", "network"), ("float16", "onnx"), ("float16", "network")]),
+    "ONEDNN_MAX_CPU_ISA=AVX2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, [("bfloat16", "network")]),
+    "ATEN_CPU_CAPABILITY=avx2": ({"ATEN_CPU_CAPABILITY": "avx2"},
+                                 [("float16", "onnx"), ("float16", "network")]),
+}
+CASES = [(leg, dtype, kind) for leg, (_, pairs) in LEGS.items() for dtype, kind in pairs]
+# The variants of an export each check runs on: as exported, with routing outputs, each perturbed.
+VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (routed, perturbed)
+
+
+def with_routing_outputs(export: Path, folder: Path) -> Path:
+    """A copy of the export with routing outputs added as `export --routing-outputs` adds them."""
+    shutil.copytree(export, folder)
+    manifest = json.loads((folder / "export.json").read_text())
+    config = K3Config.from_json(folder / "config.json")
+    layers = range(*manifest["layers"])
+    manifest["routing_outputs"] = add_routing_outputs(folder / "model.onnx", config, layers)
+    (folder / "export.json").write_text(json.dumps(manifest))
+    rerecord_file(folder, "model.onnx")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool, bool], Path]:
+    """(dtype, routed, perturbed) -> k3-tiny export folder, float16 and bfloat16."""
+    root = tmp_path_factory.mktemp("half")
+    folders = {}
+    for dtype in ("bfloat16", "float16"):
+        plain = root / dtype
+        options = ["--preset", "k3-tiny", "--seed", "0", "--dtype", dtype, "--out", str(plain)]
+        assert main(["export", *options]) == 0
+        folders[dtype, False, False] = plain
+        folders[dtype, True, False] = with_routing_outputs(plain, root / f"{dtype}-routed")
+        for routed in (False, True):
+            folders[dtype, routed, True] = scaled_copy(folders[dtype, routed, False],
+                                                       root / f"{dtype}-{routed}-scaled", PERTURBED, 1.5)
+    return folders
+
+
+@pytest.fixture(scope="module")
+def legs(exports: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Each leg's reports: {(dtype, kind, routed, perturbed): report}. The default leg checks every
+    variant; the capped legs the exports as they are and perturbed."""
+    root = tmp_path_factory.mktemp("legs")
+    results = {}
+    for leg, (env, pairs) in LEGS.items():
+        variants = VARIANTS if not env else [(False, False), (False, True)]
+        checks = [(dtype, kind, routed, perturbed) for dtype, kind in pairs for routed, perturbed in variants]
+        spec = root / f"{leg}.json"
+        spec.write_text(json.dumps([{"kind": kind, "folder": str(exports[dtype, routed, perturbed]),
+                                     "steps": 0 if perturbed else 2}
+                                    for dtype, kind, routed, perturbed in checks]))
+        clean = {k: v for k, v in os.environ.items() if k not in KNOBS}
+        done = subprocess.run([sys.executable, str(HERE / "cpu_verdict_worker.py"), str(spec)],
+                              env={**clean, **env}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[leg] = dict(zip(checks, json.loads(done.stdout.splitlines()[-1]), strict=True))
+    return results
+
+
+def numbers(report: dict) -> list[float]:
+    """Every relative error and max abs error the check measured, in order."""
+    return [x for s in report["steps"] for c in s["outputs"] for x in (c["rel"], c["max_abs"])]
+
+
+@pytest.mark.parametrize(("leg", "dtype", "kind"), CASES, ids=["-".join(case) for case in CASES])
+def test_half_precision_verdict_holds_under_the_knob(legs: dict, leg: str, dtype: str, kind: str) -> None:
+    env, _ = LEGS[leg]
+    correct, perturbed = legs[leg][dtype, kind, False, False], legs[leg][dtype, kind, False, True]
+    if env and numbers(correct) == numbers(legs["default"][dtype, kind, False, False]):
+        where = correct["machine"]
+        pytest.skip(f"{leg} moves no bit that the {dtype} --{kind} check compares on {where['cpu']} (flags "
+                    f"{where['cpu_flags']})")
+    assert correct["machine"]["knobs"] == env
+    assert correct["passed"], (correct["failed_outputs"], correct["headroom"])
+    assert correct["routing_read_from"] == "intermediates" and correct["token_mismatches"] == 0
+    # Met with room, not by a hair: the worst output at most 0.8 of its bound.
+    assert correct["headroom"]["relative_error"]["ratio"] <= 0.8, correct["headroom"]
+    if dtype == "bfloat16" and kind == "network":
+        # Layer 0 runs the same bfloat16 ops in the same order on both sides.
+        first = {c["name"]: c for c in correct["steps"][0]["outputs"]}
+        assert first["present.0.kda_state"]["rel"] < 1e-2
+    failed = perturbed["failed_outputs"]
+    assert not perturbed["passed"] and "present.0.kda_state" in failed and "logits" in failed
+
+
+@pytest.mark.parametrize(("dtype", "kind"), LEGS["default"][1], ids=lambda value: value)
+def test_routing_outputs_are_read_and_change_nothing_else(legs: dict, dtype: str, kind: str) -> None:
+    """float16 (--onnx, --network) and bfloat16 (--network) with routing outputs: the check reads the
+    graph's own outputs, passes, measures exactly what it measures on the export without them (bit
+    for bit, in one process), and the perturbed export fails."""
+    plain, routed = legs["default"][dtype, kind, False, False], legs["default"][dtype, kind, True, False]
+    assert routed["routing_read_from"] == "graph outputs"
+    assert routed["passed"], routed["failed_outputs"]
+    assert numbers(routed) == numbers(plain)
+    failed = legs["default"][dtype, kind, True, True]
+    assert not failed["passed"] and "logits" in failed["failed_outputs"]
+
+
+def test_export_option_adds_each_moe_layers_choices(tmp_path: Path) -> None:
+    """`export --routing-outputs` on a 3-layer range (layer 0 dense): routing.1 and routing.2, int64
+    [tokens, k], graph outputs after the others, listed apart from the compared outputs."""
+    config = K3Config.from_preset("k3-tiny")
+    assert main(["export", "--preset", "k3-tiny", "--layers", "0:3", "--dtype", "float16",
+                 "--routing-outputs", "--out", str(tmp_path / "r")]) == 0
+    manifest = json.loads((tmp_path / "r" / "export.json").read_text())
+    moe = [i for i in range(3) if not config.is_dense(i)]
+    assert moe == [1, 2]
+    assert [s["name"] for s in manifest["routing_outputs"]] == ["routing.1", "routing.2"]
+    assert all(s["dtype"] == "int64" and s["shape"][-1] == config.num_experts_per_token
+               for s in manifest["routing_outputs"])
+    graph = onnx.load(tmp_path / "r" / "model.onnx", load_external_data=False)
+    assert [o.name for o in graph.graph.output][-2:] == ["routing.1", "routing.2"]
+    assert not any(s["name"].startswith(ROUTING_PREFIX) for s in manifest["outputs"])
+
+
+def test_engine_runner_returns_the_routing_outputs(exports: dict) -> None:
+    """check --engine on a float16 engine built from such an export: EngineRunner hands the engine's
+    routing outputs to the driver (Polygraphy's ONNX Runtime runner standing in for its TrtRunner on
+    the export's graph, as in test_engine_check), and the check passes held to them."""
+    from test_engine_check import OnnxrtBackedEngineRunner
+
+    export, made = exports["float16", True, False], []
+
+    def runner(signature, routing):
+        made.append(OnnxrtBackedEngineRunner(export / "model.onnx", signature, export / "model.onnx",
+                                             routing=routing))
+        return made[-1]
+
+    report = run_check(export, steps=1, log=lambda line: None, graph_runner=runner)
+    assert made[0].routing == [f"routing.{i}" for i in range(1, 9)]
+    assert report["passed"] and report["routing_read_from"] == "graph outputs", report["failed_outputs"]
