@@ -30,13 +30,21 @@ def test_rank_bytes_add_up_to_the_stage(tiny_config: K3Config, stages: int, rank
         assert rank.cache_bytes == 2 * rank.cache_bytes_per_sequence
 
 
-def test_collectives_per_token(tiny_config: K3Config) -> None:
-    plan = make_plan(tiny_config, 1, model="k3-tiny", dtype="float32", context=64)
-    (rank,) = rank_stages(plan, 2, collective_gb_per_s=100.0)
-    D, L = tiny_config.hidden_size, tiny_config.routed_expert_hidden_size
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_collectives_per_token(ranks: int) -> None:
+    """k3-tiny with 8 KDA and 8 MLA heads (so that 4 and 8 ranks divide it): each all-reduce sums a
+    whole activation (the same bytes on every rank, whatever N), and a ring all-reduce moves
+    2 (N - 1) / N of them over each GPU's link: 1.5x at N = 4, 1.75x at N = 8 (at N = 2 the factor is 1)."""
+    data = K3Config.from_preset("k3-tiny").to_dict()
+    data["num_attention_heads"] = data["linear_attn_config"]["num_heads"] = 8
+    config = K3Config.from_dict(data)
+    plan = make_plan(config, 1, model="k3-tiny", dtype="float32", context=64)
+    (rank,) = rank_stages(plan, ranks, collective_gb_per_s=100.0)
+    D, L = config.hidden_size, config.routed_expert_hidden_size
     assert rank.collective_bytes_per_token == [4 * D, 4 * D] + [4 * D, 4 * (L + D)] * 8
-    # A ring all-reduce moves 2 (N - 1) / N of the bytes over the link.
-    assert rank.collective_seconds_per_token == pytest.approx(sum(rank.collective_bytes_per_token) / 100e9)
+    ring = 2 * (ranks - 1) / ranks
+    sent = ring * sum(rank.collective_bytes_per_token)
+    assert rank.collective_seconds_per_token == pytest.approx(sent / 100e9)
 
 
 def test_published_model_on_two_hosts_of_eight(capsys) -> None:
