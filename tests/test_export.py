@@ -98,17 +98,36 @@ def test_onnxruntime_matches_eager_fp32(tiny_export, batch, prompt_len, steps, c
     assert len(report["steps"][0]["outputs"]) == 1 + 6 * 4 + 3  # logits, KDA state + 3 tails, MLA
 
 
-def test_polygraphy_replay_files(tiny_export):
+def test_polygraphy_replay_files(tiny_export, tiny_model):
+    """check's replay files hold what the printed `polygraphy run` needs, and the right numbers: the
+    golden logits are the eager model's on the saved inputs (computed here, apart from check), and
+    ONNX Runtime on those inputs agrees with them within the command's --atol/--rtol, as Polygraphy
+    compares (|a - b| <= atol + rtol |b|)."""
+    import re
+
+    import onnxruntime as ort
     from polygraphy.comparator import RunResults
-    from polygraphy.json import load_json
 
     report = run_check(tiny_export, steps=0, log=lambda _: None)
-    inputs = load_json(str(tiny_export / "check" / "inputs.json"))
+    (inputs,) = load_json(str(tiny_export / "check" / "inputs.json"))
     golden = RunResults.load(str(tiny_export / "check" / "golden.json"))
     manifest = json.loads((tiny_export / "export.json").read_text())
-    assert list(inputs[0]) == [s["name"] for s in manifest["inputs"]]
-    assert list(golden.keys()) == ["eager"] and "logits" in golden["eager"][0]
-    assert "--load-inputs" in report["polygraphy_command"]
+    assert list(inputs) == [s["name"] for s in manifest["inputs"]]
+    assert list(golden.keys()) == ["eager"]
+    saved = golden["eager"][0]["logits"]
+    lengths = inputs["input_lengths"]
+    with torch.no_grad():
+        logits, _ = tiny_model(torch.from_numpy(inputs["input_ids"]),
+                               tiny_model.empty_cache(len(lengths), 128), torch.from_numpy(lengths))
+    for row, length in enumerate(lengths):  # past a row's length, its positions are padding
+        np.testing.assert_allclose(saved[row, :length], logits[row, :length].numpy(), rtol=1e-5, atol=1e-5)
+    command = report["polygraphy_command"]
+    assert f"--load-inputs {tiny_export / 'check' / 'inputs.json'}" in command
+    atol, rtol = (float(re.search(rf"--{name} (\S+)", command).group(1)) for name in ("atol", "rtol"))
+    session = ort.InferenceSession(str(tiny_export / "model.onnx"), providers=["CPUExecutionProvider"])
+    replayed = dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs), strict=True))
+    for name, value in golden["eager"][0].items():
+        assert np.all(np.abs(replayed[name] - value) <= atol + rtol * np.abs(value)), name
 
 
 def test_float16_export(tmp_path):
