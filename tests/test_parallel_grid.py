@@ -259,17 +259,20 @@ def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Pa
 
 
 @pytest.mark.usefixtures("bounded_check")
-def test_check_build_names_the_rank_of_a_wrong_expert(grid_build: Path, tmp_path: Path, capsys) -> None:
-    """Rank 1 of stage 1 with layer 6's routed experts' down projection scaled by 1.5 (the build's
-    files re-recorded: wrong, not corrupt): the all-reduce spreads the error to both ranks' outputs,
-    yet the check names stage 1 rank 1 and layer 6's FFN, from the ranks' partial sums."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_check_build_names_the_rank_of_a_wrong_expert(grid_build: Path, tmp_path: Path, capsys,
+                                                      rank: int) -> None:
+    """Rank 0, or rank 1, of stage 1 with layer 6's routed experts' down projection scaled by 1.5
+    (the build's files re-recorded: wrong, not corrupt): the all-reduce spreads the error to both
+    ranks' outputs, yet the check names that rank and layer 6's FFN, from the ranks' partial sums
+    (both ranks, so that blaming the last rank, or the first, cannot pass)."""
     bad = tmp_path / "bad"
     shutil.copytree(grid_build, bad)
-    corrupt_stage(bad, 1, "layers.6.block_sparse_moe.experts.w2", rank=1)
+    corrupt_stage(bad, 1, "layers.6.block_sparse_moe.experts.w2", rank=rank)
     assert main(["check", "--build", str(bad), "--steps", "1", "--prompt-len", "8"]) == 1
     printed = capsys.readouterr().out
     assert "first divergent stage: stage 1 (layers 5..8) at prefill" in printed
-    named = "first divergent stage and rank: stage 1 rank 1 (layer 6 ffn) at prefill: partial sum rel"
+    named = f"first divergent stage and rank: stage 1 rank {rank} (layer 6 ffn) at prefill: partial sum rel"
     assert named in printed
 
 
