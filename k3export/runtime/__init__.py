@@ -258,9 +258,10 @@ class Sampler:
             order = np.argsort(-row, kind="stable")
             if self.top_k:
                 order = order[:self.top_k]
-            # Scaled once the maximum is subtracted: a tiny temperature (1e-308) then gives -inf, not
-            # inf - inf (NaN probabilities).
-            p = np.exp((row[order] - row[order[0]]) / self.temperature)
+            # Scaled once the maximum is subtracted: a tiny temperature (1e-308) then gives -inf (an
+            # intended overflow), not inf - inf (NaN probabilities).
+            with np.errstate(over="ignore"):
+                p = np.exp((row[order] - row[order[0]]) / self.temperature)
             p /= p.sum()
             # At most every token: the sum can fall short of top_p = 1 by a rounding error.
             keep = min(int(np.searchsorted(np.cumsum(p), self.top_p)) + 1, len(p))
