@@ -399,9 +399,12 @@ def test_a_failed_stage_stops_the_others(onnx_build, fault: str) -> None:
 
 
 def test_sampling_is_seeded() -> None:
-    logits = np.random.default_rng(0).normal(size=(3, 50))
-    draw = [Sampler(temperature=0.8, top_k=10, top_p=0.9, seed=5)(logits) for _ in range(2)]
+    """One seed draws the same tokens twice; another seed draws others (a sampler that ignored its
+    seed, or drew greedily, would pass the first alone)."""
+    logits = np.random.default_rng(0).normal(size=(64, 50))
+    draw = [Sampler(temperature=0.8, top_k=10, top_p=0.9, seed=seed)(logits) for seed in (5, 5, 6)]
     assert (draw[0] == draw[1]).all()
+    assert (draw[0] != draw[2]).any() and (draw[0] != logits.argmax(-1)).any()
     assert (Sampler(temperature=1.0, top_k=1)(logits) == logits.argmax(-1)).all()
 
 
