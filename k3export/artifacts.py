@@ -32,7 +32,9 @@ _STAGE_PREFIX = ".k3export-stage-"
 _JOURNAL = ".k3export-journal.json"
 # size and mtime of each file when it was last hashed: the fast path of `verify`.
 _STAT_CACHE = ".k3export-verified.json"
-_OURS = (_JOURNAL, _STAT_CACHE)
+# Serialises the processes that rewrite one manifest (a build's ranks, each its own process).
+MANIFEST_LOCK = ".k3export-manifest.lock"
+_OURS = (_JOURNAL, _STAT_CACHE, MANIFEST_LOCK)
 # Tests kill the process at a named point of a commit (K3EXPORT_TEST_KILL_AT=point) to prove that
 # a run killed anywhere leaves no incomplete file at a final name and that the rerun completes.
 _KILL_AT = "K3EXPORT_TEST_KILL_AT"

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 from k3export.config import PRESETS, K3Config
@@ -165,7 +166,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exporting to {out.path} (torch.export, then ONNX translation; minutes for large models)")
     with out.staged() as stage, spinner("export: torch.export, then the ONNX translation"):
         manifest = export_model(model, stage, layers, weights, aot_plugins=args.aot_plugins,
-                                capacity=args.capacity, last_logits=args.last_logits, taps=args.taps)
+                                capacity=args.capacity, last_logits=args.last_logits, taps=args.taps,
+                                routing_outputs=args.routing_outputs)
     nodes = manifest["custom_nodes"]
     size = sum(record["bytes"] for record in out.manifest["files"].values())
     held = "no weights (they are graph inputs)" if args.no_weights else "with weights"
@@ -205,6 +207,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = run(args.network or args.engine or args.build or args.onnx, steps=args.steps, seed=args.seed,
                  batch=args.batch, prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print,
                  **extra)
+    from k3export.check.machine import machine_line
+
     verdict = _check_verdict(report)
     if args.report:
         kind = next(a for a in ("network", "engine", "build", "onnx") if getattr(args, a))
@@ -219,6 +223,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.build:
         from k3export.check.runners.chain import stage_lines
         print("\n".join(stage_lines(report)))
+    print(machine_line(report["machine"]))
     print(verdict)
     if args.report:
         print(f"report: {out.path / 'report.md'}, plots layers.png and steps.png beside it")
@@ -229,7 +234,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_verdict(report: dict) -> str:
     """PASSED or FAILED with every reason, then the bound and the token agreement."""
-    from k3export.check.compare import HALF_REL_CAP, MAX_TIE_FRACTION
+    from k3export.check.compare import HALF_REL_CAP
 
     reasons = []
     if report.get("first_nonfinite"):
@@ -241,9 +246,6 @@ def _check_verdict(report: dict) -> str:
         reasons.append("replicated outputs differ from rank 0's: " + ", ".join(report["ranks_differ"]))
     if report["token_mismatches"]:
         reasons.append(f"{report['token_mismatches']} greedy tokens differ past the tie margin")
-    if report.get("too_many_ties"):
-        reasons.append(f"{report['token_ties']} of {report['token_positions']} greedy positions differ "
-                       f"within the tie margin (over {MAX_TIE_FRACTION:.0%}: the comparison says nothing)")
     bound = report["tolerance"]["rel"]
     if report["dtype"] != "float32":
         bound = f"min({max(bound, HALF_REL_CAP)}, max({bound}, 2x the eager float32 spread))"
@@ -251,10 +253,23 @@ def _check_verdict(report: dict) -> str:
     if report.get("held_routing"):
         held = (f"; eager held to the graph's expert choices, {report['routing_flips']} token-layer choices "
                 "of its own differed")
+    tokens = (f"greedy streams identical: {report['greedy_streams_identical']}; token mismatches "
+              f"{report['token_mismatches']}, ties {report.get('token_ties', '-')} of "
+              f"{report.get('token_positions', '-')} positions")
     return (("PASSED" if report["passed"] else "FAILED: " + "; ".join(reasons))
-            + f" ({report['dtype']}, relative error <= {bound}; greedy streams identical: "
-            f"{report['greedy_streams_identical']}; token mismatches {report['token_mismatches']}, ties "
-            f"{report.get('token_ties', '-')} of {report.get('token_positions', '-')} positions{held})")
+            + f" ({report['dtype']}, relative error <= {bound}{_headroom_text(report)}; {tokens}{held})")
+
+
+def _headroom_text(report: dict) -> str:
+    """How close the run came to each threshold (1.0 is the threshold itself)."""
+    room = report.get("headroom", {})
+    parts = []
+    if "relative_error" in room:
+        worst = room["relative_error"]
+        parts.append(f"worst {worst['output']} at {worst['ratio']:.2f} of its bound")
+    if room.get("tie_gap", {}).get("ratio"):
+        parts.append(f"widest disagreement at {room['tie_gap']['ratio']:.2f} of the tie margin")
+    return f"; {', '.join(parts)}" if parts else ""
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -262,6 +277,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     from k3export.artifacts import OutputFile, verify
     from k3export.engine.build import Limits, build_engine, profile_shapes
+    from k3export.engine.flavours import FLAVOURS, load_tensorrt, require_machine, target_problem
     from k3export.onnx.export import MANIFEST_FILE
 
     if args.recipe:
@@ -273,22 +289,36 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise UserError("build --taps: expected a RECIPE (its stages are exported with taps); an engine "
                         "from --onnx DIR has the export's outputs: export it with `k3export export --taps`")
 
+    if args.backend == "onnx":
+        raise UserError(f"build --onnx DIR --backend onnx: an export is already ONNX; expected --backend "
+                        f"{' or '.join(FLAVOURS)}")
+    flavour = FLAVOURS[args.backend or "tensorrt-rtx"]
+    target = args.target or ("sm89" if flavour.targets else None)
+    if target is None:
+        raise UserError(f"build --backend {flavour.backend}: expected --target (the GPU in this machine, "
+                        "such as sm90 for H100/H200 or sm100 for B200)")
+    problem = target_problem(flavour, target)
+    if problem:
+        raise UserError(f"build --backend {flavour.backend} --target {target}: expected {problem}")
+    require_machine(flavour, target, strip=args.strip)
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
-    limits = Limits(args.max_batch, args.max_seq)
+    limits = Limits(args.max_batch, args.max_seq, args.decode_batch or args.max_batch)
     # Verified and the limits refused before the engine's record is begun (build_engine's are then cheap).
     profile_shapes(verify(args.onnx, MANIFEST_FILE), limits)
-    print(f"building a TensorRT-RTX engine for {args.target} from {args.onnx} with the k3 plugins "
-          f"(profiles: prefill seq 1..{limits.seq}, decode seq 1; batch 1..{limits.batch}; the export's "
-          f"cache capacity)")
+    print(f"building a {flavour.title} engine for {target} from {args.onnx} with the k3 plugins "
+          f"(profiles: prefill batch 1..{limits.prefill_batch} x seq 1..{limits.prefill_seq}, decode batch "
+          f"1..{limits.decode_batch} x 1; the export's cache capacity)")
     out.begin()
-    result = build_engine(args.onnx, args.out, target=args.target, limits=limits)
-    out.finish({"export": str(Path(args.onnx).resolve()), "target": result.target,
-                "profiles": result.profiles, "network": asdict(result.network)})
+    result = build_engine(args.onnx, args.out, load_tensorrt(flavour.backend), target=target, limits=limits,
+                          strip=args.strip)
+    out.finish({"export": str(Path(args.onnx).resolve()), "backend": result.backend, "target": result.target,
+                "stripped": result.stripped,
+                "profiles": result.profiles, "device_memory": result.device_memory,
+                "network": asdict(result.network)})
     plugins = result.network.plugin_layers
     print(f"wrote {result.engine}: {_human(result.bytes, 'B')} in {result.seconds:.1f} s; "
           f"{result.network.layers} layers, {len(plugins)} k3 plugin layers")
-    print(f"its record (profiles, network census, sha256): {out.record_path}")
-    print("this engine cannot be run on this machine (no GPU); TensorRT-RTX has no sm90 target")
+    print(f"its record (profiles, device memory per profile, network census, sha256): {out.record_path}")
     return 0
 
 
@@ -354,6 +384,8 @@ def _add_quiet(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3export", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="print the traceback of input errors too")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorRT's own warnings and info (otherwise counted in one line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="parameters, active parameters, cache and weight bytes")
@@ -391,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--taps", action="store_true",
                         help="add each layer's mixer and FFN outputs and AttnRes partial after it as outputs "
                         "taps.{layer}.{mixer,ffn,partial}, for `check --taps` to localise a divergence")
+    export.add_argument("--routing-outputs", action="store_true",
+                        help="add each MoE layer's chosen experts as outputs routing.{layer}, so that an "
+                        "engine built from the export can be checked in half precision (check holds the "
+                        "eager routers to them); a served engine needs none")
     export.add_argument("--ranks", type=positive_int, default=1, metavar="N",
                         help="split every layer over N GPUs (tensor-parallel heads, expert-parallel experts; "
                              "k3export/model/parallel.py) and export one rank's graph, with DistCollective "
@@ -434,16 +470,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(check)
     check.set_defaults(run=cmd_check)
 
-    from k3export.engine.build import TARGETS, Limits
+    from k3export.engine.build import Limits
 
-    build = sub.add_parser("build", help="a TensorRT-RTX engine from an export, k3 plugins in place")
+    build = sub.add_parser("build", help="a TensorRT(-RTX) engine from an export, k3 plugins in place")
     build.add_argument("--onnx", metavar="DIR", type=existing_dir, help="a `k3export export` folder")
     build.add_argument("--out", required=True, metavar="FILE", type=output_path,
                        help="the engine file to write, FILE.json beside it recording how it was built (with "
                        "RECIPE: the folder of the stages and their manifest.json)")
-    build.add_argument("--target", default="sm89", choices=TARGETS, help="compute capability")
-    build.add_argument("--max-batch", type=positive_int, default=Limits.batch)
-    build.add_argument("--max-seq", type=positive_int, default=Limits.seq, help="prefill tokens per call")
+    build.add_argument("--target", metavar="SM", help="compute capability: TensorRT-RTX's sm75, sm80, "
+                       "sm86, sm89 (default), sm120, sm121; full TensorRT: this machine's GPU (sm90, "
+                       "sm100, ...)")
+    build.add_argument("--max-batch", type=positive_int, default=Limits.prefill_batch,
+                       help="sequences per prefill call (and per decode call unless --decode-batch)")
+    build.add_argument("--max-seq", type=positive_int, default=Limits.prefill_seq,
+                       help="prefill tokens per call")
+    build.add_argument("--decode-batch", type=positive_int, metavar="N", help="sequences per decode call")
+    build.add_argument("--strip", action="store_true",
+                       help="weight-stripped engines (STRIP_PLAN, REFIT_IDENTICAL): the engine file holds no "
+                       "weights; loading refits it from its export's model.onnx. Needs a GPU where it builds")
     from k3export.shards.stages import add_build_arguments
     add_build_arguments(build)
     _add_quiet(build)
@@ -473,6 +517,7 @@ class _StderrHandler(logging.Handler):
     """Warnings as `k3export: warning: ...` on whatever sys.stderr is when they are emitted."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        sys.stdout.flush()  # after the lines printed before it, under `2>&1 | cat` too
         print(f"k3export: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
 
 
@@ -487,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     set_quiet(getattr(args, "quiet", False))
     if not logging.getLogger("k3export").handlers:
         logging.getLogger("k3export").addHandler(_StderrHandler())
+    logging.getLogger("k3export").setLevel(logging.DEBUG if args.verbose else logging.NOTSET)
+    _tensorrt_held_back().clear()
     started = time.perf_counter()
     try:
         code = args.run(args)
@@ -503,9 +550,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3export: internal error in `{args.command}` (a bug in k3export, not in your input): "
               "please report it with the traceback above", file=sys.stderr)
         return 3
+    sys.stdout.flush()  # the command's lines before the notes below, under `2>&1 | cat` too
+    held = _tensorrt_held_back()
+    if held:
+        print(f"(TensorRT: {held['warning']} warnings, {held['info']} info messages held back; "
+              f"`k3export --verbose {args.command} ...` shows them)", file=sys.stderr)
     if not getattr(args, "json", False):
         print(f"({args.command} took {time.perf_counter() - started:.1f} s)", file=sys.stderr)
     return code
+
+
+def _tensorrt_held_back() -> Counter:
+    """TensorRT's messages held back in this process (k3export.engine.trt_log), or none: that module
+    is loaded only by the commands that use TensorRT."""
+    module = sys.modules.get("k3export.engine.trt_log")
+    return module.held_back if module else Counter()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
 import importlib.util
 import json
+import logging
+import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from k3export.cli import main
 
@@ -59,6 +64,44 @@ def test_demo_runs_the_pipeline(tmp_path):
     OutputDir(demo / "export" / CHECK_DIR, CHECK_MANIFEST, "check", overwrite=None)
     OutputDir(report, REPORT_MANIFEST, "check", overwrite=None, option="--report")
     assert main(["verify", str(demo / "export")]) == 0
+    # One stream, as `2>&1 | cat` makes it: the result line before the timing line (stdout flushed;
+    # block-buffered, as it is in a pipe unless PYTHONUNBUFFERED is set).
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    verify = [sys.executable, "-m", "k3export.cli", "verify", str(demo / "export")]
+    merged = subprocess.run(verify, env=buffered, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=60).stdout
+    last = merged.splitlines()[-2:]
+    assert last[0].endswith("every sha256 matches") and last[1].startswith("(verify took")
     if importlib.util.find_spec("tensorrt_rtx"):
         assert f"$ k3export check --network {demo / 'export'}" in result.stdout
         OutputFile(demo / "k3-tiny.sm89.engine", "build")
+        # TensorRT's own warnings are held back and counted, not printed amid the demo's lines.
+        assert "[TRT]" not in result.stdout + result.stderr and "Int64 binding" not in result.stdout
+        assert re.search(r"\(TensorRT: [1-9]\d* warnings, \d+ info messages held back", result.stderr)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="TensorRT-RTX is not installed")
+def test_tensorrt_messages_reach_the_logger_not_stdout(tmp_path, capfd, caplog):
+    """A graph with an int64 input makes the parser warn ("Make sure input x has Int64 binding"):
+    the warning goes to the "k3export.tensorrt" logger at DEBUG (what --verbose shows) and is counted
+    when not shown; nothing reaches the C stdout."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from k3export.engine import trt_log
+    from k3export.engine.build import parse
+    from k3export.engine.flavours import load_tensorrt
+
+    x = helper.make_tensor_value_info("x", TensorProto.INT64, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, [2])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    trt = load_tensorrt()
+    trt_log.held_back.clear()
+    parse(tmp_path / "m.onnx", trt, trt_log.tensorrt_logger(trt))
+    assert trt_log.held_back["warning"] >= 1
+    with caplog.at_level(logging.DEBUG, logger="k3export.tensorrt"):
+        parse(tmp_path / "m.onnx", trt, trt_log.tensorrt_logger(trt))
+    warned = [r for r in caplog.records if r.levelno == logging.DEBUG and "Int64 binding" in r.getMessage()]
+    assert warned and warned[0].getMessage().startswith("TensorRT warning: ")
+    assert "Int64 binding" not in capfd.readouterr().out

@@ -7,6 +7,7 @@ Every parse and build runs in a subprocess: some TensorRT failures abort the pro
 
 import importlib.util
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper
 
 from k3export.artifacts import file_record
@@ -31,16 +33,16 @@ import json, sys
 from dataclasses import asdict
 from pathlib import Path
 import k3plugins.trt
-from k3export.engine import build
+from k3export.engine import build, flavours
 from k3export.errors import UserError
 
 mode, register, export_dir = sys.argv[1], sys.argv[2] == "register", Path(sys.argv[3])
-trt = build.load_tensorrt_rtx()
+trt = flavours.load_tensorrt()
 creators = k3plugins.trt.register(trt) if register else {}
 try:
     if mode == "build":
-        result = asdict(build.build_engine(export_dir, sys.argv[4], target=sys.argv[5],
-                                           limits=build.Limits(batch=2, seq=64), trt=trt))
+        limits = build.Limits(prefill_batch=1, prefill_seq=64, decode_batch=2)
+        result = asdict(build.build_engine(export_dir, sys.argv[4], trt, target=sys.argv[5], limits=limits))
     else:
         logger = trt.Logger(trt.Logger.ERROR)
         _, network, _ = build.parse(export_dir / "model.onnx", trt, logger, strict=mode == "strict")
@@ -120,7 +122,7 @@ def test_census_of_a_small_graph(tmp_path: Path) -> None:
     report = run("build", tmp_path / "in_place", str(tmp_path / "small.engine"), "sm89")
     assert report["bytes"] > 0
     prefill, decode = report["profiles"]
-    assert prefill["past.0.mla_latent"] == [[1, 1, 64, 48], [2, 1, 64, 48], [2, 1, 64, 48]]
+    assert prefill["past.0.mla_latent"] == [[1, 1, 64, 48], [1, 1, 64, 48], [1, 1, 64, 48]]
     assert decode["q"] == [[1, 1, 2, 48], [2, 1, 2, 48], [2, 1, 2, 48]]
     assert decode["cache_lengths"] == [[1], [2], [2]]
 
@@ -130,16 +132,20 @@ def test_profiles_keep_the_capacity() -> None:
               "past.3.mla_latent": ["batch", 1, "capacity", 576]}
     manifest = {"capacity": 100, "inputs": [{"name": n, "dtype": "float32", "shape": shape}
                                             for n, shape in shapes.items()]}
-    prefill, decode = profile_shapes(manifest, Limits(batch=4, seq=100))
-    assert prefill == {"input_ids": [[1, 1], [4, 100], [4, 100]], "cache_lengths": [[1], [4], [4]],
-                       "past.3.mla_latent": [[1, 1, 100, 576], [4, 1, 100, 576], [4, 1, 100, 576]]}
-    assert decode["input_ids"] == [[1, 1], [4, 1], [4, 1]]
-    with pytest.raises(UserError, match="--max-seq 101 and --max-batch 4: .* capacity 100"):
-        profile_shapes(manifest, Limits(batch=4, seq=101))
-    # A row holds 4 x (100 + 1 + 100 x 576) bytes: 138 GB of inputs fit an H200, 231 GB do not.
-    profile_shapes(manifest, Limits(batch=600_000, seq=100))
-    with pytest.raises(UserError, match="--max-batch 1000000 --max-seq 100: .* 230.8 GB, more than an H200"):
-        profile_shapes(manifest, Limits(batch=10**6, seq=100))
+    # Each profile its own ranges: prefill 1 x 100 tokens, decode 8 x 1 (as kimi-k3 serves).
+    prefill, decode = profile_shapes(manifest, Limits(prefill_batch=1, prefill_seq=100, decode_batch=8))
+    assert prefill == {"input_ids": [[1, 1], [1, 100], [1, 100]], "cache_lengths": [[1], [1], [1]],
+                       "past.3.mla_latent": [[1, 1, 100, 576], [1, 1, 100, 576], [1, 1, 100, 576]]}
+    assert decode["input_ids"] == [[1, 1], [8, 1], [8, 1]]
+    assert decode["past.3.mla_latent"][2] == [8, 1, 100, 576]
+    with pytest.raises(UserError, match="--max-seq 101, --max-batch 4 and --decode-batch 4: .* capacity 100"):
+        profile_shapes(manifest, Limits(prefill_batch=4, prefill_seq=101))
+    # A prefill row holds 4 x (100 + 1 + 100 x 576) bytes, a decode row 4 x (1 + 1 + 100 x 576): 138 GB
+    # of inputs fit an H200, 230 GB do not; each profile is held to it at its own shapes.
+    profile_shapes(manifest, Limits(prefill_batch=600_000, prefill_seq=100, decode_batch=600_000))
+    with pytest.raises(UserError, match=r"--decode-batch 1000000 \(the decode profile, batch 1000000 x seq "
+                                        r"1\): .* 230.4 GB, more than"):
+        profile_shapes(manifest, Limits(prefill_batch=1, prefill_seq=100, decode_batch=10**6))
     with pytest.raises(UserError, match="no \"capacity\""):
         profile_shapes({"inputs": []}, Limits())
 
@@ -230,8 +236,8 @@ def initializer_bytes(export_dir: Path) -> dict[str, int]:
 MOE_INPUTS_SCRIPT = """
 import hashlib, json, sys
 import k3plugins.trt
-from k3export.engine import build
-trt = build.load_tensorrt_rtx()
+from k3export.engine import build, flavours
+trt = flavours.load_tensorrt()
 k3plugins.trt.register(trt)
 _, network, _ = build.parse(sys.argv[1], trt, trt.Logger(trt.Logger.ERROR))
 layers = [network.get_layer(i) for i in range(network.num_layers)]
@@ -322,14 +328,22 @@ def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path, targ
     assert out.stat().st_size == report["bytes"] > 0
     assert [p.name for p in tmp_path.iterdir()] == [out.name], "a temporary file was left behind"
     prefill, decode = report["profiles"]
-    # [min, opt, max] of input_ids [batch, seq]: prefill seq 1..64, decode seq 1; batch 1..2.
-    assert prefill["input_ids"] == [[1, 1], [2, 64], [2, 64]]
+    # [min, opt, max] of input_ids [batch, seq]: prefill batch 1 x seq 1..64, decode batch 1..2 x 1.
+    assert prefill["input_ids"] == [[1, 1], [1, 64], [1, 64]]
     assert decode["input_ids"] == [[1, 1], [2, 1], [2, 1]]
     assert decode["cache_lengths"] == decode["input_lengths"] == [[1], [2], [2]]
     capacity = json.loads((tiny_export / "export.json").read_text())["capacity"]
     latent = next(name for name in decode if name.endswith("mla_latent"))
     assert [shape[:3] for shape in decode[latent]] == [[1, 1, capacity], [2, 1, capacity], [2, 1, capacity]]
     assert len(report["network"]["plugin_layers"]) == len(k3_nodes(tiny_export))
+    # No GPU: each profile's device memory is the estimate, at least its inputs at their largest shapes.
+    assert report["backend"] == "tensorrt-rtx"
+    dtypes = {s["name"]: s["dtype"] for s in json.loads((tiny_export / "export.json").read_text())["inputs"]}
+    for memory, shapes in zip(report["device_memory"], report["profiles"], strict=True):
+        inputs = sum(math.prod(shape[2]) * getattr(torch, dtypes[name]).itemsize
+                     for name, shape in shapes.items())
+        assert memory["source"].startswith("estimate") and memory["bytes"] >= inputs > 0
+    assert [m["profile"] for m in report["device_memory"]] == ["prefill", "decode"]
 
 
 def test_aot_attribute_is_ignored(tiny_export: Path, aot_export: Path, tmp_path: Path) -> None:

@@ -50,6 +50,22 @@ def test_no_gpu_is_refused_with_what_is_missing(tiny_export, tmp_path, capsys, m
         engine_check.require_engine_runtime()
 
 
+def test_half_precision_engine_without_routing_outputs_is_refused(tiny_export, tmp_path, capsys):
+    """An engine's outputs are fixed when it is built: a float16 engine is checked only if its export
+    outputs its expert choices (export --routing-outputs), refused before anything else otherwise."""
+    export = tmp_path / "f16"
+    export.mkdir()
+    manifest = json.loads((tiny_export / "export.json").read_text())
+    (export / "export.json").write_text(json.dumps({**manifest, "dtype": "float16"}))
+    engine = tmp_path / "tiny.engine"
+    engine.write_bytes(b"\0" * 16)
+    (tmp_path / "tiny.engine.json").write_text(json.dumps({"export": str(export)}))
+    assert main(["check", "--engine", str(engine), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "a float16 check holds the eager model to the engine's own expert choices" in err
+    assert "k3export export --routing-outputs" in err and "NVIDIA GPU" not in err
+
+
 class OnnxrtBackedEngineRunner(EngineRunner):
     """EngineRunner with Polygraphy's ONNX Runtime runner in place of its TrtRunner."""
 
@@ -62,7 +78,8 @@ def test_engine_runner_carries_its_caches_through_the_check(tiny_export):
     made = []
 
     def runner(signature, extra_outputs):
-        made.append(OnnxrtBackedEngineRunner(tiny_export / "model.onnx", signature))
+        graph = tiny_export / "model.onnx"
+        made.append(OnnxrtBackedEngineRunner(graph, signature, graph))
         return made[-1]
 
     report = run_check(tiny_export, steps=3, prompt_len=10, log=lambda _: None, graph_runner=runner)

@@ -3,6 +3,7 @@ model, half precision, determinism, layer ranges, and a check that fails when it
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,9 +78,11 @@ def test_census_and_checker(tiny_export, bf16_export):
 
 
 # The verdict line `k3export check --onnx out/tiny` prints in the README (made by the code before the
-# check moved into k3export/check, and the same since).
-README_VERDICT = ("PASSED (float32, relative error <= 0.0001; greedy streams identical: True; token "
-                  "mismatches 0, ties 0 of 137 positions)")
+# check moved into k3export/check, and the same since), but for the headroom: which output is worst,
+# and by how much below its bound, moves with the CPU's kernels (docs/check.md).
+README_VERDICT = re.compile(re.escape(
+    "PASSED (float32, relative error <= 0.0001; worst WORST; greedy streams identical: True; token "
+    "mismatches 0, ties 0 of 137 positions)").replace("WORST", r"\S+ at 0\.\d\d of its bound"))
 
 
 @pytest.mark.parametrize(("batch", "prompt_len", "steps"), [(2, 70, 16), (1, 1, 2), (3, 5, 2)])
@@ -89,8 +92,9 @@ def test_onnxruntime_matches_eager_fp32(tiny_export, batch, prompt_len, steps, c
     case is the README's example, every option at its default, through the command line."""
     if (batch, prompt_len, steps) == (2, 70, 16):
         assert main(["check", "--onnx", str(tiny_export)]) == 0
-        assert README_VERDICT in capsys.readouterr().out.splitlines()
-        assert f"    {README_VERDICT}" in (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+        assert any(README_VERDICT.fullmatch(line) for line in capsys.readouterr().out.splitlines())
+        readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+        assert any(README_VERDICT.fullmatch(line.removeprefix("    ")) for line in readme)
         report = load_json(str(tiny_export / "check" / "report.json"))
     else:
         report = run_check(tiny_export, steps=steps, batch=batch, prompt_len=prompt_len, log=lambda _: None)
@@ -109,8 +113,6 @@ def test_polygraphy_replay_files(tiny_export, tiny_model):
     rows' valid positions), and every output within the command's --atol/--rtol, as Polygraphy
     compares (|a - b| <= atol + rtol |b|). (That atol is at least twice the prefill's own error, so
     the replay alone would pass a wrong export: the bound is what fails it.)"""
-    import re
-
     import onnxruntime as ort
     from polygraphy.comparator import RunResults
 

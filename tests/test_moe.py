@@ -364,8 +364,8 @@ def test_onnx_function_matches_eager(onnx_models, packed, dtype, case, N):
 PARSE_SCRIPT = """
 import json, sys
 import k3plugins.trt
-from k3export.engine import build
-trt = build.load_tensorrt_rtx()
+from k3export.engine import build, flavours
+trt = flavours.load_tensorrt()
 k3plugins.trt.register(trt)
 _, network, _ = build.parse(sys.argv[1], trt, trt.Logger(trt.Logger.ERROR))
 print(json.dumps([network.get_layer(i).type.name for i in range(network.num_layers)]))

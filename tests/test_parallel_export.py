@@ -201,8 +201,8 @@ CENSUS_SCRIPT = """
 import json, sys
 from pathlib import Path
 import k3plugins.trt
-from k3export.engine import build
-trt = build.load_tensorrt_rtx()
+from k3export.engine import build, flavours
+trt = flavours.load_tensorrt()
 k3plugins.trt.register(trt)
 export_dir = Path(sys.argv[1])
 _builder, network, _parser = build.parse(export_dir / "model.onnx", trt, trt.Logger(trt.Logger.ERROR))
@@ -212,8 +212,8 @@ for i in range(network.num_layers):
     if layer.type == trt.LayerType.DIST_COLLECTIVE:
         layer.__class__ = trt.IDistCollectiveLayer  # the network hands out plain ILayer objects
         collectives.append(layer.num_ranks)
-limits = build.Limits(batch=2, seq=16)
-result = build.build_engine(export_dir, sys.argv[2], target="sm89", limits=limits, trt=trt)
+limits = build.Limits(prefill_batch=2, prefill_seq=16, decode_batch=2)
+result = build.build_engine(export_dir, sys.argv[2], trt, target="sm89", limits=limits)
 print(json.dumps({"num_ranks": collectives, "engine_bytes": result.bytes}))
 """
 

@@ -129,3 +129,19 @@ def test_cli_json(capsys) -> None:
     assert bounds[0][0] == 0 and bounds[-1][1] == 93
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert main(["plan", "--preset", "kimi-k3"]) == 2  # no --stages: a message, not a traceback
+
+
+def test_host_memory_of_a_build(capsys) -> None:
+    """Each stage's (and each rank's) build host memory, from the measured fit: 0.812 GB + 2.31 x the
+    weights it builds; kimi-k3's ranks (about 105 GB of weights each) need about 243 GB each."""
+    assert main(["plan", str(Path(__file__).resolve().parents[1] / "engines/kimi-k3.toml"), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for stage in plan["stages"]:
+        assert stage["memory"]["build_host"] == round(812e6 + 2.31 * stage["memory"]["weights"])
+        # Each profile's activations at its own tokens: prefill 1 x 8192, decode 8 x 1.
+        by_profile = stage["memory"]["activations_by_profile"]
+        assert by_profile["prefill"] == stage["memory"]["activations"]
+        assert by_profile["decode"] * 8192 == by_profile["prefill"] * 8
+    for rank in plan["parallel"]["stages"]:
+        assert rank["build_host_bytes"] == round(812e6 + 2.31 * rank["weight_bytes"])
+        assert 200e9 < rank["build_host_bytes"] < 300e9

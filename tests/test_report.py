@@ -37,8 +37,13 @@ def test_report_files_are_written_and_valid(taps_report):
     md = (taps_report / "report.md").read_text().splitlines()
     assert md[0].startswith("# k3export check --onnx") and md[2].startswith("**PASSED")
     sections = [line for line in md if line.startswith("## ")]
-    assert sections[:3] == ["## Worst outputs", "## First divergent layer",
+    assert sections[:4] == ["## Headroom and machine", "## Worst outputs", "## First divergent layer",
                             "## Taps per layer (worst over the steps)"]
+    # The headroom row: the worst output over its bound, recomputed from the per-step comparisons.
+    worst = max((c for s in report["steps"] for c in s["outputs"]), key=lambda c: c["rel"] / c["bound"])
+    row = next(line for line in md if line.startswith("| worst relative error over its bound |"))
+    assert f"| {worst['rel'] / worst['bound']:.3f} | {worst['name']} at " in row
+    assert any(line.startswith("ran on: ") and report["machine"]["cpu"] in line for line in md)
 
 
 def test_plotted_series_hold_the_report_numbers(taps_report):

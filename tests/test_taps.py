@@ -15,6 +15,7 @@ import onnx.helper
 import onnx.numpy_helper
 import pytest
 import torch
+from reference import without_headroom
 
 from k3export.artifacts import file_record
 from k3export.check.compare import TOLERANCES
@@ -160,7 +161,8 @@ def test_the_documented_failing_check(taps_export, tmp_path, capsys):
                  "present.7.mla_latent, present.8.mla_latent; 17 greedy tokens differ past the tie margin "
                  "(float32, relative error <= 0.0001; greedy streams identical: False; token mismatches 17, "
                  "ties 0 of 44 positions)"]:
-        assert line in out and f"    {line}" in documented
+        assert line in map(without_headroom, out) and f"    {line}" in map(without_headroom, documented)
+
 
 
 def test_first_divergent_takes_the_earliest_tap_of_any_step():

@@ -26,8 +26,9 @@ seconds, default 360, and no row at all after --budget + 90):
    each row's length are NaN, so a kernel that read past its row's length returns NaN.
 3. Runs the TensorRT plugins' enqueue body, k3plugins.trt.launch_from_pointers, on raw device
    pointers (into NaN-filled output buffers, on a side stream; KDA's final state into its initial
-   state's own buffer, as TensorRT aliases them), and the ahead-of-time compiled KDA
-   and LatentMLA kernels that k3plugins.trt_aot's aot_impls embed (sm_90, PTX 8.7), launched directly.
+   state's own buffer, as TensorRT aliases them), and the ahead-of-time compiled KDA, LatentMLA and
+   RoutedExperts(MXFP4) kernels that k3plugins.trt_aot's aot_impls embed (for this GPU: sm_90a on an
+   H200, PTX 8.7), launched directly.
 4. Times each with triton.testing.do_bench (median; the L2 is flushed before each run) and prints
    ONE table: relative error (norm of the difference over the norm of the reference, the largest
    over a row's outputs: o and the final state for KDA), ms, GB/s and TFLOP/s from the counts in
@@ -115,7 +116,8 @@ class Case:
     """One row: a kernel at one shape and dtype."""
 
     kernel: str  # recurrent_kda | chunk_kda | mla_decode | mla_prefill | moe | moe_mxfp4 | plugin:KDA |
-    #              plugin:LatentMLA | plugin:MoE_MXFP4 | aot:recurrent_kda | aot:latent_mla
+    #              plugin:LatentMLA | plugin:MoE_MXFP4 | aot:recurrent_kda | aot:latent_mla | aot:moe |
+    #              aot:moe_mxfp4
     dtype: str  # of q, k, v (KDA) or q, kv (MLA)
     B: int  # batch; for the MoE rows the tokens N
     T: int
@@ -190,6 +192,9 @@ def plan(dtypes: Sequence[str]) -> list[Case]:
     add("aot:recurrent_kda", 8, 16, gate="float32")  # the AOT kernel takes float32 g and beta
     add("aot:latent_mla", 4, 1, 2048)  # decode without split-KV: one launch, no combine
     add("aot:latent_mla", 1, 256, 256)
+    for kernel in ("aot:moe", "aot:moe_mxfp4"):  # the single-launch kernels: decode, and a prefill chunk
+        for N in (4, 512):
+            add(kernel, N, 1)
     return cases
 
 
@@ -475,14 +480,28 @@ def plugin_trial(c: Case, gen: torch.Generator) -> Trial:
 
 
 def aot_trial(c: Case, gen: torch.Generator) -> Trial:
-    """A kernel as trt_aot's aot_impl compiles it (triton.compile for sm_90, PTX 8.7), with its
-    grid and scalars from kda_aot_launch / latent_mla_aot_launch, launched through Triton's
-    CompiledKernel into NaN-filled outputs."""
+    """A kernel as trt_aot's aot_impl compiles it (triton.compile for this GPU, PTX 8.7), with its
+    grid and scalars from the *_aot_launch functions, launched through Triton's CompiledKernel into
+    NaN-filled outputs."""
     from k3export import ops
-    from k3plugins.aot import compile_variant
-    from k3plugins.trt_aot import kda_aot_kernel, kda_aot_launch, latent_mla_aot_kernel, latent_mla_aot_launch
+    from k3plugins.aot import compile_variant, device_target
+    from k3plugins.trt_aot import (
+        kda_aot_kernel,
+        kda_aot_launch,
+        latent_mla_aot_kernel,
+        latent_mla_aot_launch,
+        routed_experts_aot_kernel,
+        routed_experts_aot_launch,
+    )
 
-    if c.is_kda:
+    if c.is_moe:
+        raw = moe_inputs(c, gen)
+        reference = moe_reference(c, raw)
+        inputs = moe_kernel_inputs(c, raw)
+        variant = routed_experts_aot_kernel(c.dtype, c.packed, MOE_L, MOE_I, c.experts, MOE_K, 0, *MOE_BETAS)
+        grid, scalars = routed_experts_aot_launch(list(inputs[0].shape), MOE_L)
+        outputs = [torch.full((c.B, MOE_L), float("nan"), device="cuda")]
+    elif c.is_kda:
         inputs = kda_inputs(c, gen)
         q, v, h0 = inputs[0], inputs[2], inputs[5]
         reference = kda_reference(ops.recurrent_kda, inputs)
@@ -496,7 +515,7 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         variant = latent_mla_aot_kernel(c.dtype, c.dtype, MLA_D, MLA_VDIM, MLA_SCALE)
         grid, scalars = latent_mla_aot_launch(list(q.shape), list(kv.shape))
         outputs = [q.new_full((*q.shape[:3], MLA_VDIM), float("nan"))]
-    kernel = compile_variant(variant)
+    kernel = compile_variant(variant, device_target())
 
     def run() -> Sequence[Tensor]:
         # Parameters in the kernel's order: inputs, scalars, outputs, then the constexprs (which

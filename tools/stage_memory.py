@@ -40,11 +40,11 @@ backend, _, variant = sys.argv[4].partition(":")
 if variant in ("before", "unreleased"):
     stages._release_exporter_graph = gc.collect
 if variant in ("before", "unstreamed"):
-    from k3export.engine.build import load_tensorrt_rtx
+    from k3export.engine.flavours import load_tensorrt
     def whole(builder, network, config, writer):
         serialized = builder.build_serialized_network(network, config)
         return serialized is not None and writer.write(memoryview(serialized)) == serialized.nbytes
-    load_tensorrt_rtx().Builder.build_serialized_network_to_stream = whole
+    load_tensorrt().Builder.build_serialized_network_to_stream = whole
 recipe = dataclasses.replace(load_recipe(sys.argv[1]), stage_count=int(sys.argv[2]), stage_ranges=None)
 stages.build_recipe(recipe, sys.argv[3], backend=backend, only=[int(sys.argv[5])], log=lambda _: None)
 """

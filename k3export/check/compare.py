@@ -1,17 +1,26 @@
 """Comparisons between a reference output and another backend's, and their verdicts.
 
 Relative error is the norm of the difference over the norm of the reference, over the whole
-tensor. Greedy tokens are compared only where the reference's top-1 margin exceeds the numeric
-tolerance: random weights produce near-ties, which are reported as ties, not failures. NaN or Inf
-on either side fails a comparison.
+tensor. NaN or Inf on either side fails a comparison.
 
-Half precision is held to a bound that grows with the eager model's own half-vs-float32 spread,
-but never past HALF_REL_CAP, and a run in which more than MAX_TIE_FRACTION of the greedy positions
-disagree as ties fails: past those points a comparison no longer says anything (a float16 check
-once passed at relative error 0.81 against a bound of 1.4, cosine 0.67, every position a tie).
-0.1 is ten times float16's fixed bound and where bfloat16's starts: a relative error of 0.1 still
-means cosine >= 0.995, the same direction; one position in ten excused as a tie still leaves nine
-in ten greedy tokens compared.
+Greedy tokens: where the graph's top-1 differs from the reference's, the position is a tie when the
+graph's token is itself within the tolerance's margin of the reference's top-1, in the reference's
+own logits (the graph picked a token the reference rates as good as its own, up to rounding), and a
+mismatch otherwise, which fails the run. Ties are counted and reported, never failed: with random
+weights the logits are nearly flat and near-ties are many, and how many of them flip depends on the
+instruction set of the CPU that rounds them (a bfloat16 check once failed on an AVX-512 machine at
+11 ties of 109 and passed under an AVX2 cap at 10, against a 10% rule). What a tie cannot hide, the
+logits' relative error bound still catches.
+
+Half precision is held to a bound that grows with the eager model's own half-vs-float32 spread, but
+never past HALF_REL_CAP: past it a comparison no longer says anything (a float16 check once passed
+at relative error 0.81 against a bound of 1.4, cosine 0.67, every position a tie). 0.1 is ten times
+float16's fixed bound and where bfloat16's starts: a relative error of 0.1 still means cosine >=
+0.995, the same direction.
+
+Every verdict also records its headroom: each threshold statistic over its threshold (the worst
+relative error over its bound, the widest disagreement's gap over the margin), so that a pass met
+by a hair shows as one.
 """
 
 from __future__ import annotations
@@ -39,7 +48,6 @@ TOLERANCES = {
     "bfloat16": Tolerance(rel=1e-1, margin=0.5),
 }
 HALF_REL_CAP = 0.1
-MAX_TIE_FRACTION = 0.1
 
 
 def half_precision_tolerance(base: Tolerance, spread: float, logit_spread: float) -> Tolerance:
@@ -82,25 +90,26 @@ def compare(name: str, actual: np.ndarray, reference: np.ndarray, tolerance: Tol
 class TokenAgreement:
     positions: int
     agree: int
-    ties: int  # positions whose reference top-1 margin is within the tolerance
-
-    @property
-    def mismatches(self) -> int:
-        return self.positions - self.agree - self.ties
+    ties: int  # disagreements whose graph token is within the margin of the reference's top-1
+    mismatches: int  # disagreements past the margin
+    widest_gap: float  # the largest reference-logit gap of a disagreement over the margin (0: none)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "mismatches": self.mismatches}
+        return asdict(self)
 
 
 def top1_agreement(logits: np.ndarray, reference: np.ndarray, margin: float) -> TokenAgreement:
-    """Greedy tokens over the last axis; a disagreement where the reference's top-1 margin is
-    within `margin` is counted as a tie."""
+    """Greedy tokens over the last axis. Where they differ, the gap is how far the graph's token
+    lies below the reference's top-1 in the reference's logits: within `margin` a tie, past it a
+    mismatch."""
     ref = reference.reshape(-1, reference.shape[-1]).astype(np.float64)
     other = logits.reshape(-1, logits.shape[-1])
-    top2 = np.sort(ref, axis=-1)[:, -2:]
-    tie = (top2[:, 1] - top2[:, 0]) <= margin
-    same = ref.argmax(-1) == other.argmax(-1)
-    return TokenAgreement(len(ref), int(same.sum()), int((~same & tie).sum()))
+    rows, ours = np.arange(len(ref)), other.argmax(-1)
+    gap = ref.max(-1) - ref[rows, ours]
+    differ = ref.argmax(-1) != ours
+    tie = differ & (gap <= margin)
+    widest = float(gap[differ].max() / margin) if differ.any() else 0.0
+    return TokenAgreement(len(ref), int((~differ).sum()), int(tie.sum()), int((differ & ~tie).sum()), widest)
 
 
 def nonfinite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -113,18 +122,33 @@ def nonfinite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
 def verdict(steps: list[dict], nonfinite_weights: list[str] = ()) -> dict:
     """A run's verdict from its steps' comparisons (each step: {"step", "outputs", "tokens"?,
     "nonfinite"?}): which outputs failed, the first NaN/Inf (step and output; or the weights that
-    hold one), token mismatches and ties, and whether it passed (no failed output, no mismatch, ties
-    within MAX_TIE_FRACTION, finite weights)."""
+    hold one), token mismatches and ties, the headroom of each threshold, and whether it passed (no
+    failed output, no mismatch, finite weights)."""
     failed = sorted({c["name"] for s in steps for c in s["outputs"] if not c["passed"]})
     nonfinite = [{"step": s["step"], "outputs": s["nonfinite"]} for s in steps if s.get("nonfinite")]
     if nonfinite_weights:
         nonfinite.insert(0, {"step": "weights", "outputs": list(nonfinite_weights)})
     tokens = [s["tokens"] for s in steps if "tokens" in s]
-    positions = sum(t["positions"] for t in tokens)
-    ties = sum(t["ties"] for t in tokens)
     mismatches = sum(t["mismatches"] for t in tokens)
-    too_many_ties = positions > 0 and ties > MAX_TIE_FRACTION * positions
     return {"failed_outputs": failed, "first_nonfinite": nonfinite[0] if nonfinite else None,
-            "token_mismatches": mismatches, "token_ties": ties, "token_positions": positions,
-            "too_many_ties": too_many_ties,
-            "passed": not failed and mismatches == 0 and not too_many_ties and not nonfinite}
+            "token_mismatches": mismatches, "token_ties": sum(t["ties"] for t in tokens),
+            "token_positions": sum(t["positions"] for t in tokens), "headroom": headroom(steps),
+            "passed": not failed and mismatches == 0 and not nonfinite}
+
+
+def headroom(steps: list[dict]) -> dict:
+    """Each threshold statistic over its threshold (pass at <= 1): the worst output's relative error
+    over its bound, and the widest disagreement's reference-logit gap over the tie margin (past 1:
+    a mismatch), each with where."""
+    worst = max(((s["step"], c) for s in steps for c in s["outputs"]),
+                key=lambda e: e[1]["rel"] / e[1]["bound"], default=None)
+    out: dict = {}
+    if worst:
+        label, c = worst
+        out["relative_error"] = {"ratio": c["rel"] / c["bound"], "output": c["name"], "step": label,
+                                 "rel": c["rel"], "bound": c["bound"]}
+    widest = max(((s["step"], s["tokens"]["widest_gap"]) for s in steps if "tokens" in s),
+                 key=lambda e: e[1], default=None)
+    if widest:
+        out["tie_gap"] = {"ratio": widest[1], "step": widest[0]}
+    return out

@@ -53,6 +53,7 @@ from k3export.check.compare import (
     top1_agreement,
     verdict,
 )
+from k3export.check.machine import machine
 from k3export.check.routing import held_routing, routing_outputs
 from k3export.check.runners.eager import EagerRunner, Float32Boundary
 from k3export.check.taps import compare_taps, first_divergent
@@ -162,7 +163,7 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     onnx_dir = Path(onnx_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
     manifest, config, lengths = planned(onnx_dir, taps, batch, prompt_len, steps)
-    if manifest["dtype"] == "bfloat16":
+    if manifest["dtype"] == "bfloat16" and graph_runner is None:
         raise UserError(f"{onnx_dir}: ONNX Runtime's CPU provider has no bfloat16 MatMul; check the "
                         f"bfloat16 graph as TensorRT parses it: k3export check --network {onnx_dir}")
     graph = onnx_dir / GRAPH_FILE
@@ -244,6 +245,8 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     nonfinite_weights = nonfinite_tensors(models[0].named_parameters())
     if dtype != "float32":
         models.append(build_model(config, torch.float32, manifest["weights"], layers))
+    if routing is None and "routing_outputs" in manifest:  # export --routing-outputs
+        routing = [s["name"] for s in manifest["routing_outputs"]] if dtype != "float32" else []
     if routing is None:
         routing = routing_outputs(graph) if dtype != "float32" else []
     eager_graph = eager_graph or (lambda model, tapped: ExportGraph(model, layers, last_logits, tapped))
@@ -301,6 +304,7 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
                 tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
             feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
     report.update(verdict(report["steps"], nonfinite_weights))
+    report["machine"] = machine()
     report["routing_flips"] = sum(s.get("routing_flips", {}).get("eager", 0) for s in report["steps"])
     report["greedy_streams_identical"] = streams[0] == streams[1]
     if taps:

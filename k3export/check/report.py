@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from k3export.artifacts import OutputDir, write_atomic, write_json
+from k3export.check.machine import machine_line
 from k3export.check.taps import per_layer
 from k3export.errors import UserError
 from k3export.onnx.taps import SUBLAYERS
@@ -153,7 +154,8 @@ def markdown(report: dict[str, Any], verdict: str, artifact: str) -> str:
     errors and the token agreement."""
     lines = [f"# k3export check {artifact}", "", f"**{verdict}**", "",
              f"dtype {report['dtype']}; prompts of {report['prompt_lengths']} tokens; "
-             f"prefill and {len(report['steps']) - 1} decode steps", "", "## Worst outputs", "",
+             f"prefill and {len(report['steps']) - 1} decode steps", "", *_headroom_lines(report),
+             "## Worst outputs", "",
              "| output | step | relative error | bound | cosine | max abs |", "|---|---|---|---|---|---|"]
     everything = [(c, s["step"]) for s in report["steps"] for c in step_outputs(s)]
     for c, label in sorted(everything, key=lambda e: -e[0]["rel"] / max(e[0]["bound"], FLOOR))[:10]:
@@ -192,17 +194,36 @@ def markdown(report: dict[str, Any], verdict: str, artifact: str) -> str:
         first = report["first_divergent_stage"]
         lines += ["", "First divergent stage: " + ("none." if first is None else
                                                    f"{first} (at {report['first_divergent_stage_step']}).")]
-    lines += ["", "## Token agreement", "", "| step | agree | positions | ties | mismatches |",
-              "|---|---|---|---|---|"]
+    lines += ["", "## Token agreement", "",
+              "A disagreement is a tie when the graph's token is within the tie margin of the reference's "
+              "top-1 in the reference's logits, a mismatch (failing) past it; the widest gap is the "
+              "largest disagreement's gap over the margin (above 1: a mismatch).", "",
+              "| step | agree | positions | ties | mismatches | widest gap |", "|---|---|---|---|---|---|"]
     for step in report["steps"]:
         t = step.get("tokens")
         if t:
             lines.append(f"| {step['step']} | {t['agree']} | {t['positions']} | {t['ties']} | "
-                         f"{t['mismatches']} |")
+                         f"{t['mismatches']} | {t['widest_gap']:.2f} |")
     if "greedy_streams_identical" in report:
         lines += ["", f"Greedy streams identical: {report['greedy_streams_identical']}."]
     lines += ["", "## Plots", "", "![error per layer](layers.png)", "", "![error per step](steps.png)", ""]
     return "\n".join(lines)
+
+
+def _headroom_lines(report: dict[str, Any]) -> list[str]:
+    """Each threshold statistic over its threshold, and the machine, so that two runs compare."""
+    lines = ["## Headroom and machine", "", "| statistic | value over threshold | where |", "|---|---|---|"]
+    room = report.get("headroom", {})
+    if "relative_error" in room:
+        r = room["relative_error"]
+        lines.append(f"| worst relative error over its bound | {r['ratio']:.3f} | {r['output']} at "
+                     f"{r['step']} ({r['rel']:.3g} of {r['bound']:.3g}) |")
+    if "tie_gap" in room:
+        lines.append(f"| widest disagreement's gap over the tie margin | {room['tie_gap']['ratio']:.3f} | "
+                     f"{room['tie_gap']['step']} |")
+    if "machine" in report:
+        lines += ["", machine_line(report["machine"]) + "."]
+    return [*lines, ""]
 
 
 def report_dir(folder: str | Path) -> OutputDir:

@@ -22,9 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from k3export.model.moe import Router
-from k3export.onnx.domain import DOMAIN
-
-ROUTED_OPS = ("RoutedExperts", "RoutedExpertsMXFP4")
+from k3export.onnx.domain import DOMAIN, ROUTED_OPS
 
 
 def routing_outputs(graph: Path) -> list[str]:

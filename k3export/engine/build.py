@@ -1,15 +1,17 @@
-"""Builds a TensorRT-RTX engine from an export folder, with the k3 plugins in place of the functions.
+"""Builds a TensorRT(-RTX) engine from an export folder, with the k3 plugins in place of the functions.
 
-    k3export build --onnx EXPORT_DIR --out model.engine --target sm89
+    k3export build --onnx EXPORT_DIR --out model.engine --target sm89                       # TensorRT-RTX
+    k3export build --onnx EXPORT_DIR --out model.engine --backend tensorrt --target sm90    # on an H200
 
-One engine serves both graphs of the export as two optimization profiles: 0 prefill (seq 1..N) and
-1 decode (seq 1), both with batch 1..B. The MLA caches [batch, 1, capacity, latent] keep the
-export's static capacity (TensorRT's in-place KV_CACHE_UPDATE, which the parser makes of the graph's
-TensorScatter, needs it), and cache_lengths / input_lengths [batch] int64 are plain execution inputs
-(their values never shape a tensor). TensorRT-RTX builds with no GPU for a named compute capability
-(SM75..SM121 less SM90); the engine cannot be deserialized without one, so nothing here has run it:
-whether the KV_CACHE_UPDATE layers and the KDA plugin's aliased state really write in place is
-TensorRT's promise, not our measurement.
+The builder takes the TensorRT module as a parameter; what differs between the flavours is the table
+in flavours.py. One engine serves both graphs of the export as two optimization profiles, each with
+its own ranges: 0 prefill (batch 1..Bp, seq 1..N) and 1 decode (batch 1..Bd, seq 1). The MLA caches
+[batch, 1, capacity, latent] keep the export's static capacity (TensorRT's in-place KV_CACHE_UPDATE,
+which the parser makes of the graph's TensorScatter, needs it), and cache_lengths / input_lengths
+[batch] int64 are plain execution inputs (their values never shape a tensor). TensorRT-RTX builds
+with no GPU for a named compute capability (SM75..SM121 less SM90); an engine cannot be
+deserialized without a GPU, so nothing here has run one: whether the KV_CACHE_UPDATE layers and the
+KDA plugin's aliased state really write in place is TensorRT's promise, not our measurement.
 
 The parser silently inlines a k3 node's ONNX function when no creator matches its name,
 plugin_version and plugin_namespace: Scan loops for KDA (a correct but slow engine), and for the
@@ -30,27 +32,39 @@ from typing import Any
 import onnx
 
 from k3export.artifacts import atomic_path, require, verify
-from k3export.engine.rtx_setup import ensure_symlink
+from k3export.engine.flavours import (
+    flavour_of,
+    network_flags,
+    register_plugins,
+    require_machine,
+    target_problem,
+)
+from k3export.engine.trt_log import tensorrt_logger
 from k3export.errors import UserError
 from k3export.model.accounting import H200_BYTES
 from k3export.onnx.domain import DOMAIN
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 from k3export.options import call_bytes
 
-# The names TensorRT-RTX's ComputeCapability enum knows; it has no SM90.
-TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
-
-
 # Layers through which a tensor is still the MLA cache (its rows moved or retyped, not combined).
 _CACHE_PRESERVING = ("CAST", "IDENTITY", "SHUFFLE", "SLICE", "CONCATENATION", "KV_CACHE_UPDATE")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Limits:
-    """The largest shapes the engine takes (the cache capacity is the export's)."""
+    """The largest shapes each profile takes: prefill batch x seq tokens, decode batch x 1 (the cache
+    capacity is the export's). A profile sized for the other's batch would make TensorRT reserve
+    context memory for shapes never served (kimi-k3: 8 x 8192 prefill tokens instead of 1 x 8192)."""
 
-    batch: int = 4
-    seq: int = 256  # prefill tokens per call, at most the capacity
+    prefill_batch: int = 4
+    prefill_seq: int = 256  # prefill tokens per call, at most the capacity
+    decode_batch: int = 4
+
+    def ranges(self) -> dict[str, dict[str, tuple[int, int, int]]]:
+        """Profile name -> dim name -> (min, opt, max)."""
+        return {"prefill": {"batch": (1, self.prefill_batch, self.prefill_batch),
+                            "seq": (1, self.prefill_seq, self.prefill_seq)},
+                "decode": {"batch": (1, self.decode_batch, self.decode_batch), "seq": (1, 1, 1)}}
 
 
 @dataclass
@@ -66,19 +80,14 @@ class NetworkSummary:
 @dataclass
 class BuildResult:
     engine: str
+    backend: str
     target: str
+    stripped: bool  # weight-stripped: load_engine refits it from the export's model.onnx
     profiles: list[dict[str, dict[str, list[int]]]]  # per profile: input -> [min, opt, max] shapes
+    device_memory: list[dict[str, Any]]  # per profile: name, bytes, source (see profile_memory)
     bytes: int
     seconds: float
     network: NetworkSummary = field(repr=False)
-
-
-def load_tensorrt_rtx() -> ModuleType:
-    """tensorrt_rtx, after making sure its parser can load plugins (see rtx_setup)."""
-    ensure_symlink()
-    import tensorrt_rtx
-
-    return tensorrt_rtx
 
 
 # k3 ops with no plugin, whose ONNX function the parser inlines: none since k3plugins.moe (the routed
@@ -103,7 +112,8 @@ def check_plugins(model_path: Path, trt: ModuleType) -> None:
                 f"{model_path}: node {node.name!r} ({DOMAIN}.{node.op_type}) asks for plugin "
                 f"{namespace}::{node.op_type} version {version!r}, which is not registered "
                 f"(registered k3 plugins: {', '.join(known) or 'none'}); without it the parser would "
-                f"inline the node's ONNX function. Call k3plugins.trt.register(trt) before parsing, or "
+                f"inline the node's ONNX function. Call k3export.engine.flavours.register_plugins(trt) "
+                f"before parsing, or "
                 f"export again with this k3plugins' plugin version.")
 
 
@@ -112,11 +122,11 @@ def parse(model_path: Path, trt: ModuleType, logger: Any, *, strict: bool = True
     if strict:
         check_plugins(model_path, trt)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)
+    network = builder.create_network(network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(model_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise UserError(f"{model_path}: the TensorRT-RTX ONNX parser refused it: {errors}")
+        raise UserError(f"{model_path}: the {flavour_of(trt).title} ONNX parser refused it: {errors}")
     return builder, network, parser
 
 
@@ -168,25 +178,27 @@ def cache_census(network: Any) -> tuple[list[str], list[str]]:
 
 def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, list[list[int]]]]:
     """[prefill, decode]: input name -> [min, opt, max] shapes from export.json's named dims
-    ("batch", "seq" dynamic; "capacity" the export's static cache rows)."""
+    ("batch", "seq" dynamic, each profile its own ranges; "capacity" the export's static cache rows)."""
     capacity = manifest.get("capacity")
     if capacity is None:
         raise UserError("export.json has no \"capacity\": an export made before fixed-capacity caches; "
                         "export it again (k3export export ... --capacity N)")
-    if not 1 <= limits.seq <= capacity or limits.batch < 1:
-        raise UserError(f"build: --max-seq {limits.seq} and --max-batch {limits.batch}: expected a batch "
-                        f">= 1 and 1 <= seq <= the export's capacity {capacity} (every call writes its "
-                        f"seq rows into the cache)")
+    if not 1 <= limits.prefill_seq <= capacity or min(limits.prefill_batch, limits.decode_batch) < 1:
+        raise UserError(f"build: --max-seq {limits.prefill_seq}, --max-batch {limits.prefill_batch} and "
+                        f"--decode-batch {limits.decode_batch}: expected batches >= 1 and 1 <= seq <= the "
+                        f"export's capacity {capacity} (every call writes its seq rows into the cache)")
+    ranges = limits.ranges()
     # An engine whose inputs and outputs alone outgrow the largest GPU could run nowhere (and a
     # profile far past it makes the TensorRT-RTX builder abort the process).
-    needed = call_bytes([manifest], limits.batch, limits.seq)
-    if needed > H200_BYTES:
-        raise UserError(f"build: --max-batch {limits.batch} --max-seq {limits.seq}: the engine's inputs and "
-                        f"outputs at that shape hold {needed / 1e9:,.1f} GB, more than an H200's "
-                        f"{H200_BYTES / 1e9:.0f} GB; lower --max-batch or --max-seq")
-    batch = (1, limits.batch, limits.batch)
-    ranges = {"prefill": {"batch": batch, "seq": (1, limits.seq, limits.seq)},
-              "decode": {"batch": batch, "seq": (1, 1, 1)}}
+    options = {"prefill": f"--max-batch {limits.prefill_batch} --max-seq {limits.prefill_seq}",
+               "decode": f"--decode-batch {limits.decode_batch}"}
+    for name, dims in ranges.items():
+        needed = call_bytes([manifest], dims["batch"][2], dims["seq"][2])
+        if needed > H200_BYTES:
+            raise UserError(f"build: {options[name]} (the {name} profile, batch {dims['batch'][2]} x seq "
+                            f"{dims['seq'][2]}): the engine's inputs and outputs at that shape hold "
+                            f"{needed / 1e9:,.1f} GB, more than an H200's {H200_BYTES / 1e9:.0f} GB; lower "
+                            f"{options[name].split()[0]}{' or --max-seq' if name == 'prefill' else ''}")
     profiles = []
     for dims in ranges.values():
         dims["capacity"] = (capacity,) * 3
@@ -198,38 +210,65 @@ def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, l
     return profiles
 
 
-def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89",
-                 limits: Limits | None = None, trt: ModuleType | None = None,
-                 manifest: dict[str, Any] | None = None) -> BuildResult:
-    """Parses export_dir/model.onnx with the k3 plugins registered and writes an engine to `out`
-    (through a temporary name) for `target`, with the prefill and decode profiles. The folder is
-    verified against its export.json first, unless the caller passes the `manifest` export_model
-    just returned (a stage build's staged folder, whose file list is written when it completes)."""
-    import k3plugins.trt
+def profile_memory(manifest: dict[str, Any], limits: Limits, engine: Any = None) -> list[dict[str, Any]]:
+    """Per profile, the device memory TensorRT sizes for its execution contexts: the engine's own
+    figure (`get_device_memory_size_for_profile_v2`) when a deserialized `engine` is given, else an
+    estimate, a lower bound: the profile's inputs and outputs at its largest shapes. Each entry says
+    which it is."""
+    memory = []
+    for index, (name, dims) in enumerate(limits.ranges().items()):
+        if engine is not None:  # GPU only: an engine deserializes only where its GPU is
+            memory.append({"profile": name, "bytes": engine.get_device_memory_size_for_profile_v2(index),
+                           "source": "get_device_memory_size_for_profile_v2"})
+        else:
+            memory.append({"profile": name, "bytes": call_bytes([manifest], dims["batch"][2], dims["seq"][2]),
+                           "source": "estimate: the profile's inputs and outputs at its largest shapes "
+                                     "(a lower bound; TensorRT's figure needs the engine deserialized on "
+                                     "its GPU)"})
+    return memory
 
-    if target not in TARGETS:
-        raise UserError(f"--target {target!r}: expected one of {', '.join(TARGETS)}")
+
+def build_engine(export_dir: str | Path, out: str | Path, trt: ModuleType, *, target: str,
+                 limits: Limits | None = None, strip: bool = False,
+                 manifest: dict[str, Any] | None = None) -> BuildResult:
+    """Parses export_dir/model.onnx with the k3 plugins of `trt`'s flavour registered and writes an
+    engine to `out` (through a temporary name) for `target`, with the prefill and decode profiles.
+    `trt` is `tensorrt_rtx` or `tensorrt` (flavours.load_tensorrt); a target the flavour cannot build
+    on this machine is refused first. `strip`: a weight-stripped engine (STRIP_PLAN, REFIT_IDENTICAL),
+    which `load_engine` refits from the export's model.onnx. The folder is verified against its
+    export.json first, unless the caller passes the `manifest` export_model just returned (a stage
+    build's staged folder, whose file list is written when it completes)."""
+    flavour = flavour_of(trt)
+    problem = target_problem(flavour, target)
+    if problem:
+        raise UserError(f"--target {target!r}: expected {problem}")
+    require_machine(flavour, target, strip=strip)
     start = time.perf_counter()
     export_dir, out = Path(export_dir), Path(out)
     if manifest is None:
         manifest = verify(export_dir, MANIFEST_FILE)
     require(manifest, export_dir / MANIFEST_FILE, "inputs")
-    profiles = profile_shapes(manifest, limits or Limits())
-    trt = trt or load_tensorrt_rtx()
-    logger = trt.Logger(trt.Logger.WARNING)
-    creators = k3plugins.trt.register(trt)
+    limits = limits or Limits()
+    profiles = profile_shapes(manifest, limits)
+    logger = tensorrt_logger(trt)
+    creators = register_plugins(trt)
     # The parser owns the weights the network points at: keep it alive until the build is done.
     builder, network, _parser = parse(export_dir / GRAPH_FILE, trt, logger)
     summary = summarize(network, trt, creators)
 
     config = builder.create_builder_config()
-    # The list of targets is empty until sized; set_compute_capability fails (returns False) before.
-    config.num_compute_capabilities = 1
-    if not config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), 0):
-        raise UserError(f"--target {target}: TensorRT-RTX refused this compute capability")
+    if flavour.targets is not None:
+        # The list of targets is empty until sized; set_compute_capability fails (returns False) before.
+        config.num_compute_capabilities = 1
+        if not config.set_compute_capability(getattr(trt.ComputeCapability, target.upper()), 0):
+            raise UserError(f"--target {target}: {flavour.title} refused this compute capability")
     # KDA's final state aliases its initial state (k3plugins' get_aliased_input): a preview feature,
     # without which the build refuses the plugin.
-    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    for feature in flavour.preview_features:
+        config.set_preview_feature(getattr(trt.PreviewFeature, feature), True)
+    if strip:  # the weights stay in model.onnx.data, once; REFIT_IDENTICAL: refitted with these same values
+        config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+        config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
     for shapes in profiles:
         profile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in shapes.items():
@@ -243,9 +282,36 @@ def build_engine(export_dir: str | Path, out: str | Path, *, target: str = "sm89
         if writer.error is not None:
             raise UserError(f"{out}: writing the engine failed: {writer.error}") from writer.error
         if not built:
-            raise UserError(f"{export_dir / GRAPH_FILE}: TensorRT-RTX could not build an engine for "
+            raise UserError(f"{export_dir / GRAPH_FILE}: {flavour.title} could not build an engine for "
                             f"{target} (see the log above)")
-    return BuildResult(str(out), target, profiles, out.stat().st_size, time.perf_counter() - start, summary)
+    memory = profile_memory(manifest, limits, deserialize(trt, logger, out) if flavour.needs_gpu else None)
+    return BuildResult(str(out), flavour.backend, target, strip, profiles, memory, out.stat().st_size,
+                       time.perf_counter() - start, summary)
+
+
+def load_engine(trt: ModuleType, logger: Any, path: Path, weights: Path) -> Any:
+    """The engine at `path`, ready to run: deserialized from the file as a stream and, if it was
+    built weight-stripped (the only refittable engines k3export builds), refitted from the ONNX file
+    `weights` (its export's model.onnx, external data beside it). GPU only."""
+    engine = deserialize(trt, logger, path)
+    if engine.refittable:
+        refitter = trt.Refitter(engine, logger)
+        if not (trt.OnnxParserRefitter(refitter, logger).refit_from_file(str(weights))
+                and refitter.refit_cuda_engine()):
+            raise UserError(f"{path}: refitting its weights from {weights} failed (see the log); it was "
+                            f"built from another export, or the export changed since")
+    return engine
+
+
+def deserialize(trt: ModuleType, logger: Any, path: Path) -> Any:
+    """The engine at `path`, deserialized from the file as a stream (never read whole into host
+    memory). GPU only."""
+    runtime = trt.Runtime(logger)
+    with open(path, "rb") as f:
+        engine = runtime.deserialize_cuda_engine(_file_reader(trt, f))
+    if engine is None:
+        raise UserError(f"{path}: TensorRT could not deserialize the engine it just built (see the log)")
+    return engine
 
 
 def _file_writer(trt: ModuleType, f: Any) -> Any:
@@ -268,3 +334,24 @@ def _file_writer(trt: ModuleType, f: Any) -> Any:
                 return 0
 
     return FileWriter()
+
+
+READ_CHUNK = 256 << 20  # what one read hands TensorRT at most: host memory stays at a chunk
+
+
+def _file_reader(trt: ModuleType, f: Any) -> Any:
+    """A trt.IStreamReaderV2 over the open file `f`, handing the engine to TensorRT in chunks."""
+
+    class FileReader(trt.IStreamReaderV2):
+        def __init__(self) -> None:
+            trt.IStreamReaderV2.__init__(self)
+
+        def read(self, num_bytes: int, stream: int) -> bytes:
+            return f.read(min(num_bytes, READ_CHUNK))
+
+        def seek(self, offset: int, where: Any) -> bool:
+            whence = {"SET": 0, "CUR": 1, "END": 2}[where.name]
+            f.seek(offset, whence)
+            return True
+
+    return FileReader()

@@ -45,7 +45,9 @@ from onnx import numpy_helper
 from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*, the plugins' reference computations)
-from k3export.engine.build import load_tensorrt_rtx, parse
+from k3export.engine.build import parse
+from k3export.engine.flavours import load_tensorrt
+from k3export.engine.trt_log import tensorrt_logger
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE
 from k3export.onnx.runner import NUMPY_CARRIER
@@ -107,11 +109,11 @@ def parse_network(model_path: str | Path, trt: ModuleType | None = None) -> Pars
     model_path = Path(model_path)
     if not model_path.is_file():
         raise UserError(f"{model_path}: no such file")
-    trt = trt or load_tensorrt_rtx()
+    trt = trt or load_tensorrt()
     # The registry does not own the Python creators: one freed while registered crashes the next
     # lookup, so they live as long as the process.
     _CREATORS.update(k3plugins.trt.register(trt))
-    logger = trt.Logger(trt.Logger.ERROR)
+    logger = tensorrt_logger(trt)
     builder, network, parser = parse(model_path, trt, logger)
     return ParsedNetwork(trt, network, model_path, (logger, builder, parser))
 
@@ -548,7 +550,7 @@ class NetworkEvaluator:
         self.inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
         # Extra outputs: intermediate tensors to return too (a check's held routing).
         self.outputs = [network.get_output(i).name for i in range(network.num_outputs)]
-        self.outputs += extra_outputs or []
+        self.outputs += [name for name in extra_outputs or [] if name not in self.outputs]
         steps = {}
         for i in range(network.num_layers):
             layer = network.get_layer(i)

@@ -42,7 +42,7 @@ from k3export.model.accounting import moe_cost_note
 from k3export.model.cache import LayerCache
 from k3export.model.k3 import last_positions
 from k3export.onnx.collectives import parallel_record
-from k3export.onnx.functions import DOMAIN
+from k3export.onnx.domain import DOMAIN, ROUTED_OPS
 from k3export.onnx.ops import export_onnx
 from k3export.onnx.taps import MEANINGS as TAP_MEANINGS
 from k3export.onnx.taps import SUBLAYERS as TAP_SUBLAYERS
@@ -51,6 +51,7 @@ from k3export.options import MIN_CAPACITY
 
 GRAPH_FILE = "model.onnx"
 MANIFEST_FILE = "export.json"
+ROUTING_PREFIX = "routing."  # export --routing-outputs: routing.{layer}, each MoE layer's chosen experts
 
 
 # Named dims of the specs' shapes: "batch" and "seq" are dynamic; "capacity" is static, fixed at
@@ -216,10 +217,31 @@ def dynamic_shapes(inputs: list[TensorSpec]) -> tuple[dict[int, str], ...]:
     return tuple({axis: d for axis, d in enumerate(spec.shape) if d in DYNAMIC_AXES} for spec in inputs)
 
 
+def add_routing_outputs(path: Path, config: K3Config, layers: range) -> list[dict[str, Any]]:
+    """Makes each MoE layer's expert choices (its k3 routed-experts node's `experts` input) a graph
+    output `routing.{layer}`, in place in the graph file (its weights untouched); returns their specs.
+    An engine's outputs are fixed when it is built, so a half-precision engine can be held to its
+    own expert choices (check's held routing) only if its export outputs them."""
+    graph = onnx.load(path, load_external_data=False)
+    routed = [n for n in graph.graph.node if n.domain == DOMAIN and n.op_type in ROUTED_OPS]
+    moe_layers = [i for i in layers if not config.is_dense(i)]
+    specs = []
+    for node, layer in zip(routed, moe_layers, strict=True):
+        spec = TensorSpec(f"{ROUTING_PREFIX}{layer}", "int64", ["batch*seq", config.num_experts_per_token],
+                          f"layer {layer}'s chosen experts per token (rows: batch-major positions)")
+        graph.graph.node.append(onnx.helper.make_node("Identity", [node.input[1]], [spec.name],
+                                                      name=f"{spec.name}.identity"))
+        graph.graph.output.append(onnx.helper.make_tensor_value_info(spec.name, onnx.TensorProto.INT64,
+                                                                     spec.shape))
+        specs.append(asdict(spec))
+    write_atomic(path, graph.SerializeToString())
+    return specs
+
+
 def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None = None,
                  weights: dict[str, Any] | None = None, aot_plugins: bool = False,
                  capacity: int = DEFAULT_CAPACITY, last_logits: bool = False,
-                 taps: bool = False) -> dict[str, Any]:
+                 taps: bool = False, routing_outputs: bool = False) -> dict[str, Any]:
     """Writes model.onnx (+ model.onnx.data), config.json and export.json into out_dir.
 
     `weights` records where the weights came from ({"seed": N} or {"checkpoint": DIR}), so that
@@ -227,7 +249,9 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
     for full TensorRT's AOT plugins (export_onnx). `capacity` is the MLA cache's static row count;
     `last_logits` gives logits only at each row's last valid token (a range that does not end at
     the last layer has no logits and ignores it). `taps` adds each layer's taps as outputs
-    (k3export.onnx.taps; the graph is otherwise the same). Returns the manifest."""
+    (k3export.onnx.taps; the graph is otherwise the same). `routing_outputs` adds each MoE layer's
+    expert choices as outputs routing.{layer} (add_routing_outputs), listed apart from "outputs" in
+    the manifest's "routing_outputs". Returns the manifest."""
     if capacity < MIN_CAPACITY:
         raise UserError(f"--capacity {capacity}: expected at least {MIN_CAPACITY} cached tokens per sequence")
     out_dir = Path(out_dir)
@@ -244,6 +268,7 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
                     dynamic_shapes=(dynamic_shapes(inputs),),  # forward(*inputs): one parameter
                     opset_version=OPSET, input_names=[s.name for s in inputs],
                     output_names=[s.name for s in outputs], aot_plugins=aot_plugins)
+    routing = add_routing_outputs(out_dir / GRAPH_FILE, config, layers) if routing_outputs else []
     graph = onnx.load(out_dir / GRAPH_FILE, load_external_data=False)
     split = getattr(model, "tensor_parallel", None)  # a rank of k3export.model.parallel.split_model
     (split.config if split else config).to_json(out_dir / "config.json")
@@ -273,6 +298,8 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
         manifest["taps"] = {"names": "taps.{layer}.{sublayer}", "sublayers": list(TAP_SUBLAYERS),
                             "meaning": {s: m.format(i="{layer}") for s, m in TAP_MEANINGS.items()},
                             "valid": "each row's first input_lengths[b] positions along seq"}
+    if routing:  # absent without --routing-outputs, as taps are
+        manifest["routing_outputs"] = routing
     if split:  # absent for an unsplit model, so that its manifest is what it always was
         manifest["parallel"] = parallel_record(split, graph, layers, dtype)
     write_atomic(out_dir / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())

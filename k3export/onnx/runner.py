@@ -159,7 +159,9 @@ def onnxrt_session(path: Path, threads: int | None = None,
     if not extra_outputs:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     model = onnx.load(path, load_external_data=False)
-    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra_outputs)
+    outputs = {o.name for o in model.graph.output}  # export --routing-outputs: already there
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra_outputs
+                              if name not in outputs)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

@@ -104,6 +104,12 @@ def partition(weights: list[int], parts: int) -> list[range]:
                  lambda s: s <= heaviest)
 
 
+# Peak host memory of one build process (the export, then the engine of the same weights), fitted over
+# measured stage builds: 812 MB + 2.31 x the weights it builds (TensorRT-RTX 1.7, k3-small float32
+# stages, docs/benchmarks.md#stage-builds). Full TensorRT's and weight-stripped builds are unmeasured.
+BUILD_FIXED_BYTES, BUILD_BYTES_PER_WEIGHT_BYTE = 812e6, 2.31
+
+
 class GpuMemory:
     """What one GPU holds: weights, caches and activations (the fields or properties of a subclass)."""
 
@@ -118,6 +124,11 @@ class GpuMemory:
     @property
     def fits_h200(self) -> bool:
         return self.total_bytes <= H200_BYTES
+
+    @property
+    def build_host_bytes(self) -> int:
+        """Host memory one process building these weights peaks at (BUILD_FIXED_BYTES, ...)."""
+        return round(BUILD_FIXED_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * self.weight_bytes)
 
 
 @dataclass
@@ -141,8 +152,9 @@ class Stage(GpuMemory):
     receives: list[Tensor]
     sends: list[Tensor]
     seconds_per_token_sent: float  # at the plan's link bandwidth
-    activation_bytes: int  # estimate at the largest prefill
+    activation_bytes: int  # estimate at the largest prefill (the prefill profile's)
     cache_bytes: int  # capacity x batch
+    decode_activation_bytes: int  # the same estimate at the decode profile's batch x 1 tokens
 
     @property
     def bytes_received_per_token(self) -> int:
@@ -162,6 +174,7 @@ class Plan:
     context: int  # tokens of cache per sequence (the recipe's capacity)
     batch: int  # sequences the cache holds
     prefill_tokens: int  # batch x seq of the largest prefill
+    decode_tokens: int  # the decode profile's batch
     link_gb_per_s: float
     stages: list[Stage]
     heaviest_layer_bytes: int  # the granularity the balance bound allows
@@ -183,7 +196,9 @@ class Plan:
                 "seconds_per_token_sent": s.seconds_per_token_sent,
                 "memory": {"weights": s.weight_bytes, "cache": s.cache_bytes,
                            "activations": s.activation_bytes, "total": s.total_bytes,
-                           "fits_h200": s.fits_h200},
+                           "fits_h200": s.fits_h200, "build_host": s.build_host_bytes,
+                           "activations_by_profile": {"prefill": s.activation_bytes,
+                                                      "decode": s.decode_activation_bytes}},
             } for s in self.stages],
         }
 
@@ -228,7 +243,8 @@ def _tensors(specs: list[Any]) -> list[Tensor]:
 
 def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype: str,
               packed_experts: bool = False, context: int = 131072, batch: int = 1,
-              prefill_tokens: int = 1024, link_gb_per_s: float = LINK_GB_PER_S) -> Plan:
+              prefill_tokens: int = 1024, decode_tokens: int = 1,
+              link_gb_per_s: float = LINK_GB_PER_S) -> Plan:
     """A plan over `config`: `stages` a count (balanced ranges) or the ranges themselves."""
     from k3export.onnx.export import graph_signature  # the graph's own names and shapes
 
@@ -255,9 +271,10 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
             weight_bytes=sum(load.weight_bytes[i] for i in layers),
             cache_bytes_per_sequence=per_sequence, receives=receives, sends=sends,
             seconds_per_token_sent=sent / (link_gb_per_s * 1e9),
-            activation_bytes=prefill_tokens * (in_out + working), cache_bytes=per_sequence * batch))
-    return Plan(model, config, dtype, packed_experts, context, batch, prefill_tokens, link_gb_per_s, result,
-                max(load.weight_bytes))
+            activation_bytes=prefill_tokens * (in_out + working), cache_bytes=per_sequence * batch,
+            decode_activation_bytes=decode_tokens * (in_out + working)))
+    return Plan(model, config, dtype, packed_experts, context, batch, prefill_tokens, decode_tokens,
+                link_gb_per_s, result, max(load.weight_bytes))
 
 
 def plan_recipe(recipe: Any, link_gb_per_s: float | None = None) -> Plan:
@@ -268,6 +285,7 @@ def plan_recipe(recipe: Any, link_gb_per_s: float | None = None) -> Plan:
                      model=model, dtype=recipe.dtype, packed_experts=recipe.packed_experts,
                      context=recipe.capacity, batch=recipe.batch,
                      prefill_tokens=recipe.prefill_batch * recipe.prefill_seq,
+                     decode_tokens=recipe.decode_batch,
                      link_gb_per_s=link_gb_per_s or recipe.stages_gb_per_s or LINK_GB_PER_S)
 
 
@@ -308,6 +326,13 @@ def format_plan(plan: Plan) -> str:
         "seq, hidden] (the first: token ids) and sends the next stage's (the last: logits)",
         "activations assume the served engine: the k3 mixer plugins and the grouped routed-experts plugin "
         "(only the chosen experts run)",
+        "activations per engine profile (each profile's execution context holds its own; the table's are "
+        "the prefill profile's): " + ", ".join(
+            f"stage {s.index} prefill {_gb(s.activation_bytes)} GB, decode "
+            f"{_gb(s.decode_activation_bytes)} GB" for s in plan.stages),
+        "host memory to build a stage (one process): " + ", ".join(
+            f"stage {s.index} {_gb(s.build_host_bytes)} GB" for s in plan.stages)
+        + f" (measured fit: {BUILD_FIXED_BYTES / 1e9:.2f} GB + {BUILD_BYTES_PER_WEIGHT_BYTE} x its weights)",
     ]
     return "\n".join(lines)
 
@@ -421,6 +446,10 @@ def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float) -> str
         "[u | shared] in float32, latent + hidden values; the dense layer's output in the model dtype)",
         "the MLA latent cache is the same on every rank (one key head); KDA state and conv tails are "
         "split by heads; activations are the unsplit stage's estimate (an upper bound)",
+        "host memory to build one rank (a process): " + ", ".join(
+            f"stage {s.index} {_gb(s.build_host_bytes)} GB" for s in stages)
+        + f"; a host building its {ranks} ranks at once (build --stage I --rank R, one per GPU) needs "
+        f"{ranks} x that",
     ]
     return "\n".join(lines)
 
@@ -431,6 +460,7 @@ def rank_plan_json(stages: list[RankStage], collective_gb_per_s: float) -> dict:
         "replicated_weight_bytes": s.replicated_weight_bytes, "weight_bytes": s.weight_bytes,
         "cache_bytes_per_sequence": s.cache_bytes_per_sequence, "cache_bytes": s.cache_bytes,
         "activation_bytes": s.activation_bytes, "total_bytes": s.total_bytes, "fits_h200": s.fits_h200,
+        "build_host_bytes": s.build_host_bytes,
         "collective_bytes_per_token": s.collective_bytes_per_token,
         "collective_seconds_per_token": s.collective_seconds_per_token} for s in stages]}
 

@@ -24,21 +24,19 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from k3export.config import PRESETS, K3Config
+from k3export.engine.flavours import FLAVOURS, target_problem
 from k3export.errors import UserError
 from k3export.model.parallel import check_split
 
 BACKENDS = ("onnx", "tensorrt-rtx", "tensorrt")
 EXPERT_FORMATS = ("as-stored", "mxfp4-packed")
 DTYPES = ("float32", "float16", "bfloat16")
-# TensorRT-RTX's ComputeCapability names (it has no sm90); full TensorRT takes any smNN it supports.
-RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
 
 _KEYS: dict[str, set[str]] = {
     "model": {"preset", "config"},
@@ -234,12 +232,10 @@ def load_recipe(path: str | Path) -> Recipe:
 
     backend = r.choice("build.backend", BACKENDS)
     target = r.get("build.target")
-    if backend == "tensorrt-rtx" and target not in RTX_TARGETS:
-        raise r.fail("build.target", f"one of {', '.join(RTX_TARGETS)} (TensorRT-RTX's targets)")
-    if target is not None and not (isinstance(target, str) and re.fullmatch(r"sm\d{2,3}", target)):
-        raise r.fail("build.target", "a compute capability such as 'sm89' or 'sm90'")
-    if backend == "tensorrt" and target is None:
-        raise r.fail("build.target", "a compute capability such as 'sm90'")
+    problem = target_problem(FLAVOURS[backend], target) if backend in FLAVOURS else \
+        None if target is None else target_problem(FLAVOURS["tensorrt"], target)
+    if problem:
+        raise r.fail("build.target", problem)
     taps = r.get("build.taps")
     if taps is not None and not isinstance(taps, bool):
         raise r.fail("build.taps", "true or false")

@@ -24,19 +24,22 @@ manifest says (an interrupted build resumes) and rebuilds one whose files are mi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
+import importlib
 import importlib.metadata
-import importlib.util
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from k3export.artifacts import WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
+from k3export.artifacts import MANIFEST_LOCK, WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
+from k3export.engine.flavours import FLAVOURS, load_tensorrt, require_machine, target_problem
 from k3export.errors import UserError
 from k3export.options import existing_file, non_negative_int
 from k3export.progress import track
@@ -58,14 +61,16 @@ def _versions(backend: str) -> dict[str, str]:
 
     versions = {"torch": torch.__version__, "onnx": onnx.__version__, "k3export": importlib.metadata.version(
         "k3export"), "k3plugins_plugin_version": PLUGIN_VERSION}
-    if backend == "tensorrt-rtx":
-        versions["tensorrt_rtx"] = importlib.metadata.version("tensorrt-rtx-cu13")
+    if backend in FLAVOURS:
+        module = FLAVOURS[backend].module
+        versions[module] = importlib.import_module(module).__version__
     return versions
 
 
-def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool) -> dict[str, Any]:
+def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool, strip: bool) -> dict[str, Any]:
     """What decides a stage's files: a stage built under other settings is rebuilt."""
-    return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights, "taps": taps}
+    return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights, "taps": taps,
+            "strip": strip}
 
 
 def _intact(out: Path, entry: dict[str, Any]) -> str | None:
@@ -130,7 +135,7 @@ def _release_exporter_graph() -> None:
 
 
 def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path, backend: str,
-                  no_weights: bool, taps: bool, overwrite: bool,
+                  no_weights: bool, taps: bool, strip: bool, overwrite: bool,
                   log: Callable[[str], None]) -> dict[str, Any]:
     """Exports `layers` (rank `rank` of the recipe's ranks) into DIR/name and builds its engine; returns
     what the manifest records of it."""
@@ -149,77 +154,149 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
         # Free the stage's weights before the engine build: the parser holds its own copy.
         del model
         _release_exporter_graph()
-        if backend == "tensorrt-rtx":
+        if backend in FLAVOURS:
             engine = staged / f"{name.replace('/', '.')}.{recipe.target}.engine"
-            # One batch range serves both profiles; the cache capacity is the export's.
-            limits = Limits(batch=max(recipe.prefill_batch, recipe.decode_batch), seq=recipe.prefill_seq)
-            result = build_engine(staged, engine, target=recipe.target, limits=limits, manifest=export)
+            # Each profile its own ranges, as served; the cache capacity is the export's.
+            limits = Limits(recipe.prefill_batch, recipe.prefill_seq, recipe.decode_batch)
+            result = build_engine(staged, engine, load_tensorrt(backend), target=recipe.target, limits=limits,
+                                  strip=strip, manifest=export)
     files = {f"{name}/{f}": record for f, record in folder.manifest["files"].items()}
     files[f"{name}/{MANIFEST_FILE}"] = file_record(out / name / MANIFEST_FILE)
     return {
         "folder": name, "graph": f"{name}/{export['graph']}",
         "engine": f"{name}/{Path(result.engine).name}" if result else None,
         "inputs": export["inputs"], "outputs": export["outputs"], "dtype": export["dtype"],
-        "profiles": result.profiles if result else None, "files": files,
+        "profiles": result.profiles if result else None,
+        "device_memory": result.device_memory if result else None, "files": files,
     }
 
 
 def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str, no_weights: bool,
-                 taps: bool, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
+                 taps: bool, strip: bool, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
     """Exports stage `index` (and builds its engine) into DIR/stage-{index}, or with [parallel] ranks = N
     each rank into DIR/stage-{index}/rank-{r}, one after the other; returns its manifest entry."""
     stage = plan.stages[index]
     started = time.perf_counter()
     if recipe.ranks == 1:
         built = _build_export(recipe, stage.layers, stage_folder(index), 0, out, backend, no_weights, taps,
-                              overwrite, log)
-    else:
-        parts = [_build_export(recipe, stage.layers, f"{stage_folder(index)}/rank-{r}", r, out, backend,
-                               no_weights, taps, overwrite, log) for r in range(recipe.ranks)]
-        # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
-        places = ("folder", "graph", "engine", "profiles")
-        built = {**parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
-                 "ranks": [{"stage": index, "rank": r, "gpu": r, **{k: p[k] for k in places}}
-                           for r, p in enumerate(parts)],
-                 "files": {name: record for p in parts for name, record in p["files"].items()}}
+                              strip, overwrite, log)
+        built["seconds"] = round(time.perf_counter() - started, 1)
+        return _stage_entry(plan, index, built)
+    parts = [_build_export(recipe, stage.layers, rank_folder(index, r), r, out, backend, no_weights, taps,
+                           strip, overwrite, log) for r in range(recipe.ranks)]
+    return _grid_entry(plan, index, parts, round(time.perf_counter() - started, 1))
+
+
+def rank_folder(index: int, rank: int) -> str:
+    return f"{stage_folder(index)}/rank-{rank}"
+
+
+def _stage_entry(plan: Plan, index: int, built: dict[str, Any]) -> dict[str, Any]:
+    stage = plan.stages[index]
     files = built.pop("files")
     return {"index": index, "layers": [stage.layers.start, stage.layers.stop], **built,
-            "weight_bytes": stage.weight_bytes, "seconds": round(time.perf_counter() - started, 1),
-            "files": files}
+            "weight_bytes": stage.weight_bytes, "files": files}
+
+
+def _grid_entry(plan: Plan, index: int, parts: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """A split stage's manifest entry from its ranks' records, in rank order."""
+    # Every rank of a stage has the same feeds and outputs by name (its caches hold its heads).
+    places = ("folder", "graph", "engine", "profiles", "device_memory")
+    return _stage_entry(plan, index, {
+        **parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
+        "ranks": [{"stage": index, "rank": r, "gpu": r, **{k: p[k] for k in places}}
+                  for r, p in enumerate(parts)],
+        "seconds": seconds, "files": {name: record for p in parts for name, record in p["files"].items()}})
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Holds an exclusive lock on the build folder's manifest: the processes building one rank each
+    (`build RECIPE --stage I --rank R`, one per GPU of a host) read and rewrite it in turn."""
+    with open(out / MANIFEST_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_rank(recipe: Recipe, plan: Plan, index: int, rank: int, out: Path, backend: str,
+                no_weights: bool, taps: bool, strip: bool, overwrite: bool, header: dict[str, Any],
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """Builds rank `rank` of stage `index` alone and records it: until every rank of the stage is
+    there the stage's entry keeps them under "rank_builds" with no files (so the stage counts as not
+    built); the last rank to finish assembles the entry a whole-stage build writes."""
+    started = time.perf_counter()
+    part = _build_export(recipe, plan.stages[index].layers, rank_folder(index, rank), rank, out, backend,
+                         no_weights, taps, strip, overwrite, log)
+    part["seconds"] = round(time.perf_counter() - started, 1)
+    with _locked(out):
+        manifest = {**header, "stages": _previous(out, header["settings"]), "files": {}}
+        stages = {e.get("index"): e for e in manifest["stages"]}
+        for i, stage in enumerate(plan.stages):  # entries for the stages no process has touched yet
+            stages.setdefault(i, {"index": i, "layers": [stage.layers.start, stage.layers.stop],
+                                  "folder": stage_folder(i), "files": {}})
+        done = {**stages[index].get("rank_builds", {}), str(rank): part}
+        if len(done) == recipe.ranks:
+            parts = [done[str(r)] for r in range(recipe.ranks)]
+            stages[index] = _grid_entry(plan, index, parts, max(p["seconds"] for p in parts))
+        else:
+            stages[index] = {**stages[index], "files": {}, "rank_builds": done}
+        manifest["stages"] = [stages[i] for i in range(len(plan.stages))]
+        manifest["files"] = {name: rec for e in manifest["stages"] for name, rec in e["files"].items()}
+        write_json(out / MANIFEST, manifest)
+    log(f"stage {index} rank {rank}: built; {len(done)} of {recipe.ranks} ranks of the stage recorded")
+    return manifest
 
 
 def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None, no_weights: bool = False,
-                 taps: bool | None = None, only: list[int] | None = None, overwrite: bool = False,
+                 taps: bool | None = None, strip: bool = False, only: list[int] | None = None,
+                 rank: int | None = None, overwrite: bool = False,
                  log: Callable[[str], None] = print,
                  after_stage: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Builds the recipe's stages into `out` (all, or the indices in `only`), skipping stages whose
     files still match the manifest; `after_stage(i)` runs once stage i is recorded. `taps`: the
-    stages export their layers' taps (default: the recipe's build.taps). Returns the manifest."""
+    stages export their layers' taps (default: the recipe's build.taps). `rank`: only that rank of
+    the one stage in `only` (a process per rank, any number at once on one folder). Returns the
+    manifest."""
     backend = backend or recipe.backend
     taps = recipe.taps if taps is None else taps
-    if backend == "tensorrt":
-        raise UserError(f"{recipe.path}: backend 'tensorrt' (full TensorRT): k3export builds engines "
-                        "with TensorRT-RTX only (full TensorRT cannot be installed here); build with "
-                        "--backend onnx and build the engines from the stage graphs on the target machine")
-    if backend == "tensorrt-rtx" and importlib.util.find_spec("tensorrt_rtx") is None:
-        raise UserError("backend 'tensorrt-rtx': tensorrt_rtx is not installed "
-                        "(pip install -c constraints.txt -e '.[engine]'), or build with --backend onnx")
+    # Everything this machine lacks, named at once, before any export or checkpoint read.
+    checkpoint = [] if no_weights or recipe.checkpoint is None or recipe.checkpoint.is_dir() else [
+        f"{recipe.path}: [weights] checkpoint = {recipe.data['weights']['checkpoint']!r}: no folder at "
+        f"{recipe.checkpoint.resolve()} (download the checkpoint there, or build with --no-weights)"]
+    if backend in FLAVOURS:
+        problem = target_problem(FLAVOURS[backend], recipe.target)
+        if problem:
+            raise UserError(f"{recipe.path}: [build] target = {recipe.target!r} with backend {backend!r}: "
+                            f"expected {problem}")
+        require_machine(FLAVOURS[backend], recipe.target, checkpoint, strip=strip)
+    elif checkpoint:
+        raise UserError(checkpoint[0])
     plan = plan_recipe(recipe)
     indices = range(len(plan.stages))
     bad = [i for i in only or [] if i not in indices]
     if bad:
-        grid = f" (each split over {recipe.ranks} ranks; --stage I builds all of stage I's ranks)" \
+        grid = f" (each split over {recipe.ranks} ranks; --stage I builds all of stage I's ranks, "\
+            "--stage I --rank R one)" \
             if recipe.ranks > 1 else ""
         raise UserError(f"--stage {bad[0]}: expected a stage of {recipe.path}, "
                         f"0..{len(plan.stages) - 1}{grid}")
+    if rank is not None and (recipe.ranks == 1 or len(only or []) != 1 or rank >= recipe.ranks):
+        raise UserError(f"--rank {rank}: expected one --stage I and a rank 0..{recipe.ranks - 1} of "
+                        f"{recipe.path}'s [parallel] ranks = {recipe.ranks}" if recipe.ranks > 1 else
+                        f"--rank {rank}: {recipe.path} does not split its stages ([parallel] ranks = 1)")
     out = Path(out)
-    # A killed run leaves a stage's staging folder behind; it is ours, so clear it before the check.
-    for stale in [*out.glob("stage-*/.k3export-stage-*"), *out.glob("stage-*/rank-*/.k3export-stage-*")]:
+    # A killed run leaves a staging folder behind; it is ours (in rank mode only this rank's: the
+    # other ranks' processes may be writing theirs), so clear it before the check.
+    patterns = [f"{rank_folder(only[0], rank)}/.k3export-stage-*"] if rank is not None else \
+        ["stage-*/.k3export-stage-*", "stage-*/rank-*/.k3export-stage-*"]
+    for stale in [path for pattern in patterns for path in out.glob(pattern)]:
         shutil.rmtree(stale, ignore_errors=True)
     OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
     _refuse_other_ranks(out, recipe)
-    settings = _settings(recipe, backend, no_weights, taps)
-    previous = _previous(out, settings)
+    settings = _settings(recipe, backend, no_weights, taps, strip)
     manifest: dict[str, Any] = {
         "written_by": WRITTEN_BY, "command": "build", "recipe_file": str(recipe.path),
         "recipe_sha256": recipe.sha256, "recipe": recipe.data, "settings": settings,
@@ -229,6 +306,10 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
                      "decode": {"batch": recipe.decode_batch}},
         "versions": _versions(backend), "stages": [], "files": {},
     }
+    if rank is not None:
+        return _build_rank(recipe, plan, only[0], rank, out, backend, no_weights, taps, strip, overwrite,
+                           manifest, log)
+    previous = _previous(out, settings)
     for i, stage in track(enumerate(plan.stages), "build: stages", total=len(plan.stages)):
         layers = [stage.layers.start, stage.layers.stop]
         entry = next((e for e in previous if e.get("index") == i and e.get("layers") == layers), None)
@@ -240,7 +321,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         else:
             log(f"stage {i} (layers {layers[0]}..{layers[1] - 1}, {stage.weight_bytes / 1e9:.3g} GB of "
                 f"weights): {problem}, building ({backend})")
-            entry = _build_stage(recipe, plan, i, out, backend, no_weights, taps, overwrite, log)
+            entry = _build_stage(recipe, plan, i, out, backend, no_weights, taps, strip, overwrite, log)
             gc.collect()
         manifest["stages"].append(entry)
         manifest["files"] = {name: rec for e in manifest["stages"] for name, rec in e["files"].items()}
@@ -253,7 +334,8 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
 def cmd_build_recipe(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
-                            taps=True if args.taps else None, only=args.stage, overwrite=args.overwrite)
+                            taps=True if args.taps else None, strip=args.strip, only=args.stage,
+                            rank=args.rank, overwrite=args.overwrite)
     built = [s for s in manifest["stages"] if s["files"]]
     size = sum(r["bytes"] for r in manifest["files"].values())
     print(f"wrote {args.out}/{MANIFEST}: {len(built)} of {len(manifest['stages'])} stages "
@@ -267,7 +349,8 @@ def add_build_arguments(build: argparse.ArgumentParser) -> None:
     build.add_argument("recipe", nargs="?", metavar="RECIPE", type=existing_file,
                        help="a recipe (engines/*.toml): build every pipeline stage into --out DIR")
     build.add_argument("--backend", choices=BACKENDS, help="with RECIPE: instead of the recipe's backend "
-                       "(onnx stops after the export)")
+                       "(onnx stops after the export); with --onnx DIR: tensorrt-rtx (the default) or "
+                       "tensorrt (full TensorRT, on a machine with the target GPU)")
     build.add_argument("--no-weights", action="store_true",
                        help="with RECIPE: graphs at real shapes, the weights as inputs (no checkpoint read)")
     build.add_argument("--taps", action="store_true",
@@ -275,5 +358,9 @@ def add_build_arguments(build: argparse.ArgumentParser) -> None:
                        "taps = true under the recipe's [build]), for `check --build DIR --taps`")
     build.add_argument("--stage", type=non_negative_int, action="append", metavar="I",
                        help="with RECIPE: build only stage I (repeatable); the others keep what they have")
+    build.add_argument("--rank", type=non_negative_int, metavar="R",
+                       help="with RECIPE and one --stage I of a split stage: build only its rank R, a "
+                       "process a rank (a host runs its 8 at once into one --out folder, each with "
+                       "CUDA_VISIBLE_DEVICES=R)")
     build.add_argument("--overwrite", action="store_true",
                        help="with RECIPE: write into a folder that holds other files (they are kept)")

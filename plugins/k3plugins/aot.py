@@ -1,7 +1,9 @@
-"""Ahead-of-time compilation of the kernel variants for sm_90, with no GPU needed.
+"""Ahead-of-time compilation of the kernel variants for a GPU architecture, with no GPU needed.
 
-Triton fills a kernel's register and spill counts only when a driver loads it, so the counts come
-from the bundled `ptxas -v` run over the PTX instead.
+Triton compiles capability 90 as sm_90a (H100/H200) and 100 as sm_100a (B200): the architecture-
+specific targets full TensorRT's AOT plugins embed for the GPU they are built on; sm89 and sm120 are
+TensorRT-RTX's. Triton fills a kernel's register and spill counts only when a driver loads it, so the
+counts come from the bundled `ptxas -v` run over the PTX instead.
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from k3plugins.variants import KernelVariant
 
-TARGET = GPUTarget("cuda", 90, 32)
-# The H200's driver (CUDA 13.0) takes PTX <= 9.0 and triton 3.6 emits at most 8.7.
+TARGETS = {name: GPUTarget("cuda", int(name[2:]), 32) for name in ("sm89", "sm90", "sm100", "sm120")}
+# The H200's driver (CUDA 13.0) takes PTX <= 9.0 and triton 3.6 emits at most 8.7 (enough for sm_100a).
 PTX_VERSION = 87
-SM90_MAX_SHARED_BYTES = 232448
+# Shared memory one block may use (227 KB on H100/H200 and B200, 99 KB on the SM89 and SM120 GPUs).
+MAX_SHARED_BYTES = {"sm89": 101376, "sm90": 232448, "sm100": 232448, "sm120": 101376}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
@@ -32,13 +36,22 @@ class KernelStats(NamedTuple):
     spill_loads: int
 
 
-def compile_variant(variant: KernelVariant) -> triton.compiler.CompiledKernel:
+def device_target() -> str:
+    """The TARGETS name of this machine's GPU 0 (GPU only: full TensorRT's AOT build runs there)."""
+    major, minor = torch.cuda.get_device_capability(0)
+    name = f"sm{major}{minor}"
+    if name not in TARGETS:
+        raise ValueError(f"GPU 0 is {name}: the k3 AOT kernels are compiled for {', '.join(TARGETS)}")
+    return name
+
+
+def compile_variant(variant: KernelVariant, target: str = "sm90") -> triton.compiler.CompiledKernel:
     # Pointers are assumed 16-byte aligned (torch and TensorRT allocate at 256 bytes), which lets
     # Triton vectorise loads; a launcher must not hand these kernels unaligned views.
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(variant.signature.items())
              if ty.startswith("*") or name in variant.divisible_by_16}
     source = ASTSource(variant.fn, variant.signature, variant.constexprs, attrs)
-    return triton.compile(source, target=TARGET,
+    return triton.compile(source, target=TARGETS[target],
                           options={"num_warps": variant.num_warps, "num_stages": variant.num_stages,
                                    "ptx_version": PTX_VERSION})
 

@@ -1,20 +1,19 @@
-"""Full TensorRT 10.x's `tensorrt.plugin` registration of the k3 ops, both compiled ahead of time.
+"""Full TensorRT's `tensorrt.plugin` registration of the k3 ops, each compiled ahead of time.
 
 UNEXECUTED: full TensorRT cannot be installed on the machines this was written on (and TensorRT-RTX
-ships no working `tensorrt.plugin`), so `register()` has never run; the plain parts it is built from
-(`kda_aot_kernel`, `kda_aot_launch`, `latent_mla_aot_kernel`, `latent_mla_aot_launch`, the
-definitions' shapes) are tested directly, the AOT kernels also for their PTX and, in Triton's
-interpreter, their numerics.
+ships no working `tensorrt.plugin`), so `register(trt)` has never run; the plain parts it is built
+from (the `*_aot_kernel` and `*_aot_launch` functions, the definitions' shapes) are tested directly,
+the AOT kernels also for their PTX on sm_90a and sm_100a (tests/test_aot.py) and, in Triton's
+interpreter, their numerics (tests/kernels).
 
-    import k3plugins.trt_aot
-    k3plugins.trt_aot.register()   # imports tensorrt.plugin; before parsing the ONNX file
+    k3export build --onnx DIR --backend tensorrt --target sm90   # calls register(tensorrt) itself
 
-Each op gets a just-in-time `impl` (Python at run time, the definitions' launch, as the IPluginV3
-adapters do) and an `aot_impl`: PTX baked into the engine, so that the engine runs without Python.
-TensorRT's ONNX parser picks per node: `aot = 1` (what `k3export export --aot-plugins` writes) asks
-for the AOT form, `aot = 0` for the JIT one; a node without the attribute follows the network's flag
-PREFER_AOT_PYTHON_PLUGINS or PREFER_JIT_PYTHON_PLUGINS, and with neither the plugin, having both
-forms, is refused.
+This is full TensorRT's one registration of each op (k3export.engine.flavours; TensorRT-RTX
+registers the IPluginV3 adapters of k3plugins.trt instead). Each `aot_impl` compiles its kernel for
+the GPU the build runs on (`aot.device_target()`: sm_90a on H100/H200, sm_100a on B200) and the
+engine holds the PTX, so it runs with no Python. KDA and LatentMLA also keep a just-in-time `impl`
+(Python at run time); the builder sets PREFER_AOT_PYTHON_PLUGINS, so the AOT form is built. The
+routed experts have the AOT form only.
 
 An AOT plugin is one kernel launch with no workspace and int32 scalar arguments only, so:
 - KDA runs the recurrence (exact for any T, the decode kernel) also for prefill: the chunked form is
@@ -24,11 +23,21 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   kernel. Decode is thus slower than under the JIT plugin. `scale`, the head dim and `v_dim` are
   model constants, taken from the node and compiled in as constexprs (an AOT scalar cannot be a
   float).
+- RoutedExperts(MXFP4) runs one program per token and block of 256 output columns over its k slots
+  (no expert sort, no h buffer, no atomics): the gate/up products are recomputed for each column
+  block (14 times at kimi-k3's L = 3584), which the grouped JIT kernels avoid. Widths, expert count,
+  top-k, the expert offset and the SiTU betas are compiled in.
 - KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
   IPluginV3 adapters declare it: the recurrent kernel is safe in place.
 An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
 take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
 kernel also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
+
+Open: `tensorrt.plugin` registers every plugin as version "1" (its plugin class sets
+plugin_version = "1": TensorRT's python/packaging/frontend_sdist/tensorrt/plugin/_plugin_class.py),
+while the exports name the routed experts plugin_version "2" (version 1 lacked expert_offset; the
+fields registered here include it). Until the exports' routed-experts nodes under --aot-plugins name
+version 1, the builder's plugin check refuses them under full TensorRT, naming each node.
 """
 
 import itertools
@@ -40,9 +49,10 @@ import triton
 import triton.language as tl
 
 from k3plugins import kernel_variants
-from k3plugins.aot import compile_variant
-from k3plugins.definitions import KDA, LATENT_MLA, PluginDefinition
+from k3plugins.aot import compile_variant, device_target
+from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, PluginDefinition
 from k3plugins.mla import PREFILL, _mla_attn_kernel, block_dims
+from k3plugins.moe import _tanh, _weight_tile
 from k3plugins.variants import KernelVariant
 
 # Any recurrent variant gives the kernel function; dtype and block sizes are chosen when compiling.
@@ -118,6 +128,101 @@ def latent_mla_aot_launch(q_dims: Sequence[Any], kv_dims: Sequence[Any]) -> tupl
     return (B * ((T + block_t - 1) // block_t), (H + block_h - 1) // block_h), [T, C, H]
 
 
+@triton.jit
+def _routed_experts_token(z, experts, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, u,
+                          PACKED: tl.constexpr, L: tl.constexpr, I: tl.constexpr, E: tl.constexpr,
+                          TOP_K: tl.constexpr, OFFSET: tl.constexpr, BETA: tl.constexpr,
+                          LINEAR_BETA: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    # Token n's output columns l0 .. l0 + BLOCK_L over its k slots: for each slot held here, h of one
+    # I block at a time (gate/up reduced over L, rounded to z's dtype as the eager op does), then its
+    # share of the down projection. Every program owns its outputs: no atomics, no zeroing, and the
+    # sum over the slots is in a fixed order. The gate/up work is repeated for each L block.
+    n = tl.program_id(0).to(tl.int64)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for j in range(TOP_K):
+        e = tl.load(experts + n * TOP_K + j) - OFFSET
+        if (e >= 0) & (e < E):  # pairs routed to experts held elsewhere add nothing
+            e = e.to(tl.int64)
+            routing = tl.load(weights + n * TOP_K + j)
+            for i0 in range(0, I, BLOCK_I):
+                offs_i = i0 + tl.arange(0, BLOCK_I)
+                mask_i = offs_i < I
+                a = tl.zeros([BLOCK_I], dtype=tl.float32)
+                b = tl.zeros([BLOCK_I], dtype=tl.float32)
+                for k0 in range(0, L, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    x = tl.load(z + n * L + offs_k, mask=offs_k < L, other=0.0)
+                    gate = _weight_tile(w1, w1_scale, e * I + offs_i, mask_i, k0, L, x.dtype, PACKED, BLOCK_I,
+                                        BLOCK_K)
+                    up = _weight_tile(w3, w3_scale, e * I + offs_i, mask_i, k0, L, x.dtype, PACKED, BLOCK_I,
+                                      BLOCK_K)
+                    xf = x.to(tl.float32)[None, :]
+                    a += tl.sum(gate.to(tl.float32) * xf, axis=1)
+                    b += tl.sum(up.to(tl.float32) * xf, axis=1)
+                h = BETA * _tanh(a / BETA) * tl.sigmoid(a) * (LINEAR_BETA * _tanh(b / LINEAR_BETA))
+                h = h.to(z.dtype.element_ty).to(tl.float32)
+                down = _weight_tile(w2, w2_scale, e * L + offs_l, mask_l, i0, I, z.dtype.element_ty, PACKED,
+                                    BLOCK_L, BLOCK_I)
+                acc += routing * tl.sum(down.to(tl.float32) * h[None, :], axis=1)
+    tl.store(u + n * L + offs_l, acc, mask=mask_l)
+
+
+@triton.jit
+def _routed_experts_aot_kernel(z, experts, weights, w1, w3, w2, u, L: tl.constexpr, I: tl.constexpr,
+                               E: tl.constexpr, TOP_K: tl.constexpr, OFFSET: tl.constexpr,
+                               BETA: tl.constexpr, LINEAR_BETA: tl.constexpr, BLOCK_L: tl.constexpr,
+                               BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+    _routed_experts_token(z, experts, weights, w1, None, w3, None, w2, None, u, False, L, I, E, TOP_K, OFFSET,
+                          BETA, LINEAR_BETA, BLOCK_L, BLOCK_I, BLOCK_K)
+
+
+@triton.jit
+def _routed_experts_mxfp4_aot_kernel(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                                     w2_scale, u, L: tl.constexpr, I: tl.constexpr, E: tl.constexpr,
+                                     TOP_K: tl.constexpr, OFFSET: tl.constexpr, BETA: tl.constexpr,
+                                     LINEAR_BETA: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr,
+                                     BLOCK_K: tl.constexpr):
+    _routed_experts_token(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale,
+                          u, True, L, I, E, TOP_K, OFFSET, BETA, LINEAR_BETA, BLOCK_L, BLOCK_I, BLOCK_K)
+
+
+# Output columns per program, intermediate rows per step, reduction step (a multiple of 32: MXFP4
+# scale groups); sized so that no variant spills on sm_90a or sm_100a (tests/test_aot.py).
+MOE_BLOCK_L, MOE_BLOCK_I, MOE_BLOCK_K = 256, 32, 64
+MOE_NUM_WARPS = 4
+
+
+def routed_experts_aot_kernel(dtype: str, packed: bool, L: int, I: int, E: int, top_k: int,
+                              expert_offset: int, beta: float, linear_beta: float) -> KernelVariant:
+    """The AOT RoutedExperts (float experts in `dtype`) or RoutedExpertsMXFP4 (int32 words) kernel for
+    z in `dtype`: the model's widths L and I, the E experts held (model experts expert_offset ..),
+    top_k and the SiTU betas compiled in (static in the network; an AOT scalar cannot be a float)."""
+    if packed and (L % 32 or I % 32):
+        raise ValueError(f"RoutedExpertsMXFP4: L={L} and I={I} must be multiples of 32")
+    t = _TRITON_DTYPES[dtype]
+    weight = "*i32" if packed else f"*{t}"
+    names = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale") if packed \
+        else ("w1", "w3", "w2")
+    signature = {"z": f"*{t}", "experts": "*i64", "weights": "*fp32", **dict.fromkeys(names, weight),
+                 "u": "*fp32"}
+    constexprs = {"L": L, "I": I, "E": E, "TOP_K": top_k, "OFFSET": expert_offset, "BETA": beta,
+                  "LINEAR_BETA": linear_beta, "BLOCK_L": MOE_BLOCK_L, "BLOCK_I": MOE_BLOCK_I,
+                  "BLOCK_K": MOE_BLOCK_K}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    fn = _routed_experts_mxfp4_aot_kernel if packed else _routed_experts_aot_kernel
+    form = "mxfp4" if packed else t
+    return KernelVariant(f"routed_experts_aot_{t}_w{form}_l{L}_i{I}_e{E}_k{top_k}", fn, signature, constexprs,
+                         MOE_NUM_WARPS)
+
+
+def routed_experts_aot_launch(z_dims: Sequence[Any], L: int) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid, scalar args: none) from z [N, L]; N may be a `tensorrt.plugin` shape expression."""
+    return (z_dims[0], (L + MOE_BLOCK_L - 1) // MOE_BLOCK_L), []
+
+
 def _dtype_names(trt: Any) -> dict[Any, str]:
     return {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16", trt.int64: "int64"}
 
@@ -144,7 +249,7 @@ def _run(definition: PluginDefinition, tensors: Sequence[Any], fields: dict[str,
 def _aot_result(trtp: Any, variant: KernelVariant, grid: tuple[Any, Any],
                 scalars: list[Any]) -> tuple[Any, ...]:
     """What an `aot_impl` returns: kernel name, PTX, launch parameters and the scalar arguments."""
-    compiled = compile_variant(variant)
+    compiled = compile_variant(variant, device_target())  # the build GPU's: sm_90a, sm_100a
     params = trtp.KernelLaunchParams()
     params.grid_x, params.grid_y = grid
     params.block_x = compiled.metadata.num_warps * 32
@@ -168,9 +273,10 @@ def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
     return combinations
 
 
-def register() -> None:
-    """Registers k3::KDA and k3::LatentMLA with `tensorrt.plugin` (full TensorRT only). UNEXECUTED."""
-    import tensorrt as trt
+def register(trt: Any) -> dict[str, Any]:
+    """Registers k3::KDA, k3::LatentMLA, k3::RoutedExperts and k3::RoutedExpertsMXFP4 with
+    `tensorrt.plugin` (`trt` is full TensorRT's module; k3export.engine.flavours calls this for it).
+    Returns no creators: tensorrt.plugin keeps its own. UNEXECUTED (no full TensorRT here)."""
     import tensorrt.plugin as trtp
 
     Desc = trtp.TensorDesc
@@ -213,3 +319,49 @@ def register() -> None:
         variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale)
         grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr))
         return _aot_result(trtp, variant, grid, scalars)
+
+    def routed_experts_result(z, experts, w1, packed: bool, situ_beta: float, situ_linear_beta: float,
+                              expert_offset: int) -> tuple[Any, ...]:
+        # Every width is static in the network: L (z's), I (w1's rows, or its words' count), E, k.
+        L = z.shape_expr[1].constant_value()
+        rows = w1.shape_expr[1].constant_value()
+        variant = routed_experts_aot_kernel(names[z.dtype], packed, L, 8 * rows // L if packed else rows,
+                                            w1.shape_expr[0].constant_value(),
+                                            experts.shape_expr[1].constant_value(), expert_offset, situ_beta,
+                                            situ_linear_beta)
+        grid, scalars = routed_experts_aot_launch(list(z.shape_expr), L)
+        return _aot_result(trtp, variant, grid, scalars)
+
+    @trtp.register("k3::RoutedExperts")
+    def routed_experts_desc(z: Desc, experts: Desc, weights: Desc, w1: Desc, w3: Desc, w2: Desc,
+                            situ_beta: float, situ_linear_beta: float, expert_offset: int) -> Desc:
+        return output_descs(trtp, trt, ROUTED_EXPERTS, (z, experts, weights, w1, w3, w2), {})[0]
+
+    @trtp.autotune("k3::RoutedExperts")
+    def routed_experts_autotune(z, experts, weights, w1, w3, w2, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(ROUTED_EXPERTS, aot=True)]
+
+    @trtp.aot_impl("k3::RoutedExperts")
+    def routed_experts_aot(z, experts, weights, w1, w3, w2, situ_beta: float, situ_linear_beta: float,
+                           expert_offset: int, outputs, tactic: int):
+        return routed_experts_result(z, experts, w1, False, situ_beta, situ_linear_beta, expert_offset)
+
+    @trtp.register("k3::RoutedExpertsMXFP4")
+    def routed_experts_mxfp4_desc(z: Desc, experts: Desc, weights: Desc, w1_packed: Desc, w1_scale: Desc,
+                                  w3_packed: Desc, w3_scale: Desc, w2_packed: Desc, w2_scale: Desc,
+                                  situ_beta: float, situ_linear_beta: float, expert_offset: int) -> Desc:
+        tensors = (z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+        return output_descs(trtp, trt, ROUTED_EXPERTS_MXFP4, tensors, {})[0]
+
+    @trtp.autotune("k3::RoutedExpertsMXFP4")
+    def routed_experts_mxfp4_autotune(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale,
+                                      w2_packed, w2_scale, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(ROUTED_EXPERTS_MXFP4, aot=True)]
+
+    @trtp.aot_impl("k3::RoutedExpertsMXFP4")
+    def routed_experts_mxfp4_aot(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
+                                 w2_scale, situ_beta: float, situ_linear_beta: float, expert_offset: int,
+                                 outputs, tactic: int):
+        return routed_experts_result(z, experts, w1_packed, True, situ_beta, situ_linear_beta, expert_offset)
+
+    return {}

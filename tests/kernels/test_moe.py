@@ -15,7 +15,7 @@ from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3export.ops import mxfp4
-from k3plugins import moe
+from k3plugins import moe, trt_aot
 from k3plugins.definitions import ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -227,3 +227,42 @@ def test_plugin_launches() -> None:
     # The reference path (check --network) views the words back as the eager op's bytes.
     reference = ROUTED_EXPERTS_MXFP4.reference_arguments(plugin_inputs)
     assert all(torch.equal(a, b) for a, b in zip(reference[3:], packed, strict=True))
+
+
+def aot_routed_experts(z: Tensor, experts: Tensor, weights: Tensor, held: list[Tensor], packed: bool,
+                       expert_offset: int = 0) -> Tensor:
+    """The AOT plugin's kernel, launched as TensorRT would: the inputs in the plugin's order, then u."""
+    N, L = z.shape
+    E = held[0].shape[0]
+    I = 8 * held[0].shape[1] // L if packed else held[0].shape[1]
+    variant = trt_aot.routed_experts_aot_kernel(str(z.dtype).removeprefix("torch."), packed, L, I, E,
+                                                experts.shape[1], expert_offset, BETA, LINEAR_BETA)
+    grid, scalars = trt_aot.routed_experts_aot_launch(z.shape, L)
+    u = torch.full((N, L), float("nan"))  # every element is written
+    variant.fn[grid](z, experts, weights, *held, *scalars, u, **variant.constexprs,
+                     num_warps=variant.num_warps)
+    return u
+
+
+# Each dtype with each expert form once, over the two cases (k = 2 random; k = 3, unused experts).
+@pytest.mark.parametrize(("case", "dtype", "packed"), [
+    (CASES[0], torch.float32, False), (CASES[2], torch.float16, False),
+    (CASES[2], torch.float32, True), (CASES[0], torch.float16, True)],
+    ids=["fp32_float_k2", "fp16_float_k3_unused", "fp32_mxfp4_k3_unused", "fp16_mxfp4_k2"])
+def test_aot_kernel(case, dtype: torch.dtype, packed: bool) -> None:
+    """The single-launch kernel RoutedExperts(MXFP4)'s aot_impl embeds, against the eager op; with
+    expert_offset 2 (experts 2 .. E-1 held) so that pairs routed elsewhere add nothing."""
+    z, experts, weights, dense = inputs(*case)
+    z = z.to(dtype)
+    held = [w[2:] for w in dense]
+    if packed:
+        codes = [part for w in held for part in mxfp4.quantize(w)]
+        u = aot_routed_experts(z, experts, weights, [moe.words(c) for c in codes], True, 2)
+        expected = torch.ops.k3.routed_experts_mxfp4(z.double(), experts, weights.double(), *codes, BETA,
+                                                     LINEAR_BETA, 2)
+    else:
+        held = [w.to(dtype) for w in held]
+        u = aot_routed_experts(z, experts, weights, held, False, 2)
+        expected = torch.ops.k3.routed_experts(*doubles([z, experts, weights, *held]), BETA, LINEAR_BETA, 2)
+    assert not u.isnan().any()
+    assert rel_error(u, expected) < TOLERANCES[dtype]

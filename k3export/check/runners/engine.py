@@ -25,6 +25,7 @@ import numpy as np
 
 from k3export.check.driver import run_check
 from k3export.errors import UserError
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 from k3export.onnx.runner import Signature, StatefulRunner
 
 
@@ -54,6 +55,22 @@ def engine_targets(path: str | Path) -> list[tuple[Path, Path]]:
     return [(path, Path(export))]
 
 
+def require_routing_outputs(engine: Path, export: Path) -> None:
+    """Refuses a half-precision engine whose export does not output its expert choices: the check
+    holds the eager routers to them, and an engine's outputs are fixed when it is built."""
+    try:
+        manifest = json.loads((export / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return  # the check's own read of the export names what is wrong with it
+    if manifest.get("dtype", "float32") != "float32" and "routing_outputs" not in manifest:
+        raise UserError(f"--engine {engine}: a {manifest['dtype']} check holds the eager model to the "
+                        f"engine's own expert choices, and {export / MANIFEST_FILE} lists no routing "
+                        "outputs; "
+                        "build the engine to check from `k3export export --routing-outputs` (a checking "
+                        "engine: its extra outputs change nothing else the graph computes, measured in ONNX "
+                        "Runtime and on the parsed network), or check a float32 engine")
+
+
 def require_engine_runtime() -> None:
     """Refuses, naming what is missing, unless a GPU and TensorRT (either flavour) are present."""
     import torch
@@ -73,23 +90,27 @@ def require_engine_runtime() -> None:
 class EngineRunner(StatefulRunner):
     """A TensorRT engine through Polygraphy's TrtRunner, which copies the caches in and out (numpy)."""
 
-    def __init__(self, engine: Path, signature: Signature, name: str = "engine") -> None:
+    def __init__(self, engine: Path, signature: Signature, weights: Path, name: str = "engine",
+                 routing: list[str] | None = None) -> None:
         super().__init__(signature, name)
         self.engine = engine
+        self.weights = weights  # the export's model.onnx: a weight-stripped engine is refitted from it
+        self.routing = routing or []  # export --routing-outputs: engine outputs returned too
 
     def activate_impl(self) -> None:
         from polygraphy import config
 
-        if importlib.util.find_spec("tensorrt") is None:
-            config.USE_TENSORRT_RTX = True  # polygraphy then imports tensorrt_rtx as trt
-        from polygraphy.backend.common import BytesFromPath
-        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
-        from polygraphy.mod.trt_importer import lazy_import_trt
+        from k3export.engine.build import load_engine
+        from k3export.engine.flavours import load_tensorrt, register_plugins
+        from k3export.engine.trt_log import tensorrt_logger
 
-        import k3plugins.trt
+        backend = "tensorrt" if importlib.util.find_spec("tensorrt") else "tensorrt-rtx"
+        config.USE_TENSORRT_RTX = backend == "tensorrt-rtx"  # which module Polygraphy imports as trt
+        from polygraphy.backend.trt import TrtRunner
 
-        k3plugins.trt.register(lazy_import_trt())  # the k3 plugins the engine was built with
-        self.runner = TrtRunner(EngineFromBytes(BytesFromPath(str(self.engine))))
+        trt = load_tensorrt(backend)
+        register_plugins(trt)  # the k3 plugins the engine was built with, as its flavour registers them
+        self.runner = TrtRunner(load_engine(trt, tensorrt_logger(trt), self.engine, self.weights))
         self.runner.activate()
 
     def deactivate_impl(self) -> None:
@@ -97,7 +118,8 @@ class EngineRunner(StatefulRunner):
 
     def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         outputs = self.runner.infer({**feeds, **self.caches}, check_inputs=False)
-        results = OrderedDict((s.name, np.array(outputs[s.name])) for s in self.signature.outputs)
+        names = [*self.routing, *(s.name for s in self.signature.outputs)]
+        results = OrderedDict((name, np.array(outputs[name])) for name in names)
         self.keep_caches(results)
         return results
 
@@ -106,17 +128,16 @@ def run_engine_check(path: str | Path, log: Any = print, **options: Any) -> dict
     """Every engine of `path` through check's driver; the report of the first that fails, or of the
     last (all passed), with "engines": each engine's verdict."""
     targets = engine_targets(path)
+    for engine, export in targets:
+        require_routing_outputs(engine, export)
     require_engine_runtime()
     reports = []
     for engine, export in targets:
         log(f"engine {engine} (export {export})")
 
-        def runner(signature: Signature, extra_outputs: list[str], engine: Path = engine) -> StatefulRunner:
-            if extra_outputs:
-                raise UserError(f"--engine {engine}: a half-precision check holds the eager model to the "
-                                "graph's expert choices, which an engine does not output; check the export "
-                                "with --onnx or --network, or a float32 engine")
-            return EngineRunner(engine, signature)
+        def runner(signature: Signature, extra_outputs: list[str], engine: Path = engine,
+                   export: Path = export) -> StatefulRunner:
+            return EngineRunner(engine, signature, export / GRAPH_FILE, routing=extra_outputs)
 
         reports.append(run_check(export, log=log, graph_runner=runner, **options))
         reports[-1]["engine"] = str(engine)

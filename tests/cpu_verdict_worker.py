@@ -1,0 +1,23 @@
+"""One instruction-set leg of tests/test_cpu_verdicts.py: checks run in a process of its own, because
+ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY are read once per process.
+
+    python tests/cpu_verdict_worker.py SPEC.json
+
+SPEC: [{"kind": "onnx" | "network", "folder": DIR, "steps": N}, ...]. Prints the checks' reports, a
+JSON list.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from k3export.check.driver import run_check
+from k3export.check.runners.network import run_network_check
+
+if __name__ == "__main__":
+    runs = {"onnx": run_check, "network": run_network_check}
+    checks = json.loads(Path(sys.argv[1]).read_text())
+    print(json.dumps([runs[c["kind"]](c["folder"], steps=c["steps"], log=lambda line: None) for c in checks],
+                     default=str))
