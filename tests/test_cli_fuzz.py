@@ -5,8 +5,10 @@ negatives, huge), floats (nan, inf, negatives), strings, token ids past the voca
 do not exist, a file where a folder is expected and the reverse, a folder of someone else's files,
 and options repeated or in conflict. Every run must end with exit 0 or 2 (exit 1, a failed check,
 cannot happen: every artifact drawn is good) and print neither a traceback nor "internal error"; a
-value its option's own type refuses, or a token id past the vocabulary, must end in exit 2 naming
-the option. The options each example drew are recorded, and every drawable one must have been drawn.
+value its option's own type refuses must end in exit 2 naming the option, and a `run` with a token
+id past the vocabulary in exit 2. Besides the generated examples, explicit ones add each option once with an edge value
+to a valid command (the sweep); the options the examples drew are recorded as they run, and every
+drawable one must have been drawn, and every program's work reached.
 
 Commands run in this process (`k3export.cli.main`, the runtime's `main`) against a k3-tiny build
 made once (one stage, whose folder is also an export). Some drawn commands would do real work far
@@ -26,13 +28,13 @@ import io
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from k3export.cli import build_parser, main
@@ -143,7 +145,13 @@ def paths(build: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, st
              "checkpoint": checkpoint, "recipe": recipe, "theirs": theirs, "file": root / "notes.txt",
              "empty": root / "empty", "missing": root / "missing", "deeper": root / "missing/deeper",
              "below a file": root / "notes.txt/below"}
-    return {name: str(path) for name, path in named.items()}
+    assert list(named) == PATHS
+    return {f"{{{name}}}": str(path) for name, path in named.items()}
+
+
+# The paths' names: vectors hold them as "{name}" and each run puts in the fixture's paths.
+PATHS = ["build", "export", "manifest", "config", "graph", "checkpoint", "recipe", "theirs", "file", "empty",
+         "missing", "deeper", "below a file"]
 
 
 # Valid commands that a drawn vector starts from two times in three (drawn options are added after: a
@@ -163,8 +171,9 @@ BASES = {
 }
 
 
-def values(action: argparse.Action, paths: list[str]) -> st.SearchStrategy[str]:
+def values(action: argparse.Action) -> st.SearchStrategy[str]:
     """Values for one option: mostly of the kind its type parses, sometimes of any kind."""
+    paths = [f"{{{name}}}" for name in PATHS]
     anything = st.one_of(integers.map(str), floats, texts, st.sampled_from(paths))
     kind = getattr(action.type, "__name__", "")
     if action.choices:
@@ -210,7 +219,7 @@ class Vector:
 
 
 @st.composite
-def argument_vectors(draw: st.DrawFn, paths: dict[str, str]) -> Vector:
+def argument_vectors(draw: st.DrawFn) -> Vector:
     """A subcommand of k3export (or the runtime's parser), about as often as it has options, and one
     of its options or positionals in the spotlight (so that every one is drawn within the examples);
     two times in three one of its BASES with the spotlight and other options added, else one member
@@ -221,12 +230,11 @@ def argument_vectors(draw: st.DrawFn, paths: dict[str, str]) -> Vector:
     program = draw(st.sampled_from([p for p in sorted(parsers) for _ in range(weights[p])]))
     parser = parsers[program]
     actions = drawable(parser)
-    pool = list(paths.values())
     # The first of a shuffle: sampled_from's draws left some options undrawn in 1000 examples.
     spotlight = draw(st.permutations(actions))[0]
     # A base command holds its positionals: a positional in the spotlight is drawn without one.
     based = program in BASES and bool(spotlight.option_strings) and draw(st.integers(0, 2)) > 0
-    argv = [a.format(**paths) for a in draw(st.sampled_from(BASES[program]))] if based else []
+    argv = list(draw(st.sampled_from(BASES[program]))) if based else []
     given = [a for a in actions if set(a.option_strings) & set(argv)]
     chosen = [spotlight] if spotlight.option_strings else []
     for group in parser._mutually_exclusive_groups:
@@ -240,13 +248,13 @@ def argument_vectors(draw: st.DrawFn, paths: dict[str, str]) -> Vector:
     drawn: list[tuple[argparse.Action, str | None]] = []
     for action in chosen:
         argv.append(draw(st.sampled_from(action.option_strings)))
-        value = None if action.nargs == 0 else draw(values(action, pool))
+        value = None if action.nargs == 0 else draw(values(action))
         argv += [] if value is None else [value]
         drawn.append((action, value))
     for action in actions:
         if not action.option_strings and not based and (action.nargs != "?" or action is spotlight
                                                          or draw(st.booleans())):
-            drawn.append((action, draw(values(action, pool))))
+            drawn.append((action, draw(values(action))))
             argv.append(drawn[-1][1])
     return Vector(program, parser, argv if program == "runtime" else [program, *argv], drawn,
                   given + [a for a, _ in drawn])
@@ -285,34 +293,74 @@ def run(program: str, argv: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-# The (program, option or positional) pairs the fuzz's examples drew, as they ran.
+def edge_value(action: argparse.Action) -> str:
+    """One value at an edge of what the option takes: its last choice, a folder of someone else's
+    files, the first token id past the vocabulary, 0, nan, or nothing."""
+    kind = getattr(action.type, "__name__", "")
+    if action.choices:
+        return str(list(action.choices)[-1])
+    if kind.startswith("existing") or action.metavar in ("DIR", "FILE", "PATH", "RECIPE"):
+        return "{theirs}"
+    if action.metavar in ("ID", "IDS"):
+        return str(VOCABULARY)
+    return "0" if kind.startswith("integer") else "nan" if kind.startswith("number") else ""
+
+
+def sweep() -> list[Vector]:
+    """Every option of every parser once, added to the program's first base command with its edge
+    value, and every positional alone: the fuzz's explicit examples, so that each option is drawn
+    whatever the generated examples draw (they favour some: 1000 of them left options undrawn)."""
+    vectors = []
+    for program, parser in programs().items():
+        for action in drawable(parser):
+            value = None if action.nargs == 0 else edge_value(action)
+            argv = [*BASES.get(program, [[]])[0], action.option_strings[-1]] if action.option_strings else []
+            argv += [] if value is None else [value]
+            given = [a for a in drawable(parser) if set(a.option_strings) & set(argv)]
+            vectors.append(Vector(program, parser, argv if program == "runtime" else [program, *argv],
+                                  [(action, value)], [*given, action]))
+    return vectors
+
+
+def with_the_sweep(test: Callable[..., None]) -> Callable[..., None]:
+    for vector in sweep():
+        test = example(vector=vector)(test)
+    return test
+
+
+# The (program, option or positional) pairs the fuzz's examples drew, and the programs whose examples
+# reached their work (exit 0), as they ran.
 DRAWN: dict[str, set[str]] = collections.defaultdict(set)
+REACHED: set[str] = set()
 
 
-@settings(max_examples=int(os.environ.get("K3EXPORT_FUZZ_EXAMPLES", 1000)), derandomize=True,
+@settings(max_examples=int(os.environ.get("K3EXPORT_FUZZ_EXAMPLES", 300)), derandomize=True,
           deadline=timedelta(seconds=60), database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(data=st.data())
-def test_every_option_value_ends_in_exit_0_or_2(paths: dict[str, str], data: st.DataObject) -> None:
-    vector = data.draw(argument_vectors(paths))
-    DRAWN[vector.program] |= {named(action) for action, _ in vector.drawn}
-    code, printed = run(vector.program, vector.argv)
+@with_the_sweep
+@given(vector=argument_vectors())
+def test_every_option_value_ends_in_exit_0_or_2(paths: dict[str, str], vector: Vector) -> None:
+    argv = [paths.get(a, a) for a in vector.argv]
+    drawn = [(action, paths.get(value, value) if value else value) for action, value in vector.drawn]
+    DRAWN[vector.program] |= {named(action) for action, _ in drawn}
+    code, printed = run(vector.program, argv)
     event(f"{vector.program}: exit {code}")
     assert code in (0, 2), (code, printed[-3000:])
     assert "Traceback" not in printed and "internal error" not in printed, printed[-3000:]
-    culprits = [a for a, value in vector.drawn if refused_by_its_type(a, value)]
+    REACHED.update([vector.program] if code == 0 else [])
+    culprits = [a for a, value in drawn if refused_by_its_type(a, value)]
     if culprits:
         assert code == 2, (code, [named(a) for a in culprits], printed[-3000:])
         # argparse names the first value it cannot take: one its type refuses, unless another action
         # of an exclusive group came first. (A value that looks like an option, "-inf", is not taken
         # as a value at all: argparse's message then names what is missing or unrecognized.)
-        if not any(value and value.startswith("-") for _, value in vector.drawn):
+        if not any(value and value.startswith("-") for _, value in drawn):
             clash = any(len(set(g._group_actions) & set(vector.given)) > 1
                         for g in vector.parser._mutually_exclusive_groups)
             error = re.search(r"error: argument (\S+): ", printed)
             assert error and error.group(1) in {named(a) for a in (vector.given if clash else culprits)}, \
                 printed[-3000:]
-    elif vector.program == "run" and any(past_the_vocabulary(a, value) for a, value in vector.drawn):
+    elif vector.program == "run" and any(past_the_vocabulary(a, value) for a, value in drawn):
         # Refused naming the token id, or for another of its values first (a folder that is no build).
         # (The runtime checks its request once its process group is up: past where it stops here.)
         assert code == 2, printed[-3000:]
@@ -320,13 +368,15 @@ def test_every_option_value_ends_in_exit_0_or_2(paths: dict[str, str], data: st.
 
 def test_the_fuzz_reaches_every_subcommand_and_option(paths: dict[str, str]) -> None:
     """Every option and positional of every parser (but those in NOT_DRAWN) was drawn by the fuzz's
-    derandomized examples, as recorded while they ran; and no numeric option parses a plain int or
-    float (it would take 0, negatives, nan and inf)."""
+    examples, as recorded while they ran; every program's examples reached its work (exit 0) at
+    least once; and no numeric option parses a plain int or float (it would take 0, negatives, nan
+    and inf)."""
     if not DRAWN:  # run on its own (-k): the fuzz first, as the suite runs it
         test_every_option_value_ends_in_exit_0_or_2(paths=paths)
     missed = {program: sorted({named(a) for a in drawable(parser)} - DRAWN[program])
               for program, parser in programs().items()}
     assert not any(missed.values()), f"never drawn: {missed}"
+    assert set(programs()) == REACHED, f"never past their input checks: {set(programs()) - REACHED}"
     plain = [(name, a.dest) for name, parser in programs().items() for a in parser._actions
              if a.type in (int, float)]
     assert not plain, f"numeric options without a range (use k3export.options' types): {plain}"
