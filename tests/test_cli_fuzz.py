@@ -6,9 +6,9 @@ do not exist, a file where a folder is expected and the reverse, a folder of som
 and options repeated or in conflict. Every run must end with exit 0 or 2 (exit 1, a failed check,
 cannot happen: every artifact drawn is good) and print neither a traceback nor "internal error"; a
 value its option's own type refuses must end in exit 2 naming the option, and a `run` with a token
-id past the vocabulary in exit 2. Besides the generated examples, explicit ones add each option once with an edge value
-to a valid command (the sweep); the options the examples drew are recorded as they run, and every
-drawable one must have been drawn, and every program's work reached.
+id past the vocabulary in exit 2. Besides the generated examples, explicit ones add each option
+once with an edge value to a valid command (the sweep); the options the examples drew are recorded
+as they run, and every drawable one must have been drawn, and every program's work reached.
 
 Commands run in this process (`k3export.cli.main`, the runtime's `main`) against a k3-tiny build
 made once (one stage, whose folder is also an export). Some drawn commands would do real work far
