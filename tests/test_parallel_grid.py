@@ -120,8 +120,8 @@ def test_a_failed_rank_stops_the_others(grid_build: Path, fault: str) -> None:
     # torchrun polls every 2 s, so that the processes linked with a dead one meet its broken links
     # before torchrun stops them (at its default 0.1 s, its SIGTERM may come first and name nobody).
     command = torchrun_command(4, "--monitor-interval", "2", "-m", "k3export.runtime", str(grid_build),
-                               "--batch", "2", "--prompt-len", "8", "--max-new-tokens", "50", "--threads", "1",
-                               "--timeout", "3")
+                               "--batch", "2", "--prompt-len", "8", "--max-new-tokens", "50",
+                               "--threads", "1", "--timeout", "3")
     named = (r"stage 1 rank 1 \(process 3\) (did not join a sum|took nothing or sent nothing) for 3 s "
              r"\(--timeout\): it died or hangs")
     code, err = fault_a_worker(command, "k3export.runtime: 2 stages x 2 ranks", 3, fault, named)
