@@ -124,9 +124,9 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def paths(build: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Paths a user might give, by name: the tiny build, its export and files of it, a recipe, a
-    published checkpoint with a shard missing, and wrong ones: missing, a file, an empty folder, a
-    folder of someone else's files, a path below a file."""
+    """Paths a user might give, by their placeholder "{name}" (PATHS): the tiny build, its export and
+    files of it, a recipe, a published checkpoint with a shard missing, and wrong ones: missing, a
+    file, an empty folder, a folder of someone else's files, a path below a file."""
     root = tmp_path_factory.mktemp("fuzz")
     model = K3ForCausalLM(K3Config.from_preset("k3-tiny")).eval()
     model.init_weights(0)
