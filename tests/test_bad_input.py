@@ -3,7 +3,7 @@
 own would only add seconds of imports) and asserts the exit code (2), that the message names the
 culprit, that no traceback is printed, and that files already there (a user's file, a previous good
 artifact) are unchanged.
-Also: runs killed at chosen points and at a random one leave no incomplete file at a final name,
+Also: runs killed at chosen points and at seeded random moments leave no incomplete file at a final name,
 and the rerun completes and verifies."""
 
 from __future__ import annotations
@@ -69,10 +69,16 @@ def test_export_refuses_a_folder_with_a_users_file(tmp_path):
 RANGE_EXPORT = ("export", "--preset", "k3-tiny", "--seed", "0", "--layers", "0:2")
 
 
+# Seconds range_export's export took, in this process (the kill test's moments are fractions of it).
+EXPORT_SECONDS: dict[str, float] = {}
+
+
 @pytest.fixture(scope="module")
 def range_export(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("range") / "export"
+    started = time.perf_counter()
     assert main([*RANGE_EXPORT, "--out", str(folder)]) == 0
+    EXPORT_SECONDS["range"] = time.perf_counter() - started
     return folder
 
 
@@ -291,15 +297,23 @@ def test_killed_exports_leave_no_incomplete_file_and_rerun(range_export, tmp_pat
         ["config.json", "export.json", "model.onnx", "model.onnx.data", ".k3export-verified.json"])
 
 
-def test_export_killed_at_a_random_moment(range_export, tmp_path):
+def test_export_killed_at_random_moments(range_export, tmp_path):
+    """Three exports into one folder, each killed (SIGKILL) at a moment drawn with a fixed seed
+    after its output folder appeared, while it still ran: each leaves no incomplete file at a final
+    name; then the rerun completes and verifies. The moments are fractions of this machine's
+    in-process export time (range_export's), so most land in the export and some in its commit."""
     folder = tmp_path / "random"
     args = [sys.executable, "-m", "k3export.cli", *RANGE_EXPORT, "--out", str(folder)]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # The export's process takes about 9 s here: most draws land in the export, some in its commit.
-    time.sleep(random.Random(os.getpid()).uniform(1.0, 8.0))
-    process.kill()
-    process.wait()
-    if folder.exists():
+    draws = random.Random(25)
+    for _ in range(3):
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not folder.exists():  # the imports and the model come first
+            assert process.poll() is None, "the export ended before its folder appeared"
+            time.sleep(0.02)
+        time.sleep(draws.uniform(0.0, 0.7) * EXPORT_SECONDS["range"])
+        assert process.poll() is None, "the export ended before it could be killed"
+        process.kill()
+        assert process.wait() == -signal.SIGKILL
         _complete(folder, range_export)
     assert main([*RANGE_EXPORT, "--out", str(folder), "--quiet"]) == 0
     assert main(["verify", str(folder)]) == 0

@@ -20,11 +20,16 @@ def test_info_kimi_k3(capsys):
     assert "1.06 GFLOP in the top-16 of 896 routed experts" in out
 
 
-def test_info_json_from_config_file(tmp_path, capsys, tiny_config):
+def test_info_json_from_config_file(tmp_path, capsys, tiny_config, tiny_model):
+    """The counts are the eager model's own (its parameters counted here, not the report's sum of its
+    parts, which holds by construction)."""
     tiny_config.to_json(tmp_path / "config.json")
     assert main(["info", "--config", str(tmp_path / "config.json"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["parameters"]["total"] == sum(p.numel() for p in tiny_model.parameters())
     assert report["parameters"]["total"] == sum(report["parameters"]["by_component"].values())
+    weights = sum(p.numel() * p.element_size() for p in tiny_model.parameters())
+    assert report["weight_bytes"]["all_in_model_dtype"] == weights
 
 
 def test_bad_config_is_a_clear_error(tmp_path, capsys):

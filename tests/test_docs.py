@@ -108,12 +108,21 @@ def test_command_lines_parse(page: str, argv: list[str], capsys, tmp_path, monke
         pytest.fail(f"{page}: `k3export {' '.join(argv)}` does not parse: {capsys.readouterr().err}")
 
 
+def test_every_command_is_documented_with_a_command_line() -> None:
+    """Each subcommand has at least one command line in the docs, and so is parsed by
+    test_command_lines_parse (were the pattern to find none, those tests would be empty and pass)."""
+    documented_commands = {argv[0] for _, argv in documented()}
+    assert documented_commands == set(subparsers(build_parser())), documented_commands
+
+
 def test_commands_named_in_the_text_exist() -> None:
     parser = build_parser()
     commands_ = subparsers(parser)
     globals_ = {o for a in parser._actions for o in a.option_strings}
     wrong = []
-    for page, argv in named_inline():
+    inline = list(named_inline())
+    assert inline, "no `k3export ...` found in the text: the pattern no longer matches the docs"
+    for page, argv in inline:
         while argv and argv[0] in globals_:
             argv = argv[1:]
         if not argv or argv[0] not in commands_:

@@ -2,8 +2,11 @@
 model, half precision, determinism, layer ranges, and a check that fails when it should."""
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +14,7 @@ import onnx
 import pytest
 import torch
 from polygraphy.json import load_json
+from reference import rel_error
 
 from k3export.artifacts import file_record, sha256
 from k3export.check.driver import run_check
@@ -102,17 +106,36 @@ def test_onnxruntime_matches_eager_fp32(tiny_export, batch, prompt_len, steps, c
     assert len(report["steps"][0]["outputs"]) == 1 + 6 * 4 + 3  # logits, KDA state + 3 tails, MLA
 
 
-def test_polygraphy_replay_files(tiny_export):
+def test_polygraphy_replay_files(tiny_export, tiny_model):
+    """check's replay files hold what the printed `polygraphy run` needs, and the right numbers: the
+    golden logits are the eager model's on the saved inputs (computed here, apart from check), and
+    ONNX Runtime on those inputs gives them within float32's bound (relative error <= 1e-4 at the
+    rows' valid positions), and every output within the command's --atol/--rtol, as Polygraphy
+    compares (|a - b| <= atol + rtol |b|). (That atol is at least twice the prefill's own error, so
+    the replay alone would pass a wrong export: the bound is what fails it.)"""
+    import onnxruntime as ort
     from polygraphy.comparator import RunResults
-    from polygraphy.json import load_json
 
     report = run_check(tiny_export, steps=0, log=lambda _: None)
-    inputs = load_json(str(tiny_export / "check" / "inputs.json"))
-    golden = RunResults.load(str(tiny_export / "check" / "golden.json"))
+    (inputs,) = load_json(str(tiny_export / "check" / "inputs.json"))
+    (golden,) = RunResults.load(str(tiny_export / "check" / "golden.json"))["eager"]
     manifest = json.loads((tiny_export / "export.json").read_text())
-    assert list(inputs[0]) == [s["name"] for s in manifest["inputs"]]
-    assert list(golden.keys()) == ["eager"] and "logits" in golden["eager"][0]
-    assert "--load-inputs" in report["polygraphy_command"]
+    assert list(inputs) == [s["name"] for s in manifest["inputs"]]
+    lengths = inputs["input_lengths"]
+    with torch.no_grad():
+        logits, _ = tiny_model(torch.from_numpy(inputs["input_ids"]),
+                               tiny_model.empty_cache(len(lengths), 128), torch.from_numpy(lengths))
+    session = ort.InferenceSession(str(tiny_export / "model.onnx"), providers=["CPUExecutionProvider"])
+    replayed = dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs), strict=True))
+    for row, length in enumerate(lengths):  # past a row's length, its positions are padding
+        np.testing.assert_allclose(golden["logits"][row, :length], logits[row, :length].numpy(), rtol=1e-5,
+                                   atol=1e-5)
+        assert rel_error(torch.from_numpy(replayed["logits"][row, :length]), logits[row, :length]) <= 1e-4
+    command = report["polygraphy_command"]
+    assert f"--load-inputs {tiny_export / 'check' / 'inputs.json'}" in command
+    atol, rtol = (float(re.search(rf"--{name} (\S+)", command).group(1)) for name in ("atol", "rtol"))
+    for name, value in golden.items():
+        assert np.all(np.abs(replayed[name] - value) <= atol + rtol * np.abs(value)), name
 
 
 def test_float16_export(tmp_path):
@@ -174,7 +197,13 @@ def test_aot_plugins_export(tiny_export, aot_export):
 
 
 def test_exports_are_deterministic(tiny_export, tmp_path):
-    again = export(tmp_path / "again", "--preset", "k3-tiny", "--seed", "0")
+    """The same export again, in a process of its own with another PYTHONHASHSEED (set iteration
+    order and hashes differ): byte-identical files."""
+    again = tmp_path / "again"
+    seed = str(int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 1)
+    subprocess.run([sys.executable, "-m", "k3export.cli", "export", "--preset", "k3-tiny", "--seed", "0",
+                    "--out", str(again), "--quiet"], check=True, capture_output=True, timeout=600,
+                   env={**os.environ, "PYTHONHASHSEED": seed})
     for name in ("model.onnx", "model.onnx.data", "config.json"):
         assert sha256(again / name) == sha256(tiny_export / name), name
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -31,14 +32,21 @@ GRID_WORKER = Path(__file__).with_name("parallel_grid_worker.py")
 @pytest.fixture(scope="module")
 def rank_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Ranks 0 and 1 of 2 (grid/rank-{r}); and layer 0 of rank 1 twice (attention and a dense MLP,
-    each followed by its sum: enough for byte identity, and cheap)."""
+    each followed by its sum: enough for byte identity, and cheap), the second in a process of its
+    own with another PYTHONHASHSEED."""
     folder = tmp_path_factory.mktemp("rank_exports")
     exports = {}
     exported = (("rank0", 0, ":"), ("rank1", 1, ":"), ("first", 1, "0:1"), ("again", 1, "0:1"))
     for name, rank, layers in exported:
         exports[name] = folder / (f"grid/rank-{rank}" if layers == ":" else name)
-        assert main(["export", "--preset", "k3-tiny", "--seed", "0", "--layers", layers, "--ranks", "2",
-                     "--rank", str(rank), "--out", str(exports[name]), "--quiet"]) == 0
+        command = ["export", "--preset", "k3-tiny", "--seed", "0", "--layers", layers, "--ranks", "2",
+                   "--rank", str(rank), "--out", str(exports[name]), "--quiet"]
+        if name == "again":  # a process of its own, with another PYTHONHASHSEED than this one's
+            seed = str(int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 1)
+            subprocess.run([sys.executable, "-m", "k3export.cli", *command], check=True, capture_output=True,
+                           timeout=600, env={**os.environ, "PYTHONHASHSEED": seed})
+        else:
+            assert main(command) == 0
     return exports
 
 

@@ -117,19 +117,26 @@ def test_a_failed_rank_stops_the_others(grid_build: Path, fault: str) -> None:
     decodes: each other process exits non-zero within the stated time, saying why: a link or a sum
     with a process that is gone broke (naming its stage and rank), or one waited --timeout (3 s) for
     it (its partner in the sums, or stage 0's rank 1 for its tokens), or torchrun stopped it."""
-    command = torchrun_command(4, "-m", "k3export.runtime", str(grid_build), "--batch", "2", "--prompt-len",
-                               "8", "--max-new-tokens", "50", "--threads", "1", "--timeout", "3")
-    named = (r"stage 1 rank 1 (did not join a sum|\(process 3\) took nothing or sent nothing) for 3 s "
+    # torchrun polls every 2 s, so that the processes linked with a dead one meet its broken links
+    # before torchrun stops them (at its default 0.1 s, its SIGTERM may come first and name nobody).
+    command = torchrun_command(4, "--monitor-interval", "2", "-m", "k3export.runtime", str(grid_build),
+                               "--batch", "2", "--prompt-len", "8", "--max-new-tokens", "50",
+                               "--threads", "1", "--timeout", "3")
+    named = (r"stage 1 rank 1 \(process 3\) (did not join a sum|took nothing or sent nothing) for 3 s "
              r"\(--timeout\): it died or hangs")
     code, err = fault_a_worker(command, "k3export.runtime: 2 stages x 2 ranks", 3, fault, named)
     assert code != 0
     why = (r"stopped by SIGTERM: torchrun stops every stage|the link with stage \d rank \d \(process \d\) "
-           r"broke|a sum with stage \d rank \d failed"
-           r"|stage \d rank \d (\(process \d\) took nothing|did not join)")
+           r"broke|a sum with stage \d rank \d \(process \d\) failed"
+           r"|stage \d rank \d \(process \d\) (took nothing|did not join)")
     for process in range(3):
         name = rf"stage {process // 2} rank {process % 2} \(process {process}\)"
         assert re.search(rf"k3export.runtime: {name}: ({why})", err), err[-3000:]
-    if fault == "killed":  # torchrun lists every failed process
+    if fault == "killed":
+        # Its partner in the sums (process 2) and its lane (process 1) find its links broken at once:
+        # at least one names it, not only torchrun's report (which lists it by number).
+        dead = r"(the link with|a sum with) stage 1 rank 1 \(process 3\) (broke|failed)"
+        assert re.search(rf"k3export.runtime: stage \d rank \d \(process [0-2]\): {dead}", err), err[-3000:]
         assert re.search(r"rank\s*: 3 \(local_rank: 3\)\s*exitcode\s*: -9", err), err[-3000:]
     else:
         assert re.search(named, err), err[-3000:]
@@ -260,17 +267,20 @@ def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Pa
 
 
 @pytest.mark.usefixtures("bounded_check")
-def test_check_build_names_the_rank_of_a_wrong_expert(grid_build: Path, tmp_path: Path, capsys) -> None:
-    """Rank 1 of stage 1 with layer 6's routed experts' down projection scaled by 1.5 (the build's
-    files re-recorded: wrong, not corrupt): the all-reduce spreads the error to both ranks' outputs,
-    yet the check names stage 1 rank 1 and layer 6's FFN, from the ranks' partial sums."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_check_build_names_the_rank_of_a_wrong_expert(grid_build: Path, tmp_path: Path, capsys,
+                                                      rank: int) -> None:
+    """Rank 0, or rank 1, of stage 1 with layer 6's routed experts' down projection scaled by 1.5
+    (the build's files re-recorded: wrong, not corrupt): the all-reduce spreads the error to both
+    ranks' outputs, yet the check names that rank and layer 6's FFN, from the ranks' partial sums
+    (both ranks, so that blaming the last rank, or the first, cannot pass)."""
     bad = tmp_path / "bad"
     shutil.copytree(grid_build, bad)
-    corrupt_stage(bad, 1, "layers.6.block_sparse_moe.experts.w2", rank=1)
+    corrupt_stage(bad, 1, "layers.6.block_sparse_moe.experts.w2", rank=rank)
     assert main(["check", "--build", str(bad), "--steps", "1", "--prompt-len", "8"]) == 1
     printed = capsys.readouterr().out
     assert "first divergent stage: stage 1 (layers 5..8) at prefill" in printed
-    named = "first divergent stage and rank: stage 1 rank 1 (layer 6 ffn) at prefill: partial sum rel"
+    named = f"first divergent stage and rank: stage 1 rank {rank} (layer 6 ffn) at prefill: partial sum rel"
     assert named in printed
 
 

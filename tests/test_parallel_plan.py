@@ -7,36 +7,62 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3export.cli import main
 from k3export.config import K3Config
+from k3export.model import K3ForCausalLM
+from k3export.model.parallel import split_model
 from k3export.shards.plan import make_plan, rank_stages
 
 
-@pytest.mark.parametrize(("stages", "ranks"), [(1, 2), (3, 2)])
-def test_rank_bytes_add_up_to_the_stage(tiny_config: K3Config, stages: int, ranks: int) -> None:
-    """N ranks' split weights plus one copy of the replicated ones are the unsplit stage's weights;
-    the KDA cache is split, the MLA cache is whole on every rank."""
-    plan = make_plan(tiny_config, stages, model="k3-tiny", dtype="float32", context=64, batch=2)
+def eight_head_config() -> K3Config:
+    """k3-tiny with 8 KDA and 8 MLA heads, so that 2, 4 and 8 ranks divide it (k3-tiny has 2)."""
+    data = K3Config.from_preset("k3-tiny").to_dict()
+    data["num_attention_heads"] = data["linear_attn_config"]["num_heads"] = 8
+    return K3Config.from_dict(data)
+
+
+@pytest.mark.parametrize(("stages", "ranks"), [(1, 2), (3, 2), (2, 4), (1, 8)])
+def test_rank_bytes_add_up_to_the_stage(stages: int, ranks: int) -> None:
+    """Each rank's weights are those of the split model itself (k3export.model.parallel.split_model
+    on the meta device: its parameters in the stage's parts, counted here); N ranks' split weights
+    plus one copy of the replicated ones are the unsplit stage's weights; the KDA cache is split,
+    the MLA cache is whole on every rank."""
+    config = eight_head_config()
+    plan = make_plan(config, stages, model="k3-tiny", dtype="float32", context=64, batch=2)
+    split = []
+    for r in (0, ranks - 1):
+        with torch.device("meta"):
+            split.append(split_model(K3ForCausalLM(config).eval(), r, ranks))
     for stage, rank in zip(plan.stages, rank_stages(plan, ranks), strict=True):
+        for model in split:
+            held = sum(p.numel() * p.element_size() for part in model.parts(stage.layers)
+                       for p in part.parameters())
+            assert rank.split_weight_bytes + rank.replicated_weight_bytes == held
         assert rank.split_weight_bytes * ranks + rank.replicated_weight_bytes == stage.weight_bytes
         assert rank.split_weight_bytes > 0 and rank.replicated_weight_bytes > 0
-        lac = tiny_config.linear_attn_config
+        lac = config.linear_attn_config
         kda = (lac.num_heads * lac.head_dim**2 * 4 + 3 * (lac.short_conv_kernel_size - 1) * lac.num_heads
                * lac.head_dim * 4) // ranks
-        mla = 64 * tiny_config.latent_dim * 4
-        layers = stage.layers
-        assert rank.cache_bytes_per_sequence == sum(mla if tiny_config.is_mla(i) else kda for i in layers)
+        mla = 64 * config.latent_dim * 4
+        assert rank.cache_bytes_per_sequence == sum(mla if config.is_mla(i) else kda for i in stage.layers)
         assert rank.cache_bytes == 2 * rank.cache_bytes_per_sequence
 
 
-def test_collectives_per_token(tiny_config: K3Config) -> None:
-    plan = make_plan(tiny_config, 1, model="k3-tiny", dtype="float32", context=64)
-    (rank,) = rank_stages(plan, 2, collective_gb_per_s=100.0)
-    D, L = tiny_config.hidden_size, tiny_config.routed_expert_hidden_size
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_collectives_per_token(ranks: int) -> None:
+    """eight_head_config (so that 4 and 8 ranks divide it): each all-reduce sums a
+    whole activation (the same bytes on every rank, whatever N), and a ring all-reduce moves
+    2 (N - 1) / N of them over each GPU's link: 1.5x at N = 4, 1.75x at N = 8 (at N = 2 the factor is 1)."""
+    config = eight_head_config()
+    plan = make_plan(config, 1, model="k3-tiny", dtype="float32", context=64)
+    (rank,) = rank_stages(plan, ranks, collective_gb_per_s=100.0)
+    D, L = config.hidden_size, config.routed_expert_hidden_size
     assert rank.collective_bytes_per_token == [4 * D, 4 * D] + [4 * D, 4 * (L + D)] * 8
-    # A ring all-reduce moves 2 (N - 1) / N of the bytes over the link.
-    assert rank.collective_seconds_per_token == pytest.approx(sum(rank.collective_bytes_per_token) / 100e9)
+    ring = 2 * (ranks - 1) / ranks
+    sent = ring * sum(rank.collective_bytes_per_token)
+    assert rank.collective_seconds_per_token == pytest.approx(sent / 100e9)
 
 
 def test_published_model_on_two_hosts_of_eight(capsys) -> None:

@@ -257,9 +257,10 @@ def torchrun(build: Path, *options: str, timeout: float = 300) -> dict[str, Any]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def torchrun_command(build: Path, *options: str) -> list[str]:
+def torchrun_command(build: Path, *options: str, monitor_interval: float = 0.1) -> list[str]:
+    """torchrun polls its processes every `monitor_interval` seconds (0.1, its default)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(stage_exports(build))),
-            "-m", "k3export.runtime", str(build), *options]
+            "--monitor-interval", str(monitor_interval), "-m", "k3export.runtime", str(build), *options]
 
 
 def in_process(build: Path, prompts: list[list[int]], new_tokens: int, sampler: Sampler,
@@ -384,8 +385,10 @@ def test_a_failed_stage_stops_the_others(onnx_build, fault: str) -> None:
     others (each says so) and names it; a hung one through the deadline (--timeout 3) of the stage
     waiting for it."""
     out, _ = onnx_build
+    # torchrun polls every 2 s, so that the stages linked with a dead one meet its broken link before
+    # torchrun stops them (at its default 0.1 s, its SIGTERM may come first and name nobody).
     command = torchrun_command(out, "--prompt-len", "12", "--batch", "2", "--max-new-tokens", "200",
-                               "--timeout", "3")
+                               "--timeout", "3", monitor_interval=2)
     named = re.escape("k3export.runtime: stage 2 (rank 2): stage 1 (rank 1) took nothing or sent nothing for "
                       "3 s (--timeout): it died or hangs")
     code, err = fault_a_worker(command, "k3export.runtime: 3 stages", 1, fault, named)
@@ -395,14 +398,20 @@ def test_a_failed_stage_stops_the_others(onnx_build, fault: str) -> None:
         for rank in (0, 2):
             why = r"stopped by SIGTERM: torchrun stops every stage|the link with stage \d \(rank \d\) broke"
             assert re.search(rf"k3export.runtime: stage {rank} \(rank {rank}\): ({why})", err), err
+        # A stage linked with it finds the link broken and names it, not only torchrun's report.
+        dead = r"the link with stage 1 \(rank 1\) broke"
+        assert re.search(rf"k3export.runtime: stage [02] \(rank [02]\): {dead}", err), err[-3000:]
         # torchrun lists every failed process (its "Root Cause" is whichever it saw first).
         assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", err), err[-2000:]
 
 
 def test_sampling_is_seeded() -> None:
-    logits = np.random.default_rng(0).normal(size=(3, 50))
-    draw = [Sampler(temperature=0.8, top_k=10, top_p=0.9, seed=5)(logits) for _ in range(2)]
+    """One seed draws the same tokens twice; another seed draws others (a sampler that ignored its
+    seed, or drew greedily, would pass the first alone)."""
+    logits = np.random.default_rng(0).normal(size=(64, 50))
+    draw = [Sampler(temperature=0.8, top_k=10, top_p=0.9, seed=seed)(logits) for seed in (5, 5, 6)]
     assert (draw[0] == draw[1]).all()
+    assert (draw[0] != draw[2]).any() and (draw[0] != logits.argmax(-1)).any()
     assert (Sampler(temperature=1.0, top_k=1)(logits) == logits.argmax(-1)).all()
 
 

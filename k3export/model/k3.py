@@ -165,7 +165,9 @@ class K3ForCausalLM(nn.Module):
         for name, param in self.named_parameters():
             if param.device.type == "meta":
                 continue
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            # Within the generator's 64 bits for every seed the CLI takes (0..2**63-1); the same
+            # values as before for seeds below 9e12, where the sum never reached 2**63.
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             shape = param.shape
             if name.endswith("A_log"):
                 value = torch.empty(shape).uniform_(0.5, 2.0, generator=gen).log()

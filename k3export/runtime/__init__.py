@@ -40,6 +40,7 @@ from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 from k3export.onnx.runner import BoundOnnxrtRunner, Signature
 from k3export.options import (
     existing_dir,
+    integer,
     non_negative_int,
     non_negative_real,
     positive_int,
@@ -229,6 +230,11 @@ class Pipeline:
         return last
 
 
+# ONNX Runtime cannot start 10^9 threads (an internal error, found by the CLI fuzz): 1024 is beyond
+# any host here.
+THREADS = integer(1, 1024)
+
+
 @dataclass
 class Sampler:
     """Greedy when temperature is 0; else softmax(logits / temperature) cut to the top_k tokens and
@@ -248,11 +254,14 @@ class Sampler:
         if self.temperature <= 0:
             return logits.argmax(-1)
         tokens = []
-        for row in logits.astype(np.float64) / self.temperature:
+        for row in logits.astype(np.float64):
             order = np.argsort(-row, kind="stable")
             if self.top_k:
                 order = order[:self.top_k]
-            p = np.exp(row[order] - row[order[0]])
+            # Scaled once the maximum is subtracted: a tiny temperature (1e-308) then gives -inf (an
+            # intended overflow), not inf - inf (NaN probabilities).
+            with np.errstate(over="ignore"):
+                p = np.exp((row[order] - row[order[0]]) / self.temperature)
             p /= p.sum()
             # At most every token: the sum can fall short of top_p = 1 by a rounding error.
             keep = min(int(np.searchsorted(np.cumsum(p), self.top_p)) + 1, len(p))
@@ -340,7 +349,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the batch's rows in M groups of consecutive rows, sizes differing by at most "
                         "one, in flight together under torchrun (default: as many as stages, at most the "
                         "batch); in one process only the grouping changes")
-    parser.add_argument("--threads", type=positive_int, metavar="N",
+    parser.add_argument("--threads", type=THREADS, metavar="N",
                         help="ONNX Runtime intra-op threads of each stage process (default: this host's "
                         "cores / the stage processes on it)")
     parser.add_argument("--json", action="store_true")

@@ -195,9 +195,10 @@ class NamedSums:
         if self.ranks == 1 or not isinstance(error, RuntimeError):
             return
         stage, rank = divmod(self.process, self.ranks)
-        others = [str(r) for r in range(self.ranks) if r != rank]
-        partners = (f"stage {stage} rank {others[0]}" if len(others) == 1
-                    else f"one of stage {stage}'s ranks {', '.join(others)}")
+        others = [r for r in range(self.ranks) if r != rank]
+        partners = (process_name(stage * self.ranks + others[0], self.ranks) if len(others) == 1
+                    else f"one of stage {stage}'s ranks "
+                    + ", ".join(f"{r} (process {stage * self.ranks + r})" for r in others))
         if "Timed out" in str(error):
             raise StageFailed(f"{partners} did not join a sum for {self.timeout} s (--timeout): it died or "
                               "hangs, or a stage before it did") from None
