@@ -14,7 +14,7 @@ import onnx
 import pytest
 import torch
 from polygraphy.json import load_json
-from reference import rel_error
+from reference import PERTURBED, rel_error, scaled_copy
 
 from k3export.artifacts import file_record, sha256
 from k3export.check.driver import run_check
@@ -106,13 +106,14 @@ def test_onnxruntime_matches_eager_fp32(tiny_export, batch, prompt_len, steps, c
     assert len(report["steps"][0]["outputs"]) == 1 + 6 * 4 + 3  # logits, KDA state + 3 tails, MLA
 
 
-def test_polygraphy_replay_files(tiny_export, tiny_model):
+def test_polygraphy_replay_files(tiny_export, tiny_model, tmp_path):
     """check's replay files hold what the printed `polygraphy run` needs, and the right numbers: the
     golden logits are the eager model's on the saved inputs (computed here, apart from check), and
     ONNX Runtime on those inputs gives them within float32's bound (relative error <= 1e-4 at the
     rows' valid positions), and every output within the command's --atol/--rtol, as Polygraphy
-    compares (|a - b| <= atol + rtol |b|). (That atol is at least twice the prefill's own error, so
-    the replay alone would pass a wrong export: the bound is what fails it.)"""
+    compares (|a - b| <= atol + rtol |b|); and for a wrong export (a weight scaled 1.5x) the printed
+    command's tolerances do not hold (its atol leaves room for the prefill's own error only when the
+    prefill passed)."""
     import onnxruntime as ort
     from polygraphy.comparator import RunResults
 
@@ -133,9 +134,21 @@ def test_polygraphy_replay_files(tiny_export, tiny_model):
         assert rel_error(torch.from_numpy(replayed["logits"][row, :length]), logits[row, :length]) <= 1e-4
     command = report["polygraphy_command"]
     assert f"--load-inputs {tiny_export / 'check' / 'inputs.json'}" in command
-    atol, rtol = (float(re.search(rf"--{name} (\S+)", command).group(1)) for name in ("atol", "rtol"))
     for name, value in golden.items():
-        assert np.all(np.abs(replayed[name] - value) <= atol + rtol * np.abs(value)), name
+        assert replay_holds(command, replayed[name], value), name
+
+    wrong = scaled_copy(tiny_export, tmp_path / "scaled", PERTURBED, 1.5)
+    command = run_check(wrong, steps=0, log=lambda _: None)["polygraphy_command"]
+    (golden,) = RunResults.load(str(wrong / "check" / "golden.json"))["eager"]
+    session = ort.InferenceSession(str(wrong / "model.onnx"), providers=["CPUExecutionProvider"])
+    replayed = dict(zip([o.name for o in session.get_outputs()], session.run(None, inputs), strict=True))
+    assert not replay_holds(command, replayed["logits"], golden["logits"])
+
+
+def replay_holds(command: str, actual: np.ndarray, expected: np.ndarray) -> bool:
+    """Whether `actual` is within the printed polygraphy command's --atol/--rtol of `expected`."""
+    atol, rtol = (float(re.search(rf"--{name} (\S+)", command).group(1)) for name in ("atol", "rtol"))
+    return bool(np.all(np.abs(actual - expected) <= atol + rtol * np.abs(expected)))
 
 
 def test_float16_export(tmp_path):
