@@ -174,7 +174,7 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
     for layer in manifest["schedule"]:
         expected.append({"KDA": "k3::KDA v1", "MLA": "k3::LatentMLA v1"}[layer["mixer"]])
         if layer["ffn"] == "moe":
-            expected.append("k3::RoutedExperts v2")
+            expected.append("k3::RoutedExperts v1")
     assert plugins == expected
     assert summary["layer_types"]["PLUGIN_V3"] == len(k3_nodes(tiny_export))
     # A KDA function body would add a Scan's iterators, an inlined RoutedExperts function a Loop.
@@ -289,7 +289,7 @@ def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None
 
     manifest = json.loads((packed_export / "export.json").read_text())
     summary = run("strict", packed_export)
-    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v2")]
+    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v1")]
     assert len(moe) == expected_moe_layers(manifest) == 8
     assert not LOOP_LAYERS & set(summary["layer_types"]), "a RoutedExperts function body was inlined"
     fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0, "expert_offset": 0}

@@ -260,14 +260,14 @@ def rank_onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Pat
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(("case", "N"), [("random", 7), ("unused_experts", 9), ("top1", 1)])
 def test_onnx_function_of_a_rank_of_experts_matches_eager(rank_onnx_models, packed, case, N):
-    """A rank's node (expert_offset 4, plugin version 2) runs only the pairs routed to experts 4 .. 7."""
+    """A rank's node (expert_offset 4) runs only the pairs routed to experts 4 .. 7."""
     import onnxruntime as ort
 
     model = onnx.load(rank_onnx_models[packed])
     onnx.checker.check_model(model, full_check=True)
     (node,) = [n for n in model.graph.node if n.domain == "k3"]
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    assert attributes["expert_offset"] == E // 2 and attributes["plugin_version"] == b"2"
+    assert attributes["expert_offset"] == E // 2 and attributes["plugin_version"] == b"1"
     gen = torch.Generator().manual_seed(N)
     z = torch.randn(N, L, generator=gen)
     experts, weights = routing(case, N, gen)
@@ -289,7 +289,7 @@ def test_one_routed_experts_node_and_its_function(onnx_models, packed):
     (node,) = [n for n in model.graph.node if n.domain == "k3"]
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert node.op_type == op_type
-    assert attributes == {"plugin_namespace": b"k3", "plugin_version": b"2",
+    assert attributes == {"plugin_namespace": b"k3", "plugin_version": b"1",
                           "situ_beta": BETA, "situ_linear_beta": LINEAR_BETA, "expert_offset": 0}
     assert [(f.domain, f.name) for f in model.functions] == [("k3", op_type)]
     # The packed experts stay packed in the file, as int32 words: no float copy of them anywhere.

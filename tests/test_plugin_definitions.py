@@ -16,7 +16,7 @@ from k3plugins.definitions import (
     LATENT_MLA,
     ROUTED_EXPERTS,
     ROUTED_EXPERTS_MXFP4,
-    ROUTED_EXPERTS_V1,
+    ROUTED_EXPERTS_V2,
 )
 from k3plugins.trt_aot import (
     kda_aot_kernel,
@@ -36,10 +36,11 @@ KDA_DIMS = [[2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3, 32], [2, 5, 3
 
 
 def test_lookup_keys_match_the_export() -> None:
-    # The routed experts are at version 2 (expert_offset); version 1 stays for older exports and engines.
+    # Every op at version 1 (full TensorRT's tensorrt.plugin registers no other); the routed experts'
+    # version 2 stays for the exports of 2026-11/12 that name it.
     assert [(d.name, d.namespace, d.version) for d in DEFINITIONS] == [
-        ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("RoutedExperts", "k3", "2"),
-        ("RoutedExpertsMXFP4", "k3", "2"), ("RoutedExperts", "k3", "1"), ("RoutedExpertsMXFP4", "k3", "1")]
+        ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("RoutedExperts", "k3", "1"),
+        ("RoutedExpertsMXFP4", "k3", "1"), ("RoutedExperts", "k3", "2"), ("RoutedExpertsMXFP4", "k3", "2")]
 
 
 def test_output_shapes() -> None:
@@ -91,12 +92,12 @@ def test_routed_experts_definitions() -> None:
     assert ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", *["int32"] * 6, "float32"])
     assert not ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", "uint8"])
     assert not ROUTED_EXPERTS_MXFP4.supports(["bfloat16", "int64", "float32", "float16"])
-    # Version 2's expert_offset (expert parallelism) is 0 on a node without it, as in version 1.
+    # expert_offset (expert parallelism) is 0 on a node without it.
     fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0}
     assert ROUTED_EXPERTS_MXFP4.parse_fields(fields) == {**fields, "expert_offset": 0}
     assert ROUTED_EXPERTS.parse_fields({**fields, "expert_offset": np.array([448])})["expert_offset"] == 448
-    assert ROUTED_EXPERTS.version == "2" and ROUTED_EXPERTS_V1.version == "1"
-    assert ROUTED_EXPERTS_V1.fields == ROUTED_EXPERTS.fields
+    assert ROUTED_EXPERTS.version == "1" and ROUTED_EXPERTS_V2.version == "2"
+    assert ROUTED_EXPERTS_V2.fields == ROUTED_EXPERTS.fields
     assert ROUTED_EXPERTS.aliased_input(0) == -1
 
 

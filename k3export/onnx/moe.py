@@ -35,10 +35,12 @@ from k3export.ops import mxfp4
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 _PROJECTIONS = ("w1", "w3", "w2")
-# Version 2 added expert_offset (k3export/model/parallel.py): a node holds experts expert_offset .. of the
-# model's, `experts` keeps the model's indices, and pairs routed elsewhere contribute nothing. Absent
-# (an unsplit model) it is 0, which is version 1's contract.
-PLUGIN_VERSION = "2"
+# expert_offset (k3export/model/parallel.py): a node holds experts expert_offset .. of the model's,
+# `experts` keeps the model's indices, and pairs routed elsewhere contribute nothing; 0 for an unsplit
+# model. Version 1 with the field: full TensorRT's tensorrt.plugin registers every plugin as version
+# "1", so no other version could be built there (exports of 2026-11/12 named "2", an alias that
+# TensorRT-RTX's registration keeps).
+PLUGIN_VERSION = "1"
 OFFSET_ATTRIBUTE = "expert_offset"
 
 
@@ -74,7 +76,7 @@ _ROUTED_EXPERTS_MXFP4 = values.Op(_K3, "RoutedExpertsMXFP4", ROUTED_EXPERTS_MXFP
 
 def moe_translation_table(plugin_namespace: str) -> dict[Callable, Callable]:
     """The entries of onnx/ops.py's TRANSLATION_TABLE for the two routed-experts ops. Every node
-    carries expert_offset (0 for an unsplit model), the field version 2 of the plugin declares:
+    carries expert_offset (0 for an unsplit model), the field the plugin declares:
     TensorRT's parser warns at each node that lacks one."""
     plugin = {"plugin_namespace": plugin_namespace, "plugin_version": PLUGIN_VERSION}
 

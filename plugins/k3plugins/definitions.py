@@ -174,7 +174,7 @@ def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[st
     """k3.RoutedExperts / k3.RoutedExpertsMXFP4 (k3export/onnx/moe.py): z [N, L] in the model dtype,
     experts [N, k] int64 (the model's expert indices), weights [N, k] float32, the tensors of the E
     experts held (model experts expert_offset .. expert_offset + E - 1; pairs routed to others add
-    nothing); u [N, L] float32. Version 2: version 1 had no expert_offset (it is 0 there)."""
+    nothing); u [N, L] float32."""
     return PluginDefinition(
         name=name,
         fields=(Field("situ_beta", float), Field("situ_linear_beta", float), Field("expert_offset", int, 0)),
@@ -185,7 +185,6 @@ def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[st
         output_shapes=lambda dims, fields, constant: [list(dims[0])],
         launch=_launch_routed_experts,
         reference_inputs=reference_inputs,
-        version="2",
     )
 
 
@@ -197,9 +196,10 @@ ROUTED_EXPERTS_MXFP4 = _routed_experts(
     "RoutedExpertsMXFP4", tuple(f"{w}_{part}" for w in ("w1", "w3", "w2") for part in ("packed", "scale")),
     ("int32",), _mxfp4_bytes)
 
-# Exports and engines made before expert parallelism name version 1: the same plugins (offset 0).
-ROUTED_EXPERTS_V1, ROUTED_EXPERTS_MXFP4_V1 = (dataclasses.replace(d, version="1")
+# Exports of 2026-11/12 name the routed experts version 2: the same plugins. (Version 1 is the one
+# full TensorRT's tensorrt.plugin can register: it sets every plugin's version to "1".)
+ROUTED_EXPERTS_V2, ROUTED_EXPERTS_MXFP4_V2 = (dataclasses.replace(d, version="2")
                                               for d in (ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4))
 
 DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4,
-                                             ROUTED_EXPERTS_V1, ROUTED_EXPERTS_MXFP4_V1)
+                                             ROUTED_EXPERTS_V2, ROUTED_EXPERTS_MXFP4_V2)

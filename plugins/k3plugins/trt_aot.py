@@ -33,11 +33,9 @@ An AOT kernel's parameters must be the inputs, then the scalars, then the output
 take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
 kernel also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
 
-Open: `tensorrt.plugin` registers every plugin as version "1" (its plugin class sets
-plugin_version = "1": TensorRT's python/packaging/frontend_sdist/tensorrt/plugin/_plugin_class.py),
-while the exports name the routed experts plugin_version "2" (version 1 lacked expert_offset; the
-fields registered here include it). Until the exports' routed-experts nodes under --aot-plugins name
-version 1, the builder's plugin check refuses them under full TensorRT, naming each node.
+`tensorrt.plugin` registers every plugin as version "1" (its plugin class sets plugin_version = "1":
+TensorRT's python/packaging/frontend_sdist/tensorrt/plugin/_plugin_class.py), so every k3 node names
+version 1 (the routed experts' carry expert_offset there).
 """
 
 import itertools
