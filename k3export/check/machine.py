@@ -67,7 +67,10 @@ def _onednn() -> dict:
     if not torch.backends.mkldnn.is_available():
         return {"version": "absent", "isa": "none"}
     sys.stdout.flush()
-    saved = os.dup(1)
+    try:
+        saved = os.dup(1)
+    except OSError:  # no standard output to borrow (a daemon)
+        return {"version": version.group(1) if version else "unknown", "isa": "unknown"}
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 1)
         try:
