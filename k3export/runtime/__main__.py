@@ -33,8 +33,9 @@ exits 1. A process that dies breaks its gloo links and sums (the processes that 
 exit 1), and torchrun, which checks its processes every 0.1 s, stops the others (SIGTERM: each says
 so and exits 1) and lists the dead one in its report by process number (stage p // N, rank p % N).
 Ctrl-C (SIGINT to every process) stops each at once, exit 130. Loading the sessions and the closing
-exchange of timings use the default process group's own timeout. gloo on CPU; with NCCL
-(`--dist-backend nccl`) the same tensors would go through the GPUs.
+exchange of timings use the default process group's own timeout. Everything crosses gloo on CPU:
+the stages' sessions are ONNX Runtime's on CPU (numpy arrays, which NCCL cannot take; engines over
+NCCL are issue 27's open work).
 """
 
 from __future__ import annotations
@@ -399,7 +400,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=positive_int, default=60, metavar="SECONDS",
                         help="the longest wait for another process (a message from it, taking one, or "
                         "joining a sum) before naming it and exiting 1")
-    parser.add_argument("--dist-backend", default="gloo", choices=["gloo", "nccl"])
     return parser
 
 
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = process_name(process, len(exports[0]))
     watch_signals(name)
-    dist.init_process_group(args.dist_backend)
+    dist.init_process_group("gloo")
     try:
         run_process(args, exports)
     except UserError as e:
