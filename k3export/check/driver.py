@@ -251,11 +251,9 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     # Where the graph's expert choices are read: its own outputs (export --routing-outputs), or
     # intermediates the runner exposes.
     source = "graph outputs" if "routing_outputs" in manifest else "intermediates"
-    if routing is None and dtype == "float32":
-        routing = []
-    elif routing is None:
-        routing = ([s["name"] for s in manifest["routing_outputs"]] if source == "graph outputs"
-                   else routing_outputs(graph))
+    if routing is None:
+        routing = ([] if dtype == "float32" else [s["name"] for s in manifest["routing_outputs"]]
+                   if source == "graph outputs" else routing_outputs(graph))
     eager_graph = eager_graph or (lambda model, tapped: ExportGraph(model, layers, last_logits, tapped))
     eager = eager_graph(models[0], tapped)
     if dtype == "bfloat16":

@@ -65,10 +65,8 @@ def require_routing_outputs(engine: Path, export: Path) -> None:
     if manifest.get("dtype", "float32") != "float32" and "routing_outputs" not in manifest:
         raise UserError(f"--engine {engine}: a {manifest['dtype']} check holds the eager model to the "
                         f"engine's own expert choices, and {export / MANIFEST_FILE} lists no routing "
-                        "outputs; "
-                        "build the engine to check from `k3export export --routing-outputs` (a checking "
-                        "engine: its extra outputs change nothing else the graph computes, measured in ONNX "
-                        "Runtime and on the parsed network), or check a float32 engine")
+                        "outputs; build the engine to check from `k3export export --routing-outputs` (its "
+                        "extra outputs change nothing else the graph computes), or check a float32 engine")
 
 
 def require_engine_runtime() -> None:
