@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from k3export.artifacts import read_manifest
 from k3export.check.driver import run_check
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
@@ -58,10 +59,7 @@ def engine_targets(path: str | Path) -> list[tuple[Path, Path]]:
 def require_routing_outputs(engine: Path, export: Path) -> None:
     """Refuses a half-precision engine whose export does not output its expert choices: the check
     holds the eager routers to them, and an engine's outputs are fixed when it is built."""
-    try:
-        manifest = json.loads((export / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        return  # the check's own read of the export names what is wrong with it
+    manifest = read_manifest(export, MANIFEST_FILE)
     if manifest.get("dtype", "float32") != "float32" and "routing_outputs" not in manifest:
         raise UserError(f"--engine {engine}: a {manifest['dtype']} check holds the eager model to the "
                         f"engine's own expert choices, and {export / MANIFEST_FILE} lists no routing "
