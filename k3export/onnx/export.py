@@ -23,6 +23,7 @@ progress); a range ending at B outputs `attn_res.{B}.*`, the next range's inputs
 from __future__ import annotations
 
 import json
+import math
 import platform
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
@@ -201,8 +202,9 @@ class ExportGraph(nn.Module):
 
 
 def resolve_shape(spec: TensorSpec, sizes: dict[str, int]) -> list[int]:
-    """The spec's shape with its named dims replaced by `sizes` (batch, seq, capacity)."""
-    return [sizes[d] if isinstance(d, str) else d for d in spec.shape]
+    """The spec's shape with its named dims replaced by `sizes` (batch, seq, capacity; a product such
+    as "batch*seq" too)."""
+    return [math.prod(sizes[n] for n in d.split("*")) if isinstance(d, str) else d for d in spec.shape]
 
 
 def example_inputs(config: K3Config, layers: range, dtype: torch.dtype, batch: int, seq: int,
