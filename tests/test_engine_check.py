@@ -1,18 +1,15 @@
-"""check --engine: argument handling and refusals (no GPU here), and EngineRunner's cache handling
-through check's driver with Polygraphy's ONNX Runtime runner standing in for its TrtRunner (the two
-share Polygraphy's runner interface)."""
+"""check --engine: argument handling and refusals (no GPU here). The engine runner's plan and cache
+logic are tested in test_engine_runner.py."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
-from k3export.check.driver import run_check
-from k3export.check.runners import engine as engine_check
-from k3export.check.runners.engine import EngineRunner, engine_targets
+from k3export.check.runners.engine import engine_targets
 from k3export.cli import main
+from k3export.engine import runner as engine_runner
 from k3export.errors import UserError
 
 
@@ -45,9 +42,9 @@ def test_no_gpu_is_refused_with_what_is_missing(tiny_export, tmp_path, capsys, m
     err = capsys.readouterr().err
     assert "needs an NVIDIA GPU (torch.cuda.is_available() is False)" in err
     assert "k3export check --network DIR" in err
-    monkeypatch.setattr(engine_check.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(engine_runner.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match="and TensorRT \\(neither tensorrt nor tensorrt_rtx"):
-        engine_check.require_engine_runtime()
+        engine_runner.require_engine_runtime("check --engine")
 
 
 def test_half_precision_engine_without_routing_outputs_is_refused(tiny_export, tmp_path, capsys):
@@ -64,26 +61,3 @@ def test_half_precision_engine_without_routing_outputs_is_refused(tiny_export, t
     err = capsys.readouterr().err
     assert "a float16 check holds the eager model to the engine's own expert choices" in err
     assert "k3export export --routing-outputs" in err and "NVIDIA GPU" not in err
-
-
-class OnnxrtBackedEngineRunner(EngineRunner):
-    """EngineRunner with Polygraphy's ONNX Runtime runner in place of its TrtRunner."""
-
-    def activate_impl(self) -> None:
-        self.runner = OnnxrtRunner(SessionFromOnnx(str(self.engine)))
-        self.runner.activate()
-
-
-def test_engine_runner_carries_its_caches_through_the_check(tiny_export):
-    made = []
-
-    def runner(signature, extra_outputs):
-        graph = tiny_export / "model.onnx"
-        made.append(OnnxrtBackedEngineRunner(graph, signature, graph))
-        return made[-1]
-
-    report = run_check(tiny_export, steps=3, prompt_len=10, log=lambda _: None, graph_runner=runner)
-    assert len(made) == 1 and report["passed"] and report["greedy_streams_identical"]
-    # Decode steps compare the caches the runner carried: all within float32's bound.
-    assert all(c["rel"] < 1e-4 for s in report["steps"] for c in s["outputs"])
-

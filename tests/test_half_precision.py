@@ -161,21 +161,27 @@ def test_export_option_adds_each_moe_layers_choices(tmp_path: Path) -> None:
     assert not any(s["name"].startswith(ROUTING_PREFIX) for s in manifest["outputs"])
 
 
-def test_engine_runner_returns_the_routing_outputs(exports: dict) -> None:
-    """check --engine on a float16 engine built from such an export: EngineRunner hands the engine's
-    routing outputs to the driver (Polygraphy's ONNX Runtime runner standing in for its TrtRunner on
-    the export's graph, as in test_engine_check), and the check passes held to them."""
-    from test_engine_check import OnnxrtBackedEngineRunner
+def test_engine_runner_returns_the_routing_outputs(exports: dict, tmp_path: Path) -> None:
+    """check --engine's path for a bfloat16 engine built from such an export: the engine runner binds
+    the routing outputs and hands them to the driver, which holds the eager model to them (the
+    parsed network evaluated on CPU in the engine's place, as in test_engine_runner: not an engine)."""
+    from test_engine_runner import LIMITS, NetworkExecutedRunner
 
-    export, made = exports["float16", True, False], []
+    from k3export.engine.build import profile_shapes
+
+    export, made = exports["bfloat16", True, False], []
+    record = tmp_path / "network-standing-in.engine.json"
+    record.write_text(json.dumps({"profiles": profile_shapes(json.loads((export / "export.json").read_text()),
+                                                             LIMITS)}))
 
     def runner(signature, routing):
-        made.append(OnnxrtBackedEngineRunner(export / "model.onnx", signature, export / "model.onnx",
-                                             routing=routing))
+        made.append(NetworkExecutedRunner(record.with_suffix(""), export, signature=signature,
+                                          extra_outputs=routing))
         return made[-1]
 
-    report = run_check(export, steps=1, log=lambda line: None, graph_runner=runner)
-    assert made[0].routing == [f"routing.{i}" for i in range(1, 9)]
+    report = run_check(export, steps=1, prompt_len=20, log=lambda line: None, graph_runner=runner)
+    routing = [f"routing.{i}" for i in range(1, 9)]
+    assert [s.name for s in made[0].plan.returned][:len(routing)] == routing
     assert report["passed"] and report["routing_read_from"] == "graph outputs", report["failed_outputs"]
 
 

@@ -169,27 +169,35 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
     graph = onnx_dir / GRAPH_FILE
     out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check", overwrite=None,
                     option="the check's folder")
+    # The replay is `polygraphy run --onnxrt`, which cannot run bfloat16 (nor numpy hold it).
+    replayable = manifest["dtype"] != "bfloat16"
     with out.staged() as stage:
         signature = Signature(manifest)
         report, session = compare_with_eager(
             manifest, config, graph,
             graph_runner or (lambda sig, extra: BoundOnnxrtRunner(graph, sig, extra_outputs=extra)),
             steps, seed, lengths, log, taps,
-            on_prefill=lambda feed, golden: _save_replay(stage, signature, feed, golden, len(lengths)))
+            on_prefill=(lambda feed, golden: _save_replay(stage, signature, feed, golden, len(lengths)))
+            if replayable else None)
         report["aliased"] = dict(session.aliased)
-        atol, rtol = POLYGRAPHY_TOLERANCES[manifest["dtype"]]
-        # Elementwise replay tolerance: room for the prefill's own error when it passed (half precision
-        # may exceed the fixed atol), the fixed one when it failed, so the replay fails too.
-        prefill = report["steps"][0]["outputs"]
-        if all(c["passed"] for c in prefill):
-            atol = max(atol, 2 * max(c["max_abs"] for c in prefill))
-        check_dir = onnx_dir / CHECK_DIR
-        report["polygraphy_command"] = (
-            f"polygraphy run {graph} --onnxrt --load-inputs {check_dir / 'inputs.json'} "
-            f"--load-outputs {check_dir / 'golden.json'} --atol {atol:.3g} --rtol {rtol}")
+        if replayable:
+            report["polygraphy_command"] = _replay_command(onnx_dir, manifest["dtype"], report)
         save_json(report, str(stage / "report.json"), description="check report")
         write_json(stage / CHECK_MANIFEST, {"passed": report["passed"], "report": "report.json"})
     return report
+
+
+def _replay_command(onnx_dir: Path, dtype: str, report: dict[str, Any]) -> str:
+    """The `polygraphy run` command that replays the prefill comparison from the saved files."""
+    atol, rtol = POLYGRAPHY_TOLERANCES[dtype]
+    # Elementwise replay tolerance: room for the prefill's own error when it passed (half precision
+    # may exceed the fixed atol), the fixed one when it failed, so the replay fails too.
+    prefill = report["steps"][0]["outputs"]
+    if all(c["passed"] for c in prefill):
+        atol = max(atol, 2 * max(c["max_abs"] for c in prefill))
+    check_dir = onnx_dir / CHECK_DIR
+    return (f"polygraphy run {onnx_dir / GRAPH_FILE} --onnxrt --load-inputs {check_dir / 'inputs.json'} "
+            f"--load-outputs {check_dir / 'golden.json'} --atol {atol:.3g} --rtol {rtol}")
 
 
 def require_taps(manifest: dict[str, Any], folder: Path) -> None:

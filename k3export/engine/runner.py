@@ -89,19 +89,20 @@ class BindingPlan:
         return shapes
 
     def profile(self, sizes: dict[str, int]) -> int:
-        """The index of the tightest profile that takes this call's input shapes (the fewest elements
-        at its largest shapes); a UserError naming the limits when none does."""
+        """The index of the tightest profile that takes this call's input shapes (the fewest tokens at
+        its largest first feed: decode's batch x 1 before prefill's); a UserError naming the limits
+        when none does."""
         shapes = self.shapes(sizes)
         fits = [i for i, ranges in enumerate(self.profiles)
                 if all(all(lo <= n <= hi for n, lo, hi in zip(shapes[name], low, high, strict=True))
                        for name, (low, _, high) in ranges.items())]
+        feed = self.feeds[0].name
         if not fits:
-            feed = self.feeds[0].name
             limits = "; ".join(f"profile {i}: {feed} up to {p[feed][2]}" for i, p in enumerate(self.profiles))
             raise UserError(f"a call of batch {sizes['batch']} x seq {sizes['seq']} fits none of the "
                             f"engine's profiles ({limits}); build it with larger --max-batch / --max-seq / "
                             "--decode-batch")
-        return min(fits, key=lambda i: sum(prod(high) for _, _, high in self.profiles[i].values()))
+        return min(fits, key=lambda i: prod(self.profiles[i][feed][2]))
 
 
 def aliased_outputs(graph: Path, manifest: dict[str, Any]) -> dict[str, str]:
