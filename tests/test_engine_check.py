@@ -10,6 +10,7 @@ import pytest
 from k3export.check.runners.engine import engine_targets
 from k3export.cli import main
 from k3export.engine import runner as engine_runner
+from k3export.engine.build import Limits, profile_shapes
 from k3export.errors import UserError
 
 
@@ -36,8 +37,13 @@ def test_engine_arguments_are_refused_naming_the_culprit(tiny_export, tmp_path, 
 def test_no_gpu_is_refused_with_what_is_missing(tiny_export, tmp_path, capsys, monkeypatch):
     engine = tmp_path / "tiny.engine"
     engine.write_bytes(b"\0" * 16)
-    (tmp_path / "tiny.engine.json").write_text(json.dumps({"export": str(tiny_export)}))
+    record = tmp_path / "tiny.engine.json"
+    record.write_text(json.dumps({"export": str(tiny_export)}))
     assert engine_targets(engine) == [(engine, tiny_export)]
+    assert main(["check", "--engine", str(engine), "--steps", "1"]) == 2
+    assert "tiny.engine.json: not a build record with 'profiles'" in capsys.readouterr().err
+    profiles = profile_shapes(json.loads((tiny_export / "export.json").read_text()), Limits())
+    record.write_text(json.dumps({"export": str(tiny_export), "profiles": profiles}))
     assert main(["check", "--engine", str(engine), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "needs an NVIDIA GPU (torch.cuda.is_available() is False)" in err

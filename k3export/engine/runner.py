@@ -50,9 +50,9 @@ from k3export.onnx.runner import PRESENT, Signature, StatefulRunner, present_to_
 BUILD_MANIFEST = "manifest.json"  # a `k3export build RECIPE` folder's (k3export.runtime's name too)
 
 
-def require_engine_runtime(what: str) -> None:
+def require_engine_runtime(what: str, instead: str = "") -> None:
     """Refuses `what` (a command or option) naming what is missing, unless this machine has an NVIDIA
-    GPU and TensorRT (either flavour)."""
+    GPU and TensorRT (either flavour); `instead` says what to do on this machine."""
     missing = []
     if not torch.cuda.is_available():
         missing.append("an NVIDIA GPU (torch.cuda.is_available() is False)")
@@ -60,7 +60,8 @@ def require_engine_runtime(what: str) -> None:
         missing.append("TensorRT (neither tensorrt nor tensorrt_rtx is installed: pip install -c "
                        "constraints.txt -e '.[tensorrt]' on a GPU host)")
     if missing:
-        raise UserError(f"{what} runs TensorRT engines and needs {' and '.join(missing)}")
+        raise UserError(f"{what} runs TensorRT engines and needs {' and '.join(missing)}"
+                        + (f"; {instead}" if instead else ""))
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,12 @@ def engine_profiles(engine: Path) -> list[dict[str, list[list[int]]]]:
     engine `build --onnx` wrote, or the stage's (rank's) entry of a `build RECIPE` folder's manifest."""
     record = engine.with_name(f"{engine.name}.json")
     if record.is_file():
-        return json.loads(record.read_text())["profiles"]
+        try:
+            profiles = json.loads(record.read_text())["profiles"]
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{record}: not a build record with 'profiles' (the record `k3export build "
+                            f"--onnx DIR --out {engine.name}` writes); build the engine again") from None
+        return profiles
     for folder in engine.parents[:3]:
         if (folder / BUILD_MANIFEST).is_file():
             relative = engine.resolve().relative_to(folder.resolve()).as_posix()
