@@ -8,8 +8,11 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3export.cli import main
+from k3export.config import K3Config
+from k3export.model import K3ForCausalLM
 from k3export.shards.plan import LINK_GB_PER_S, partition, plan_recipe
 from k3export.shards.recipe import load_recipe
 
@@ -145,3 +148,20 @@ def test_host_memory_of_a_build(capsys) -> None:
     for rank in plan["parallel"]["stages"]:
         assert rank["build_host_bytes"] == round(812e6 + 2.31 * rank["weight_bytes"])
         assert 200e9 < rank["build_host_bytes"] < 300e9
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_memory_of_a_check(capsys, dtype: str) -> None:
+    """check runs a stage's eager reference on the host's CPU: the stage's weights, and for half
+    precision its float32 model's too. Over the stages, the whole model's parameter bytes in its dtype
+    (and in float32), counted on models of the preset."""
+    assert main(["plan", "--preset", "k3-tiny", "--stages", "2", "--dtype", dtype, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    config = K3Config.from_preset("k3-tiny")
+    dtypes = [torch.float32] if dtype == "float32" else [getattr(torch, dtype), torch.float32]
+    expected = 0
+    for torch_dtype in dtypes:
+        with torch.device("meta"):
+            model = K3ForCausalLM(config, torch_dtype)
+        expected += sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(s["memory"]["check_host"] for s in plan["stages"]) == expected

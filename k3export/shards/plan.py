@@ -155,6 +155,10 @@ class Stage(GpuMemory):
     activation_bytes: int  # estimate at the largest prefill (the prefill profile's)
     cache_bytes: int  # capacity x batch
     decode_activation_bytes: int  # the same estimate at the decode profile's batch x 1 tokens
+    # check --build / --engine: the eager reference runs on the host's CPU, never beside the engine on
+    # its GPU: the stage's weights, and for half precision its float32 model's too (MXFP4 experts stay
+    # packed in both).
+    check_host_bytes: int
 
     @property
     def bytes_received_per_token(self) -> int:
@@ -197,6 +201,7 @@ class Plan:
                 "memory": {"weights": s.weight_bytes, "cache": s.cache_bytes,
                            "activations": s.activation_bytes, "total": s.total_bytes,
                            "fits_h200": s.fits_h200, "build_host": s.build_host_bytes,
+                           "check_host": s.check_host_bytes,
                            "activations_by_profile": {"prefill": s.activation_bytes,
                                                       "decode": s.decode_activation_bytes}},
             } for s in self.stages],
@@ -251,6 +256,7 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
     torch_dtype = getattr(torch, dtype)
     elem = torch.empty(0, dtype=torch_dtype).element_size()
     load = layer_loads(config, torch_dtype, packed_experts)
+    reference = layer_loads(config, torch.float32, packed_experts).weight_bytes if elem < 4 else None
     ranges = partition(load.weight_bytes, stages) if isinstance(stages, int) else list(stages)
     result = []
     for index, layers in enumerate(ranges):
@@ -272,7 +278,8 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
             cache_bytes_per_sequence=per_sequence, receives=receives, sends=sends,
             seconds_per_token_sent=sent / (link_gb_per_s * 1e9),
             activation_bytes=prefill_tokens * (in_out + working), cache_bytes=per_sequence * batch,
-            decode_activation_bytes=decode_tokens * (in_out + working)))
+            decode_activation_bytes=decode_tokens * (in_out + working),
+            check_host_bytes=sum(load.weight_bytes[i] + (reference[i] if reference else 0) for i in layers)))
     return Plan(model, config, dtype, packed_experts, context, batch, prefill_tokens, decode_tokens,
                 link_gb_per_s, result, max(load.weight_bytes))
 
@@ -333,6 +340,10 @@ def format_plan(plan: Plan) -> str:
         "host memory to build a stage (one process): " + ", ".join(
             f"stage {s.index} {_gb(s.build_host_bytes)} GB" for s in plan.stages)
         + f" (measured fit: {BUILD_FIXED_BYTES / 1e9:.2f} GB + {BUILD_BYTES_PER_WEIGHT_BYTE} x its weights)",
+        "host memory to check a stage (check --build / --engine: the eager reference runs on the host's CPU, "
+        "never on the engine's GPU; its weights" + (", and its float32 model's" if plan.dtype != "float32"
+                                                    else "") + "): " + ", ".join(
+            f"stage {s.index} {_gb(s.check_host_bytes)} GB" for s in plan.stages),
     ]
     return "\n".join(lines)
 
