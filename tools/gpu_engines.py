@@ -96,8 +96,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "float16", "bfloat16")
 TOTAL_BUDGET_S = 480  # 8 minutes on one H200
 # Seconds a step may take (its timeout); they add up to TOTAL_BUDGET_S.
-BUDGETS = {"export": 20, "caches": 15, "communicator": 15, "build": 30, "check": 25,
-           "build recipe": 50, "runtime": 20, "check build": 25, "plugins": 35}
+BUDGETS = {"export": 25, "caches": 15, "communicator": 15, "build": 35, "check": 20,
+           "build recipe": 45, "runtime": 20, "check build": 25, "plugins": 30}
 STAGE_RECIPE = "engines/k3-tiny.toml"
 GRID_SOURCE = "engines/k3-tiny-2x2.toml"
 PLANNED_TARGET = "sm90"  # where no GPU answers: an H200's, so that the plan shows the commands it runs
@@ -207,7 +207,8 @@ def plan(machine: Machine, work: Path) -> list[Step]:
         shown = "build RECIPE" if program == "k3export build" else "runtime"
         return f"this k3export has no {shown} {flag}" if (program, flag) in machine.missing_flags else ""
 
-    engine_args = ["--backend", backend or "tensorrt", "--target", target]
+    backend_name = backend or "tensorrt"  # where neither flavour imports: what the skipped steps would use
+    engine_args = ["--backend", backend_name, "--target", target]
     steps: list[Step] = []
     for dtype in DTYPES:
         export = work / f"export-{dtype}"
@@ -235,18 +236,19 @@ def plan(machine: Machine, work: Path) -> list[Step]:
                                              "--json"],
                           BUDGETS["check"], "passed, headroom, routing flips", check_numbers,
                           needs=(f"build {dtype}",), skip=reasons(no_gpu, no_engine)))
-    grid_recipe = work / "k3-tiny-1x2.toml"
-    grid = {**read_recipe(ROOT / GRID_SOURCE), "stages": 1}  # the recipe write_grid_recipe writes
-    recipes = (("stages", STAGE_RECIPE, read_recipe(ROOT / STAGE_RECIPE), ["--routing-outputs"], None),
-               ("grid", str(grid_recipe), grid, [], partial(write_grid_recipe, grid_recipe)))
-    for label, recipe, shape, extra, prepare in recipes:
+    # build RECIPE takes its backend and target from the recipe alone (it ignores --target): each recipe is
+    # written into the work folder for this machine when its build starts (write_recipe).
+    recipes = (("stages", STAGE_RECIPE, "k3-tiny.toml", None, ["--routing-outputs"]),
+               ("grid", GRID_SOURCE, "k3-tiny-1x2.toml", 1, []))  # the 1 x 2 grid: the 2 x 2 in one stage
+    for label, source, name, stages, extra in recipes:
+        shape = {**read_recipe(ROOT / source), **({"stages": stages} if stages else {})}
         processes = shape["stages"] * shape["ranks"]
-        build = work / label
+        recipe, build = work / name, work / label
         built_with = reasons(*(lacks("k3export build", f) for f in extra))
-        steps.append(Step(f"build {label}", ["k3export", "build", recipe, *engine_args, *extra,
-                                             "--out", str(build)],
+        steps.append(Step(f"build {label}", ["k3export", "build", str(recipe), *extra, "--out", str(build)],
                           BUDGETS["build recipe"], "stages, MB", partial(recipe_numbers, build),
-                          skip=reasons(no_gpu, no_engine, built_with), prepare=prepare))
+                          skip=reasons(no_gpu, no_engine, built_with),
+                          prepare=partial(write_recipe, source, recipe, backend_name, target, stages)))
         few = f"needs {processes} GPUs (one a process), this machine has {len(machine.gpus)}" \
             if machine.gpus and len(machine.gpus) < processes else ""
         steps.append(Step(f"run {label}", ["torchrun", "--standalone", "--nproc-per-node", str(processes),
@@ -275,13 +277,22 @@ def read_recipe(path: Path) -> dict[str, int]:
             "batch": recipe["cache"]["batch"]}
 
 
-def write_grid_recipe(path: Path) -> None:
-    """engines/k3-tiny-2x2.toml in one stage: the 1 x 2 grid (no recipe in engines/ is that small)."""
-    source = (ROOT / GRID_SOURCE).read_text()
-    text, count = re.subn(r"(?m)^(\[stages\]\s*\ncount\s*=\s*)\d+", r"\g<1>1", source)
-    if count != 1:
-        raise ValueError(f"{GRID_SOURCE}: expected one `[stages]` table opening with `count = N`")
-    path.write_text(f"# {GRID_SOURCE} in 1 stage, written by tools/gpu_check --engines\n" + text)
+def write_recipe(source: str, path: Path, backend: str, target: str, stages: int | None) -> None:
+    """A recipe of engines/ for this machine: its [build] table's backend and target set, and [stages] count
+    where `stages` is given; parsed back and compared with what was meant, so that an edit that missed
+    fails the step."""
+    text = (ROOT / source).read_text()
+    meant = tomllib.loads(text)
+    meant["build"] = {**meant.get("build", {}), "backend": backend, "target": target}
+    text = re.sub(r"(?ms)^\[build\]\n.*?(?=^\[|\Z)", "", text)  # up to the next table; rewritten below
+    if stages is not None:
+        meant["stages"]["count"] = stages
+        text = re.sub(r"(?m)^(\[stages\]\s*\ncount\s*=\s*)\d+", rf"\g<1>{stages}", text)
+    text += "\n[build]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in meant["build"].items())
+    if tomllib.loads(text) != meant:
+        raise ValueError(f"{source}: its [stages] or [build] table is not laid out as expected: rewriting it "
+                         f"for backend {backend}, target {target}" + (f", {stages} stages" if stages else ""))
+    path.write_text(f"# {source} for this machine, written by tools/gpu_check --engines\n" + text)
 
 
 # ---- the key numbers of each step ----
@@ -386,7 +397,11 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 def run_step(step: Step, log: Path, work: Path) -> None:
     if step.prepare is not None:
-        step.prepare()
+        try:
+            step.prepare()
+        except (OSError, ValueError, KeyError) as exc:
+            step.result = f"failed: before its command: {type(exc).__name__}: {exc}"
+            return
     started = time.monotonic()
     # A session of its own, so that a step past its budget is stopped with every process it started.
     proc = subprocess.Popen(executable(step.argv), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -405,10 +420,6 @@ def run_step(step: Step, log: Path, work: Path) -> None:
     log.write_text(f"$ {command_text(step.argv, work)}\n(WORK={work})\n--- exit {proc.returncode}"
                    f"{' (timed out)' if timed_out else ''}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
     step.log = str(log)
-    try:
-        step.values = step.numbers(stdout)
-    except (OSError, KeyError, ValueError, TypeError) as exc:  # what it should have written is not there
-        step.values = {"numbers": f"unreadable ({type(exc).__name__}: {exc})"} if not timed_out else {}
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
     if timed_out:
         step.result = f"failed: past its budget of {step.budget_s} s (stopped)"
@@ -416,6 +427,11 @@ def run_step(step: Step, log: Path, work: Path) -> None:
         step.result = f"failed: exit {proc.returncode}" + (f": {last[:160]}" if last else "")
     else:
         step.result = "passed"
+    try:
+        step.values = step.numbers(stdout)
+    except (OSError, KeyError, ValueError, TypeError) as exc:  # what it should have written is not there
+        if step.result == "passed":
+            step.result = f"failed: its output unreadable: {type(exc).__name__}: {exc}"
 
 
 def run_steps(steps: list[Step], budget: float, logs: Path, work: Path) -> None:
@@ -464,8 +480,8 @@ def print_plan(machine: Machine, steps: list[Step], work: Path | None, budget: f
         print("without a GPU a run stops before its first step (exit 2)")
     print(f"work folder ($WORK): {work or 'a new temporary folder (--work DIR)'}; step budgets add up to "
           f"{sum(s.budget_s for s in steps)} s; --budget {budget:.0f} s; the table's s: each step's budget")
-    print(f"the grid's recipe $WORK/k3-tiny-1x2.toml is {GRID_SOURCE} with [stages] count = 1, written "
-          "when its build starts")
+    print(f"recipes written when their builds start: $WORK/k3-tiny.toml ({STAGE_RECIPE}) and "
+          f"$WORK/k3-tiny-1x2.toml ({GRID_SOURCE} in 1 stage), [build] backend and target this machine's")
     print("\n".join(table(planned_rows(steps, work or Path("$WORK")))))
 
 
