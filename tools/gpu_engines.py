@@ -460,7 +460,9 @@ COLUMNS = ("step", "command", "result", "s", "key numbers")
 
 
 def table(rows: list[tuple[str, ...]]) -> list[str]:
-    return [f"| {' | '.join(row)} |" for row in [COLUMNS, ("---",) * len(COLUMNS), *rows]]
+    """A markdown table (a pipe in a cell, from a command's message, escaped)."""
+    cells = [COLUMNS, ("---",) * len(COLUMNS), *([c.replace("|", "\\|") for c in row] for row in rows)]
+    return [f"| {' | '.join(row)} |" for row in cells]
 
 
 def planned_rows(steps: list[Step], work: Path) -> list[tuple[str, ...]]:
