@@ -18,34 +18,36 @@ The machine: the backend is `tensorrt` where `import tensorrt` works, else `tens
 k3export.engine.flavours.gpu_targets: sm90 on an H200). TensorRT-RTX has no sm90 or sm100 target, so on
 a datacenter GPU only full TensorRT builds. Where no GPU answers, the dry run plans for sm90.
 
-The steps, in order, each with its budget in seconds (BUDGETS: they add up to 480, 8 minutes on one
-H200); what each proves when it passes on a GPU:
+The steps, in order, and what each proves when it passes on a GPU. Each has a budget in seconds, its
+timeout (BUDGETS; they add up to 480, 8 minutes on one H200; --dry-run prints each):
 
- 1. export float32 / float16 / bfloat16 (20 s each): `k3export export --preset k3-tiny --dtype D`, the
-    half ones with --routing-outputs (each MoE layer's chosen experts as outputs, so the engine's half-
-    precision check holds the eager routers to them). Runs on the CPU; the rest reads these folders.
- 2. device caches (15 s): `python tools/gpu_engines.py --probe caches EXPORT` on the bfloat16 export:
-    every cache its export.json declares allocated on the GPU in its own dtype (bfloat16 included, which
-    numpy cannot hold) at batch 2 and the export's capacity, written and read back. Written against
+ 1. export float32 / float16 / bfloat16: `k3export export --preset k3-tiny --dtype D`, the half ones with
+    --routing-outputs (each MoE layer's chosen experts as outputs, so the engine's half-precision check
+    holds the eager routers to them). Runs on the CPU; the later steps read these folders.
+ 2. device caches: `python tools/gpu_engines.py --probe caches EXPORT` on the bfloat16 export: every
+    cache its export.json declares allocated on the GPU in its own dtype (bfloat16 included, which numpy
+    cannot hold) at batch 2 and the export's capacity, written and read back. Written against
     k3export.onnx.runner.Signature (the cache specs) and torch; the engine runner's own allocation is
     proved by the engine steps.
- 3. communicator (15 s): `python tools/gpu_engines.py --probe communicator`: an NCCL process group of
-    world size 1 on GPU 0, k3export.runtime.nccl.communicator_capsule(group) returning a PyCapsule (what
+ 3. communicator: `python tools/gpu_engines.py --probe communicator`: an NCCL process group of world
+    size 1 on GPU 0, k3export.runtime.nccl.communicator_capsule(group) returning a PyCapsule (what
     IExecutionContext.set_communicator takes), and an all-reduce on the group after it.
- 4. build float32 / float16 / bfloat16 (30 s each): `k3export build --onnx EXPORT --backend B --target T
-    --out DTYPE.engine`: the plugins (full TensorRT: the AOT forms) build for this GPU.
- 5. check float32 / float16 / bfloat16 (25 s each): `k3export check --engine DTYPE.engine --json`: the
-    engine deserialized and run on the GPU against the eager model, prefill and 16 decode steps; halves
+ 4. build float32 / float16 / bfloat16: `k3export build --onnx EXPORT --backend B --target T --out
+    D.engine`: the plugins (full TensorRT: their AOT forms) built into an engine for this GPU.
+ 5. check float32 / float16 / bfloat16: `k3export check --engine D.engine --json`: the engine
+    deserialized and run on the GPU against the eager model, prefill and 16 decode steps, the halves
     held to the engine's expert choices.
- 6. k3-tiny stages: `k3export build engines/k3-tiny.toml --backend B --target T --routing-outputs --out
-    DIR` (50 s), `torchrun --standalone --nproc-per-node 2 -m k3export.runtime DIR --runner engine ...`
-    (20 s; one GPU a stage, so 2 GPUs) and `k3export check --build DIR` (25 s): a pipeline of engines
-    built, served over the stage boundaries, and checked stage by stage.
- 7. the 1 x 2 grid: engines/k3-tiny-2x2.toml with [stages] count = 1, written into the work folder as
-    k3-tiny-1x2.toml (one stage split over 2 ranks, the smallest grid), built with engines (50 s; the
-    ranks' DIST_COLLECTIVE layers), run under torchrun (20 s) and `check --build` (25 s), both on 2 GPUs.
- 8. plugins (35 s): `python tools/gpu_check.py --only plugin --dtypes bfloat16 --no-fla`: the plugins'
-    enqueue bodies (k3plugins.trt.launch_from_pointers) on raw device pointers against the eager ops,
+ 6. k3-tiny in stages: `k3export build $WORK/k3-tiny.toml --routing-outputs --out $WORK/stages` (the
+    recipe is engines/k3-tiny.toml with [build] backend and target this machine's, written when the
+    step starts: build RECIPE takes both from the recipe and ignores --target), then `torchrun
+    --standalone --nproc-per-node 2 -m k3export.runtime $WORK/stages --runner engine ...` (one GPU a
+    stage, so 2 GPUs) and `k3export check --build $WORK/stages`: a pipeline of engines built, served
+    across its stage boundary, and checked stage by stage.
+ 7. the 1 x 2 grid: engines/k3-tiny-2x2.toml in one stage (written as $WORK/k3-tiny-1x2.toml, backend and
+    target as above; no recipe in engines/ is that small), built with engines (the ranks' DIST_COLLECTIVE
+    layers; on one GPU too), then run under torchrun and `check --build`, both needing 2 GPUs.
+ 8. plugins: `python tools/gpu_check.py --only plugin --dtypes bfloat16 --no-fla`: the plugins' enqueue
+    bodies (k3plugins.trt.launch_from_pointers) on raw device pointers against the eager ops,
     gpu_check.py's plugin rows in the published dtype (`tools/gpu_check` alone runs every dtype).
 
 A step is skipped, saying why, where this machine cannot run it (no GPU; no TensorRT or no build for the
@@ -132,13 +134,14 @@ class Machine:
                 f"{flags}; modules missing: {modules}")
 
 
-# The Python modules a step needs beyond torch and k3export, by kind of step.
-MODULES = {"export": ("onnx", "onnxscript"), "plugins": ("triton",)}
+# The Python modules a kind of step needs beyond torch and k3export, and k3export's extra that brings them.
+MODULES = {"export": (("onnx", "onnxscript"), "onnx"), "plugins": (("triton",), "kernels")}
 
 
 def survey() -> Machine:
+    needed = [m for modules, _ in MODULES.values() for m in modules]
     return Machine(gpus=gpu_targets(), backend=tensorrt_backend(), missing_flags=missing_pending_flags(),
-                   missing_modules=frozenset(m for ms in MODULES.values() for m in ms if not has_module(m)),
+                   missing_modules=frozenset(m for m in needed if not has_module(m)),
                    nccl_plumbing=has_module("k3export.runtime.nccl"))
 
 
@@ -200,8 +203,10 @@ def plan(machine: Machine, work: Path) -> list[Step]:
             if target_problem(FLAVOURS[backend], target) else ""
 
     def missing(kind: str) -> str:
-        names = [m for m in MODULES[kind] if m in machine.missing_modules]
-        return f"{', '.join(names)} not installed" if names else ""
+        modules, extra = MODULES[kind]
+        names = [m for m in modules if m in machine.missing_modules]
+        return f"{', '.join(names)} not installed (pip install -c constraints.txt -e '.[{extra}]')" \
+            if names else ""
 
     def lacks(program: str, flag: str) -> str:
         shown = "build RECIPE" if program == "k3export build" else "runtime"
@@ -466,8 +471,13 @@ def table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def planned_rows(steps: list[Step], work: Path) -> list[tuple[str, ...]]:
-    return [(s.name, command_text(s.argv, work), f"skipped: {s.skip}" if s.skip else "would run",
-             f"{s.budget_s}", s.reads) for s in steps]
+    """The plan's rows: a step would run unless this machine cannot run it or a step it reads would not."""
+    planned: dict[str, str] = {}
+    for s in steps:
+        blocked = next((n for n in s.needs if planned[n] != "would run"), None)
+        planned[s.name] = f"skipped: {s.skip}" if s.skip else \
+            f"skipped: needs {blocked}, which would not run" if blocked else "would run"
+    return [(s.name, command_text(s.argv, work), planned[s.name], f"{s.budget_s}", s.reads) for s in steps]
 
 
 def result_rows(steps: list[Step], work: Path) -> list[tuple[str, ...]]:
