@@ -1,0 +1,202 @@
+"""tools/gpu_check --engines (tools/gpu_engines.py) on this machine, which has no GPU: its dry run plans
+commands that k3export's own parsers take, within 8 minutes, and says why each GPU step is skipped here; a
+run exits 2 naming the missing GPU; the step runner stops a step past its budget with every process it
+started and skips what depends on a failed step; the recipes it writes load as k3export recipes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch.distributed.run
+
+from k3export.cli import build_parser
+from k3export.runtime.__main__ import build_parser as runtime_parser
+from k3export.shards.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+WRAPPER = ROOT / "tools" / "gpu_check"
+NO_GPU = pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+
+
+def tool(name: str) -> ModuleType:
+    """A script of tools/ (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_engines = tool("gpu_engines")
+
+
+def wrapper(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}  # the wrapper runs ${PYTHON:-python3}
+    return subprocess.run([str(WRAPPER), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    work = tmp_path_factory.mktemp("work")
+    done = wrapper("--engines", "--dry-run", "--work", str(work))
+    assert done.returncode == 0, done.stderr
+    return done.stdout, work
+
+
+def planned_rows(stdout: str) -> list[dict[str, str]]:
+    """The planned table's rows by column (a markdown table: `| a | b |`)."""
+    header, _, *rows = [line[2:-2].split(" | ") for line in stdout.splitlines() if line.startswith("| ")]
+    assert header == ["step", "command", "result", "s", "key numbers"]
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings}
+
+
+def subparser(name: str) -> argparse.ArgumentParser:
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+def without_pending(program: str, parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`args` less the flags of gpu_engines.PENDING_FLAGS (the one list of flags other agents are adding
+    to k3export now) that the installed `program` lacks, each with its value if one follows. Once a flag
+    lands, it stays in and must parse."""
+    for pending_program, flag in gpu_engines.PENDING_FLAGS:
+        if pending_program == program and flag not in options(parser) and flag in args:
+            at = args.index(flag)
+            takes_value = at + 1 < len(args) and not args[at + 1].startswith("-")
+            args = args[:at] + args[at + 1 + takes_value:]
+    return args
+
+
+def lay_out(argv: list[str], work: Path) -> None:
+    """The paths a command names under the work folder, made (the parsers refuse missing inputs): a
+    name with a suffix (an engine, a recipe) as a file, any other as a folder."""
+    for token in argv:
+        if token.startswith(str(work)):
+            path = Path(token)
+            if path.suffix:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+            else:
+                path.mkdir(parents=True, exist_ok=True)
+
+
+def parse_planned(command: str, work: Path) -> None:
+    """Parses a planned command with the parser of the program it runs; SystemExit if it does not."""
+    argv = [t.replace("$WORK", str(work)) for t in command.split()]
+    lay_out(argv, work)
+    if argv[0] == "k3export":
+        program, parser, args = f"k3export {argv[1]}", build_parser(), argv[1:]
+        args = [argv[1], *without_pending(program, subparser(argv[1]), argv[2:])]
+        parser.parse_args(args)
+    elif argv[0] == "torchrun":
+        launch = torch.distributed.run.parse_args(argv[1:])
+        assert launch.module and launch.training_script == "k3export.runtime", command
+        assert int(launch.nproc_per_node) >= 1
+        parser = runtime_parser()
+        parser.parse_args(without_pending("k3export.runtime", parser, launch.training_script_args))
+    elif argv[:2] == ["python", "tools/gpu_check.py"]:
+        tool("gpu_check").parse_args(argv[2:])
+    elif argv[:2] == ["python", "tools/gpu_engines.py"]:
+        gpu_engines.parse_args(argv[2:])
+    else:
+        pytest.fail(f"a planned command of no known program: {command}")
+
+
+def test_every_planned_command_parses(dry_run: tuple[str, Path], capsys: pytest.CaptureFixture) -> None:
+    stdout, work = dry_run
+    rows = planned_rows(stdout)
+    steps = [row["step"] for row in rows]
+    for kind in ("export", "build", "check"):
+        assert {f"{kind} {d}" for d in ("float32", "float16", "bfloat16")} <= set(steps)
+    assert {"device caches", "communicator", "build stages", "run stages", "check stages", "build grid",
+            "run grid", "check grid", "plugins"} <= set(steps)
+    for row in rows:
+        try:
+            parse_planned(row["command"], work)
+        except SystemExit:
+            pytest.fail(f"{row['step']}: `{row['command']}` does not parse: {capsys.readouterr().err}")
+
+
+def test_the_budgets_fit_in_8_minutes(dry_run: tuple[str, Path]) -> None:
+    stdout, _ = dry_run
+    budgets = [int(row["s"]) for row in planned_rows(stdout)]
+    assert all(b > 0 for b in budgets)
+    assert sum(budgets) <= 8 * 60
+    assert f"step budgets add up to {sum(budgets)} s" in stdout
+
+
+@NO_GPU
+def test_without_a_gpu_every_step_says_it_is_skipped_for_that(dry_run: tuple[str, Path]) -> None:
+    stdout, _ = dry_run
+    assert "machine: no GPU" in stdout
+    for row in planned_rows(stdout):
+        assert row["result"].startswith("skipped: no GPU (nvidia-smi finds none)"), row
+
+
+@NO_GPU
+def test_a_run_without_a_gpu_exits_2_naming_it() -> None:
+    done = wrapper("--engines")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no GPU (nvidia-smi finds none)" in done.stderr
+
+
+def test_without_engines_the_wrapper_runs_the_kernel_check() -> None:
+    done = wrapper("--help")
+    assert done.returncode == 0, done.stderr
+    assert "GPU check of the k3plugins Triton kernels" in done.stdout and "--engines" not in done.stdout
+
+
+def step(name: str, code: str, budget_s: int = 10, needs: tuple[str, ...] = ()) -> gpu_engines.Step:
+    return gpu_engines.Step(name, ["python", "-c", code], budget_s, "", lambda stdout: {}, needs=needs)
+
+
+def test_a_step_past_its_budget_is_stopped_with_its_children(tmp_path: Path) -> None:
+    # The child holds the step's output pipe open: were it left running, the step would wait 60 s for it.
+    sleeper = step("sleeper", "import subprocess, sys, time; "
+                   "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)",
+                   budget_s=2)
+    started = time.monotonic()
+    gpu_engines.run_step(sleeper, tmp_path / "sleeper.log", tmp_path)
+    assert time.monotonic() - started < 15
+    assert sleeper.result == "failed: past its budget of 2 s (stopped)"
+    assert "(timed out)" in (tmp_path / "sleeper.log").read_text()
+
+
+def test_steps_after_a_failure_or_past_the_total_budget_are_skipped(tmp_path: Path) -> None:
+    error = "import sys; print('k3export: error: no such thing', file=sys.stderr); sys.exit(2)"
+    steps = [step("fails", error),
+             step("reads it", "pass", needs=("fails",)), step("passes", "pass"),
+             step("too long", "pass", budget_s=100)]
+    gpu_engines.run_steps(steps, budget=30, logs=tmp_path, work=tmp_path)
+    assert [s.result for s in steps] == [
+        "failed: exit 2: k3export: error: no such thing", "skipped: needs fails, which failed", "passed",
+        "skipped: time budget (30 s of --budget 30 left, it needs 100 s)"]
+    table = gpu_engines.table(gpu_engines.result_rows(steps, tmp_path))
+    assert table[0] == "| step | command | result | s | key numbers |" and len(table) == 2 + len(steps)
+
+
+RECIPES = [(gpu_engines.STAGE_RECIPE, None), (gpu_engines.GRID_SOURCE, 1)]
+
+
+@pytest.mark.parametrize(("source", "stages"), RECIPES)
+def test_the_recipes_written_for_the_machine_load(source: str, stages: int | None, tmp_path: Path) -> None:
+    path = tmp_path / "recipe.toml"
+    gpu_engines.write_recipe(source, path, "tensorrt", "sm90", stages)
+    recipe, original = load_recipe(path), load_recipe(ROOT / source)
+    assert (recipe.backend, recipe.target) == ("tensorrt", "sm90")
+    assert recipe.stage_count == (stages or original.stage_count) and recipe.ranks == original.ranks
+    assert {k: v for k, v in recipe.data.items() if k not in ("stages", "build")} == \
+        {k: v for k, v in original.data.items() if k not in ("stages", "build")}
