@@ -383,9 +383,9 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
     # that does not join; engines sum over NCCL inside TensorRT, where the watchdog keeps the deadline
     # (the groups keep torch's own, longer, NCCL timeout).
     engine = choice.kind == ENGINE
-    groups = [dist.new_group(list(range(s * ranks, (s + 1) * ranks)), backend="nccl") if engine else
-              dist.new_group(list(range(s * ranks, (s + 1) * ranks)), timeout=timedelta(seconds=args.timeout))
-              if ranks > 1 else None for s in range(stages)]
+    options = {"backend": "nccl"} if engine else {"timeout": timedelta(seconds=args.timeout)}
+    groups = [dist.new_group(list(range(s * ranks, (s + 1) * ranks)), **options) if ranks > 1 else None
+              for s in range(stages)]
     data = Plane(dist.new_group(backend="nccl"), torch.device("cuda", device)) if engine and stages > 1 \
         else CONTROL
     nccl_groups.extend(g for g in [*groups, data.group] if engine and g is not None)
