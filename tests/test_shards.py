@@ -277,8 +277,9 @@ def test_torchrun_micro_batches_give_the_tokens_of_one_batch(sharded: Path, micr
     """3 prompts, 16 greedy tokens each, one process a stage with the rows in 1 micro-batch or 2 (of 2
     and 1 rows, in flight together): the tokens of the whole batch run in one process."""
     stages = len(stage_exports(sharded))
-    distributed = torchrun(sharded, "--prompt-len", "12", "--batch", "3", "--max-new-tokens", "16",
-                           "--seed", "3", "--micro-batches", str(micro_batches))
+    # --runner onnx: the TensorRT-RTX build's engines (its default runner) need a GPU.
+    distributed = torchrun(sharded, "--runner", "onnx", "--prompt-len", "12", "--batch", "3",
+                           "--max-new-tokens", "16", "--seed", "3", "--micro-batches", str(micro_batches))
     local = in_process(sharded, random_prompts(3, 12, 256, seed=3), 16, Sampler())
     assert distributed["tokens"] == local.tokens and all(len(t) == 16 for t in local.tokens)
     assert distributed["micro_batches"] == micro_batches and distributed["threads"] >= 1

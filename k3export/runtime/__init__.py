@@ -9,13 +9,14 @@ with its own rows of every stage's caches; under torchrun they are in flight tog
 computing a micro-batch while the next computes the one before. In one process M changes nothing
 but the grouping.
 
-A stage takes named tensors and gives named tensors; what backs it is its own business. Here it is
-ONNX Runtime through IO binding (onnx.runner.BoundOnnxrtRunner: the MLA cache written in place), driven
-by the stage's export.json (a rank of a split stage: runtime.segments.SegmentedRunner, the same
-caches, its graph in pieces between the sums of the stage's ranks), so no tensor name is written
+A stage takes named tensors and gives named tensors; what backs it is its own business: ONNX Runtime
+through IO binding on CPU (onnx.runner.BoundOnnxrtRunner: the MLA cache written in place; a rank of a
+split stage: runtime.segments.SegmentedRunner, the same caches, its graph in pieces between the sums
+of the stage's ranks), or the stage's TensorRT engine on a GPU (engine.runner.EngineRunner: its
+caches on the GPU, boundaries kept there as CUDA tensors, only the logits read back), chosen by
+`--runner` (runtime.engines). Each is driven by the stage's export.json, so no tensor name is written
 here: a stage's feeds are the previous stage's outputs of the same name, or the request's own (token
-ids, cache and input lengths). A TensorRT engine per stage would be another runner of the same
-shape; none can run here (no GPU).
+ids, cache and input lengths).
 A build with taps (`build RECIPE --taps`) has more outputs per stage; nothing here reads them.
 `check --build` runs this same chain as one check runner (k3export.check.runners.chain.ChainRunner).
 """
@@ -23,15 +24,19 @@ A build with taps (`build RECIPE --taps`) has more outputs per stage; nothing he
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.distributed import ProcessGroup
 
 from k3export.artifacts import read_manifest, require, verify
@@ -49,6 +54,7 @@ from k3export.options import (
     seed,
     token_ids,
 )
+from k3export.runtime.engines import BUILD_MANIFEST, ENGINE, RUNNERS, EnginePlace, choose_runner, device_of
 from k3export.runtime.schedule import (
     StageTimes,
     Tokens,
@@ -58,8 +64,6 @@ from k3export.runtime.schedule import (
     split_prompts,
 )
 from k3export.runtime.segments import SegmentedRunner
-
-BUILD_MANIFEST = "manifest.json"
 
 
 def _check_rank(build_dir: Path, stage: dict[str, Any], rank: dict[str, Any], ranks: int) -> None:
@@ -131,17 +135,27 @@ def stage_exports(build_dir: str | Path) -> list[Path]:
 
 
 class Stage:
-    """One stage, or one rank of a split stage: an ONNX Runtime session over its export folder (a
-    rank's: its pieces, summed over `group`, the process group of the stage's ranks), holding its
-    caches. `extra_outputs`: intermediate tensors of its graph returned too (check's routing choices)."""
+    """One stage, or one rank of a split stage, holding its caches: its engine when `engine` says
+    where it runs (a split stage's engine sums through its communicator), else an ONNX Runtime
+    session over its export folder (a rank's: its pieces, summed over `group`, the process group of
+    the stage's ranks). `extra_outputs`: intermediate tensors of its graph returned too (check's
+    routing choices)."""
 
     def __init__(self, export_dir: Path, name: str, threads: int | None = None,
-                 extra_outputs: list[str] | None = None, group: ProcessGroup | None = None) -> None:
+                 extra_outputs: list[str] | None = None, group: ProcessGroup | None = None,
+                 engine: EnginePlace | None = None) -> None:
         manifest = json.loads((export_dir / MANIFEST_FILE).read_text())
         self.signature = Signature(manifest)
         self.layers = range(*manifest["layers"])
         self.dtype = manifest["dtype"]
-        if manifest.get("parallel", {}).get("ranks", 1) > 1:
+        if engine is not None:
+            # Imported here: it needs TensorRT, which machines running the ONNX graphs may lack.
+            from k3export.engine.runner import EngineRunner
+
+            self.runner = EngineRunner(engine.path, export_dir, name=name, extra_outputs=extra_outputs,
+                                       device=engine.device, host_outputs=engine.host_outputs,
+                                       communicator=engine.communicator)
+        elif manifest.get("parallel", {}).get("ranks", 1) > 1:
             self.runner = SegmentedRunner(export_dir / GRAPH_FILE, self.signature, group, name, threads)
         else:
             self.runner = BoundOnnxrtRunner(export_dir / GRAPH_FILE, self.signature, name=name,
@@ -159,14 +173,17 @@ class Stage:
             feed[spec.name] = source[spec.name]
         return feed
 
-    def __call__(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, feed: dict[str, Any]) -> dict[str, Any]:
+        """The stage's outputs for `feed`: numpy arrays, or CUDA tensors an engine keeps on its GPU."""
         outputs = self.runner.infer(feed, check_inputs=False)
         self.seconds += self.runner.inference_time
         return outputs
 
     def reset_slots(self, sizes: list[int]) -> None:
         """Empty caches for each micro-batch of `sizes` rows: every micro-batch its own rows of every
-        cache, as if each were the only batch; `use(i)` picks micro-batch i's for the next calls."""
+        cache, as if each were the only batch; `use(i)` picks micro-batch i's for the next calls.
+        Every runner (ONNX Runtime's, an engine's) holds its caches in `caches` and its double buffers
+        in `spares` and reads both at each call."""
         self.slots = []
         for size in sizes:
             self.runner.reset(size)
@@ -193,13 +210,15 @@ def intra_op_threads(args: argparse.Namespace, processes: int) -> int:
 
 class Pipeline:
     """The stages in order, in this process (a split build's: one rank of each, its sums over
-    `group`)."""
+    `group`); `engines`: where each stage's engine runs (None: ONNX Runtime sessions)."""
 
     def __init__(self, export_dirs: list[Path], threads: int | None = None,
-                 extra_outputs: list[list[str]] | None = None, group: ProcessGroup | None = None) -> None:
+                 extra_outputs: list[list[str]] | None = None, group: ProcessGroup | None = None,
+                 engines: list[EnginePlace] | None = None) -> None:
         extra_outputs = extra_outputs or [[] for _ in export_dirs]
-        self.stages = [Stage(d, f"stage{i}", threads, extra, group) for i, (d, extra)
-                       in enumerate(zip(export_dirs, extra_outputs, strict=True))]
+        engines = engines or [None for _ in export_dirs]
+        self.stages = [Stage(d, f"stage{i}", threads, extra, group, engine) for i, (d, extra, engine)
+                       in enumerate(zip(export_dirs, extra_outputs, engines, strict=True))]
         for stage in self.stages:
             stage.runner.activate()
 
@@ -292,11 +311,13 @@ class Generation:
 
 
 def generate(pipeline: Pipeline, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
-             stop_tokens: frozenset[int] = frozenset(), micro_batches: int = 1) -> Generation:
+             stop_tokens: frozenset[int] = frozenset(), micro_batches: int = 1,
+             waits: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> Generation:
     """Prefill of the prompts (right-padded to the longest of each micro-batch), then decode steps
     until every row has `max_new_tokens` or a stop token, micro-batch after micro-batch through the
     pipeline's stages in this process (k3export.runtime.schedule's order); a row that has stopped
-    runs on with its micro-batch, its new tokens dropped."""
+    runs on with its micro-batch, its new tokens dropped. Each stage call runs in a `waits()` context
+    (under torchrun: a split stage's sums named when they fail, or an engine's under the watchdog)."""
     batches = split_prompts(prompts, micro_batches)
     pipeline.reset_slots([b.size for b in batches])
     stages = pipeline.stages
@@ -308,7 +329,8 @@ def generate(pipeline: Pipeline, prompts: list[list[int]], max_new_tokens: int, 
         for i, stage in enumerate(stages):
             stage.use(batch.index)
             started = time.perf_counter()
-            outputs = stage(stage.feeds(batch.request(), outputs))
+            with waits():
+                outputs = stage(stage.feeds(batch.request(), outputs))
             # What would cross to the next stage (the last: the tokens back to the first).
             last = i + 1 == len(stages)
             sent = 8 * batch.size if last else nbytes([outputs[n] for n in passed_on(stages, i)])
@@ -352,6 +374,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=THREADS, metavar="N",
                         help="ONNX Runtime intra-op threads of each stage process (default: this host's "
                         "cores / the stage processes on it)")
+    parser.add_argument("--runner", choices=RUNNERS,
+                        help="engine: the stages' TensorRT engines on GPUs (a GPU a process, LOCAL_RANK); "
+                        "onnx: their ONNX graphs in ONNX Runtime on CPU (default: engine when the build "
+                        "holds engines for every stage, else onnx)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -405,9 +431,15 @@ def stage_name(stage: Stage) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     exports = stage_exports(args.build)
+    choice = choose_runner(args.build, args.runner)
+    print(choice.line(), file=sys.stderr, flush=True)
     threads = intra_op_threads(args, 1)
     prompts = prompts_of(args, exports)
-    pipeline = Pipeline(exports, threads)
+    engines = None
+    if choice.kind == ENGINE:  # every stage on this process's GPU
+        device = device_of(os.environ, torch.cuda.device_count())
+        engines = [choice.place(i, 0, device) for i in range(len(exports))]
+    pipeline = Pipeline(exports, threads, engines=engines)
     try:
         result = generate(pipeline, prompts, args.max_new_tokens,
                           Sampler(args.temperature, args.top_k, args.top_p, args.seed), frozenset(args.stop),

@@ -26,21 +26,29 @@ it computes, so the header arrives meanwhile; the tensors it posts once the head
 shapes (gloo moves a send once its receive is posted, so on the receiving side the transfer itself
 is not hidden; k3-small sends 12 KB a row, over the loopback here).
 
+Runners (`--runner`, runtime.engines): ONNX Runtime on CPU, where everything crosses gloo; or the
+stages' TensorRT engines, each process on the GPU torchrun's LOCAL_RANK gives it. With engines the
+boundary tensors stay CUDA tensors and cross an NCCL process group over every process (the data
+plane), a split stage's engines sum through their stage's NCCL communicator (runtime.nccl), and only
+the last stage reads anything back to the host, its logits; headers, tokens and stop messages stay on
+gloo (the control plane). Both planes are one code path: torch tensors over a process group.
+
 Faults: every wait for another process has a deadline (`--timeout`, 60 s): a stage that sends or
 takes nothing for that long, or a rank that does not join its stage's sum for that long (the timeout
 of the stage's process group), is named (it died or hangs, or a stage before it did) and this process
 exits 1. A process that dies breaks its gloo links and sums (the processes that meet it name it and
 exit 1), and torchrun, which checks its processes every 0.1 s, stops the others (SIGTERM: each says
 so and exits 1) and lists the dead one in its report by process number (stage p // N, rank p % N).
-Ctrl-C (SIGINT to every process) stops each at once, exit 130. Loading the sessions and the closing
-exchange of timings use the default process group's own timeout. Everything crosses gloo on CPU:
-the stages' sessions are ONNX Runtime's on CPU (numpy arrays, which NCCL cannot take; engines over
-NCCL are issue 27's open work).
+NCCL has no deadline: an engine's call (its sums, the boundary it reads) runs under the watchdog
+(runtime.watchdog), which ends the process after --timeout, and every exit for a fault aborts the
+NCCL communicators first. Ctrl-C (SIGINT to every process) stops each at once, exit 130. Loading the
+sessions and the closing exchange of timings use the default process group's own timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import signal
@@ -49,6 +57,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -62,6 +71,7 @@ from k3export.errors import UserError
 from k3export.onnx.export import TensorSpec, resolve_shape
 from k3export.options import positive_int
 from k3export.runtime import (
+    ENGINE,
     Generation,
     Pipeline,
     Sampler,
@@ -75,6 +85,8 @@ from k3export.runtime import (
     stage_name,
     stage_ranks,
 )
+from k3export.runtime.engines import RunnerChoice, choose_runner, device_of
+from k3export.runtime.nccl import abort, communicator_capsule
 from k3export.runtime.schedule import (
     MicroBatch,
     StageTimes,
@@ -83,6 +95,7 @@ from k3export.runtime.schedule import (
     round_robin,
     split_prompts,
 )
+from k3export.runtime.watchdog import Watchdog
 
 RUN, STOP, FINISHED = 1, 2, 3  # a header's kind
 TOKENS = TensorSpec("tokens", "int64", ["batch"], "the last stage's tokens for a micro-batch's next step")
@@ -106,25 +119,51 @@ class StageFailed(Exception):
     """Another stage stopped answering: this process exits 1."""
 
 
-class Links:
-    """This process's messages, every send non-blocking and every wait with a deadline. A message is a
-    header [kind, micro-batch, rows, seq] and, for RUN, tensors whose shapes the header gives."""
+@dataclass(frozen=True)
+class Plane:
+    """Where a message's tensors travel: over a process group (None: the default one, gloo), living on
+    a device. Headers, tokens and stop messages take the control plane (gloo, CPU); the boundary
+    tensors the data plane: the control plane too with ONNX Runtime's stages, an NCCL group over every
+    process and this process's GPU with engines."""
 
-    def __init__(self, timeout: int, window: int, ranks: int) -> None:
+    group: dist.ProcessGroup | None
+    device: torch.device
+
+
+CONTROL = Plane(None, torch.device("cpu"))
+
+
+def as_tensor(value: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A stage's output as a tensor to send: numpy shared, not copied; a CUDA tensor as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous()
+    return torch.from_numpy(np.ascontiguousarray(value))
+
+
+class Links:
+    """This process's messages, every send non-blocking and every wait on the control plane with a
+    deadline (an NCCL wait returns once the transfer is ordered before this process's next GPU work,
+    which the watchdog guards). A message is a header [kind, micro-batch, rows, seq] and, for RUN,
+    tensors whose shapes the header gives, on the plane the caller names."""
+
+    def __init__(self, timeout: int, window: int, ranks: int, data: Plane = CONTROL) -> None:
         self.timeout = timeout
         self.ranks = ranks  # of each stage, to name a peer
         self.window = window  # messages sent ahead before waiting for the oldest to be received
+        self.data = data  # the plane of the boundary tensors
         self.header: tuple[dist.Work, torch.Tensor] | None = None  # the next one, posted ahead
         self.sending: deque[tuple[int, list[tuple[dist.Work, torch.Tensor]]]] = deque()  # kept until sent
 
-    def send(self, peer: int, kind: int, batch: MicroBatch, arrays: list[np.ndarray]) -> int:
-        """Sends a message about `batch`'s current call (before its `advance`); returns its bytes."""
-        tensors = [torch.tensor([kind, batch.index, batch.size, batch.seq]),
-                   *(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)]
+    def send(self, peer: int, kind: int, batch: MicroBatch, values: list[np.ndarray | torch.Tensor],
+             plane: Plane = CONTROL) -> int:
+        """Sends a message about `batch`'s current call (before its `advance`), its tensors on `plane`;
+        returns its bytes."""
+        header = torch.tensor([kind, batch.index, batch.size, batch.seq])
+        tensors = [(header, CONTROL), *((as_tensor(v), plane) for v in values)]
         while len(self.sending) >= self.window:
             self.wait_sent()
-        self.sending.append((peer, [(self.post(dist.isend, t, peer), t) for t in tensors]))
-        return sum(t.nbytes for t in tensors)
+        self.sending.append((peer, [(self.post(dist.isend, t, peer, p), t) for t, p in tensors]))
+        return sum(t.nbytes for t, _ in tensors)
 
     def wait_sent(self) -> None:
         """Waits until the oldest message sent has been taken."""
@@ -135,26 +174,28 @@ class Links:
     def expect(self, peer: int) -> None:
         """Posts the receive of the next header from `peer`, so that it arrives while this one computes."""
         header = torch.empty(4, dtype=torch.int64)
-        self.header = (self.post(dist.irecv, header, peer), header)
+        self.header = (self.post(dist.irecv, header, peer, CONTROL), header)
 
-    def receive(self, peer: int, specs: list[TensorSpec]) -> tuple[int, int, dict[str, np.ndarray]]:
-        """The expected message from `peer`: its kind, micro-batch and (RUN) tensors by name."""
+    def receive(self, peer: int, specs: list[TensorSpec],
+                plane: Plane = CONTROL) -> tuple[int, int, dict[str, np.ndarray | torch.Tensor]]:
+        """The expected message from `peer`: its kind, micro-batch and (RUN) tensors by name, taken on
+        `plane`: numpy arrays on the CPU, CUDA tensors on a GPU."""
         work, header = self.header
         self.wait(work, peer)
         kind, index, rows, seq = header.tolist()
         tensors = {}
         if kind != STOP:
             sizes = {"batch": rows, "seq": seq}
-            tensors = {s.name: torch.empty(resolve_shape(s, sizes), dtype=getattr(torch, s.dtype))
-                       for s in specs}
-            for work in [self.post(dist.irecv, t, peer) for t in tensors.values()]:
+            tensors = {s.name: torch.empty(resolve_shape(s, sizes), dtype=getattr(torch, s.dtype),
+                                           device=plane.device) for s in specs}
+            for work in [self.post(dist.irecv, t, peer, plane) for t in tensors.values()]:
                 self.wait(work, peer)
-        return kind, index, {name: t.numpy() for name, t in tensors.items()}
+        return kind, index, {name: t.numpy() if t.device.type == "cpu" else t for name, t in tensors.items()}
 
-    def post(self, op: Callable[..., dist.Work], tensor: torch.Tensor, peer: int) -> dist.Work:
+    def post(self, op: Callable[..., dist.Work], tensor: torch.Tensor, peer: int, plane: Plane) -> dist.Work:
         """`dist.isend` or `dist.irecv` of `tensor`: a link already broken fails here, as in `wait`."""
         try:
-            return op(tensor, peer)
+            return op(tensor, peer, group=plane.group)
         except RuntimeError as e:
             raise self.failure(e, peer) from None
 
@@ -179,6 +220,23 @@ class Links:
             self.wait_sent()
 
 
+def stage_partners(process: int, ranks: int) -> str:
+    """The other ranks of process `process`'s stage, in words."""
+    stage, rank = divmod(process, ranks)
+    others = [r for r in range(ranks) if r != rank]
+    if len(others) == 1:
+        return process_name(stage * ranks + others[0], ranks)
+    return f"one of stage {stage}'s ranks " + ", ".join(f"{r} (process {stage * ranks + r})" for r in others)
+
+
+def engine_waits(process: int, ranks: int) -> str:
+    """What an engine's call of process `process` may wait for inside NCCL, in words."""
+    waits = [f"its sums with {stage_partners(process, ranks)}"] if ranks > 1 else []
+    if process >= ranks:
+        waits.append(f"the boundary from {process_name(process - ranks, ranks)}")
+    return "its engine's call" + (f" ({'; '.join(waits)})" if waits else "")
+
+
 @dataclass(frozen=True)
 class NamedSums:
     """The context of a split stage's calls: a sum of its ranks that fails within (a partner died, or
@@ -195,16 +253,22 @@ class NamedSums:
     def __exit__(self, kind: type | None, error: BaseException | None, traceback: Any) -> None:
         if self.ranks == 1 or not isinstance(error, RuntimeError):
             return
-        stage, rank = divmod(self.process, self.ranks)
-        others = [r for r in range(self.ranks) if r != rank]
-        partners = (process_name(stage * self.ranks + others[0], self.ranks) if len(others) == 1
-                    else f"one of stage {stage}'s ranks "
-                    + ", ".join(f"{r} (process {stage * self.ranks + r})" for r in others))
+        partners = stage_partners(self.process, self.ranks)
         if "Timed out" in str(error):
             raise StageFailed(f"{partners} did not join a sum for {self.timeout} s (--timeout): it died or "
                               "hangs, or a stage before it did") from None
         raise StageFailed(f"a sum with {partners} failed ({gloo_reason(error)}): it died, or stopped when "
                           "a process it waits for failed") from None
+
+
+def call_waits(process: int, ranks: int, timeout: int,
+               watchdog: Watchdog | None) -> Callable[[], AbstractContextManager[None]]:
+    """The context each stage call of process `process` runs in: ONNX Runtime's gloo sums, a failure
+    named (NamedSums); with `watchdog`, an engine's NCCL sums and receives under its deadline."""
+    if watchdog is not None:
+        return functools.partial(watchdog.guard, engine_waits(process, ranks))
+    sums = NamedSums(process, ranks, timeout)
+    return lambda: sums
 
 
 @dataclass(frozen=True)
@@ -227,19 +291,20 @@ class Peers:
 
 @dataclass
 class Part:
-    """This process's part of the schedule: its stage, where its messages go, its clock."""
+    """This process's part of the schedule: its stage, where its messages go, its clock, and the
+    context its calls run in (`call_waits`)."""
 
     stage: Stage
     links: Links
     peers: Peers
     clock: StageTimes
-    sums: NamedSums
+    waits: Callable[[], AbstractContextManager[None]]
 
-    def compute(self, batch: MicroBatch, feed: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
+    def compute(self, batch: MicroBatch, feed: dict[str, Any]) -> tuple[dict[str, Any], float]:
         """Runs `batch`'s current call on this stage, its caches; returns the outputs and when it started."""
         self.stage.use(batch.index)
         started = time.perf_counter()
-        with self.sums:
+        with self.waits():
             return self.stage(self.stage.feeds(feed, {})), started
 
     def record(self, batch: MicroBatch, started: float, sent: int) -> None:
@@ -263,7 +328,8 @@ def first_stage(part: Part, batches: list[MicroBatch], passed: list[str]) -> Non
                 continue
             batch.input_ids = received["tokens"][:, None]
         outputs, started = part.compute(batch, batch.request())
-        part.record(batch, started, links.send(peers.next, RUN, batch, [outputs[n] for n in passed]))
+        sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed], links.data)
+        part.record(batch, started, sent)
         batch.advance()
 
 
@@ -275,7 +341,7 @@ def later_stage(part: Part, batches: list[MicroBatch], passed: list[str], receiv
     running = len(batches)
     links.expect(peers.previous)
     while running:
-        kind, index, tensors = links.receive(peers.previous, received)
+        kind, index, tensors = links.receive(peers.previous, received, links.data)
         batch = batches[index]
         running -= kind == STOP
         if running:
@@ -289,12 +355,15 @@ def later_stage(part: Part, batches: list[MicroBatch], passed: list[str], receiv
             ids = tokens.take(batch, outputs["logits"])
             sent = links.send(peers.first, FINISHED if batch.finished else RUN, batch, [ids])
         else:
-            sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed])
+            sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed], links.data)
         part.record(batch, started, sent)
         batch.advance()
 
 
-def run_process(args: argparse.Namespace, exports: list[list[Path]]) -> None:
+def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: RunnerChoice, device: int | None,
+                watchdog: Watchdog, nccl_groups: list[dist.ProcessGroup]) -> None:
+    """This process's stage (rank) of the build: `choice`'s runner, an engine on CUDA `device`; the
+    NCCL groups it makes are added to `nccl_groups`, which the watchdog aborts."""
     process, world = dist.get_rank(), dist.get_world_size()
     stages, ranks = len(exports), len(exports[0])
     grid = f"{stages} stages" + (f" x {ranks} ranks" if ranks > 1 else "")
@@ -310,15 +379,27 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]]) -> None:
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     tokens = Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
     # The ranks of each stage sum over a group of their own, which every process creates, in the same
-    # order (torch.distributed's rule); a rank that does not join a sum is named after --timeout.
-    groups = [dist.new_group(list(range(s * ranks, (s + 1) * ranks)), timeout=timedelta(seconds=args.timeout))
-              if ranks > 1 else None for s in range(stages)]
-    sums = NamedSums(process, ranks, args.timeout)
+    # order (torch.distributed's rule). ONNX Runtime's pieces sum over gloo, whose timeout names a rank
+    # that does not join; engines sum over NCCL inside TensorRT, where the watchdog keeps the deadline
+    # (the groups keep torch's own, longer, NCCL timeout).
+    engine = choice.kind == ENGINE
+    options = {"backend": "nccl"} if engine else {"timeout": timedelta(seconds=args.timeout)}
+    groups = [dist.new_group(list(range(s * ranks, (s + 1) * ranks)), **options) if ranks > 1 else None
+              for s in range(stages)]
+    data = Plane(dist.new_group(backend="nccl"), torch.device("cuda", device)) if engine and stages > 1 \
+        else CONTROL
+    nccl_groups.extend(g for g in [*groups, data.group] if engine and g is not None)
+    waits = call_waits(process, ranks, args.timeout, watchdog if engine else None)
+    place = None
+    if engine:  # the stage's communicator: a collective of its ranks, as the engines' set_communicator
+        place = choice.place(index, process % ranks, device,
+                             communicator_capsule(groups[index]) if ranks > 1 else None)
     if stages == 1:  # one stage: no messages, it samples its own tokens
-        pipeline = Pipeline(lane, threads, group=groups[0])
+        pipeline = Pipeline(lane, threads, group=groups[0], engines=[place] if place else None)
         lane_stages = pipeline.stages
     else:  # every process reads every stage's signature (to agree on what crosses); each activates its own
-        lane_stages = [Stage(d, f"stage{i}", threads, group=groups[i]) for i, d in enumerate(lane)]
+        lane_stages = [Stage(d, f"stage{i}", threads, group=groups[i], engine=place if i == index else None)
+                       for i, d in enumerate(lane)]
         lane_stages[index].runner.activate()
     try:
         dist.barrier()  # every session is loaded
@@ -327,16 +408,15 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]]) -> None:
                   f"{threads} thread{'s' if threads > 1 else ''} a process, --timeout {args.timeout:g} s",
                   file=sys.stderr, flush=True)
         if stages == 1:
-            with sums:
-                result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop),
-                                  count)
+            result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop), count,
+                              waits)
             mine = {"seconds": result.stage_seconds[0], "times": result.stages[0], "tokens": result.tokens,
                     "prefill": result.prefill_seconds, "decode": result.decode_seconds,
                     "steps": result.decode_steps}
         else:
             stage = lane_stages[index]
-            part = Part(stage, Links(args.timeout, count, ranks), Peers.of(process, stages, ranks),
-                        StageTimes(stage.runner.name), sums)
+            part = Part(stage, Links(args.timeout, count, ranks, data), Peers.of(process, stages, ranks),
+                        StageTimes(stage.runner.name), waits)
             mine = pipelined(part, lane_stages, index, batches, tokens)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
@@ -406,27 +486,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     process = int(os.environ.get("RANK", 0))
-    try:
+    try:  # before the process group: every process refuses alike
         exports = stage_ranks(args.build)
-    except UserError as e:  # before the process group: every process refuses alike
+        choice = choose_runner(args.build, args.runner)
+        device = device_of(os.environ, torch.cuda.device_count()) if choice.kind == ENGINE else None
+    except UserError as e:
         print(f"k3export.runtime: error: {e}", file=sys.stderr)
         return 2
+    if process == 0:
+        print(f"k3export.runtime: {choice.line()}", file=sys.stderr, flush=True)
     name = process_name(process, len(exports[0]))
     watch_signals(name)
+    nccl_groups: list[dist.ProcessGroup] = []  # run_process makes them; every exit for a fault aborts them
+    watchdog = Watchdog(name, args.timeout, functools.partial(abort, nccl_groups))
+    if device is not None:
+        torch.cuda.set_device(device)  # before any NCCL group, which takes the current device
     dist.init_process_group("gloo")
     try:
-        run_process(args, exports)
+        run_process(args, exports, choice, device, watchdog, nccl_groups)
     except UserError as e:
         print(f"k3export.runtime: error: {e}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     except StageFailed as e:
-        # One write with its newline, so that processes failing together do not share a line.
-        sys.stderr.write(f"k3export.runtime: {name}: {e}\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        # Not destroy_process_group: its teardown can wait on a peer that is gone.
-        os._exit(1)
+        watchdog.stop(str(e))  # not destroy_process_group: its teardown can wait on a peer that is gone
     dist.destroy_process_group()
     return 0
 

@@ -177,5 +177,6 @@ class StageTimes:
                 "sent_bytes_per_token": self.sent / self.rows if self.rows else None}
 
 
-def nbytes(arrays: list[np.ndarray]) -> int:
-    return sum(int(np.asarray(a).nbytes) for a in arrays)
+def nbytes(arrays: list[Any]) -> int:
+    """Bytes of numpy arrays or torch tensors (an engine's boundaries stay on its GPU)."""
+    return sum(int(a.nbytes) for a in arrays)

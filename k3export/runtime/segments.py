@@ -1,8 +1,8 @@
 """A tensor/expert-parallel rank's graph in ONNX Runtime, which has no collective op on CPU: the graph
 is cut at its `DistCollective` nodes when loaded, each piece runs as its own ONNX Runtime session, and
-the sums between them are done by torch.distributed (gloo here, NCCL where GPUs are), in the order
-the graph has them. Every rank of a stage runs the same sequence of pieces and sums, so each sum meets
-its partners on the other ranks.
+the sums between them are done by torch.distributed (gloo), in the order the graph has them (an
+engine sums in its own DIST_COLLECTIVE layers instead, over NCCL: runtime.nccl). Every rank of a
+stage runs the same sequence of pieces and sums, so each sum meets its partners on the other ranks.
 
     rank graph:  [piece 0] -> all_reduce -> [piece 1] -> all_reduce -> ... -> [piece K]
 

@@ -5,8 +5,8 @@
     DIR/stage-{i}/       model.onnx, model.onnx.data, config.json, export.json, and for a TensorRT
                          backend the engine stage-{i}.{target}.engine
     DIR/stage-{i}/rank-{r}/   the same for each rank r of a stage split by `[parallel] ranks = N`; the
-                         stage's manifest entry lists its ranks' places ("stage", "rank", "gpu": the
-                         local GPU index, "folder")
+                         stage's manifest entry lists its ranks' places ("stage", "rank", "folder"; no
+                         GPU number: the runtime runs each process on its LOCAL_RANK's GPU)
 
 With taps (`build RECIPE --taps`, or `taps = true` under the recipe's [build]) every stage's export
 also outputs its layers' taps (export --taps), named by the model's layer indices (a stage over
@@ -204,7 +204,7 @@ def _grid_entry(plan: Plan, index: int, parts: list[dict[str, Any]], seconds: fl
     places = ("folder", "graph", "engine", "profiles", "device_memory")
     return _stage_entry(plan, index, {
         **parts[0], "folder": stage_folder(index), "graph": None, "engine": None,
-        "ranks": [{"stage": index, "rank": r, "gpu": r, **{k: p[k] for k in places}}
+        "ranks": [{"stage": index, "rank": r, **{k: p[k] for k in places}}
                   for r, p in enumerate(parts)],
         "seconds": seconds, "files": {name: record for p in parts for name, record in p["files"].items()}})
 

@@ -1,0 +1,72 @@
+"""Every process of an engine run ends within --timeout when a peer dies or hangs.
+
+gloo's waits (the control plane: headers, tokens, stop messages) have deadlines of their own and
+raise; NCCL's have none: a rank that dies leaves its partners blocked in an all-reduce of their
+engines or in a receive of a boundary for ever. So each wait that may block in NCCL runs under
+`Watchdog.guard(what)`: a thread of ours, when the guarded wait outlasts the timeout, says what this
+process waited for, aborts the NCCL communicators (the `abort` hook, runtime.nccl.abort) and exits 1.
+A failure the control plane finds ends the process the same way (`stop`). The hook runs once,
+whichever comes first, and at most ABORT_SECONDS: an abort that hangs does not keep the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import NoReturn
+
+ABORT_SECONDS = 10.0
+
+
+class Watchdog:
+    """Ends the process `name` (a stage and rank, as messages name it) when a `guard`ed wait lasts
+    `timeout` seconds, or on `stop`: its message, `abort()` once, exit 1."""
+
+    def __init__(self, name: str, timeout: float, abort: Callable[[], None]) -> None:
+        self.name, self.timeout, self.hook = name, timeout, abort
+        self.waiting: tuple[float, str] | None = None  # the guarded wait's deadline and what it waits for
+        self.changed = threading.Condition()
+        self.aborted = threading.Lock()  # taken by the first abort
+        threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Runs the block as a wait for `what` ("stage 1 rank 1 (process 3)'s boundary"), ended by the
+        watchdog after `timeout` seconds."""
+        with self.changed:
+            self.waiting = (time.monotonic() + self.timeout, what)
+            self.changed.notify()
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.waiting = None
+
+    def watch(self) -> None:
+        with self.changed:
+            while self.waiting is None or self.waiting[0] > time.monotonic():
+                self.changed.wait(None if self.waiting is None else self.waiting[0] - time.monotonic())
+            what = self.waiting[1]
+        self.stop(f"waited {self.timeout:g} s (--timeout) for {what}: a process it waits for died or hangs; "
+                  "NCCL communicators aborted")
+
+    def abort(self) -> None:
+        """The abort hook, if no one has called it yet."""
+        if self.aborted.acquire(blocking=False):
+            self.hook()
+
+    def stop(self, message: str) -> NoReturn:
+        """Says `message`, aborts the communicators (waiting at most ABORT_SECONDS) and exits 1."""
+        # One write with its newline, so that processes failing together do not share a line.
+        sys.stderr.write(f"k3export.runtime: {self.name}: {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        aborting = threading.Thread(target=self.abort, name="abort", daemon=True)
+        aborting.start()
+        aborting.join(ABORT_SECONDS)
+        # Not a normal exit: its teardown can wait on a peer that is gone, or on a blocked main thread.
+        os._exit(1)
