@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -545,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("k3export: interrupted; nothing unfinished was left at a final name", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout stopped (`k3export plan ... | head`): as SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 128 + signal.SIGPIPE
     except Exception:
         traceback.print_exc()
         print(f"k3export: internal error in `{args.command}` (a bug in k3export, not in your input): "

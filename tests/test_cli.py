@@ -105,3 +105,15 @@ def test_tensorrt_messages_reach_the_logger_not_stdout(tmp_path, capfd, caplog):
     warned = [r for r in caplog.records if r.levelno == logging.DEBUG and "Int64 binding" in r.getMessage()]
     assert warned and warned[0].getMessage().startswith("TensorRT warning: ")
     assert "Int64 binding" not in capfd.readouterr().out
+
+
+def test_a_closed_stdout_ends_the_command_quietly():
+    """`k3export plan ... | head`: the reader gone before the plan is printed ends the command as
+    SIGPIPE would (exit 141), with no traceback and no "internal error"; `python -m k3export` is the
+    same command."""
+    command = [sys.executable, "-m", "k3export", "plan", "--preset", "kimi-k3", "--stages", "16"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the plan (seconds of work) is written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "internal error" not in err
