@@ -26,9 +26,8 @@ timeout (BUDGETS; they add up to 480, 8 minutes on one H200; --dry-run prints ea
     holds the eager routers to them). Runs on the CPU; the later steps read these folders.
  2. device caches: `python tools/gpu_engines.py --probe caches EXPORT` on the bfloat16 export: every
     cache its export.json declares allocated on the GPU in its own dtype (bfloat16 included, which numpy
-    cannot hold) at batch 2 and the export's capacity, written and read back. Written against
-    k3export.onnx.runner.Signature (the cache specs) and torch; the engine runner's own allocation is
-    proved by the engine steps.
+    cannot hold) at batch 2 and the export's capacity, written and read back, allocated by the engine
+    runner's own `device_caches` from its binding plan (k3export.engine.runner).
  3. communicator: `python tools/gpu_engines.py --probe communicator`: an NCCL process group of world
     size 1 on GPU 0, k3export.runtime.nccl.communicator_capsule(group) returning a PyCapsule (what
     IExecutionContext.set_communicator takes), and an all-reduce on the group after it.
@@ -512,14 +511,12 @@ def write_out(out: Path, text: str, machine: Machine, steps: list[Step], work: P
 def probe_caches(export: Path) -> dict[str, Any]:
     import torch
 
-    from k3export.onnx.export import MANIFEST_FILE, resolve_shape
-    from k3export.onnx.runner import Signature
+    from k3export.engine.runner import binding_plan, device_caches
+    from k3export.onnx.export import MANIFEST_FILE
 
-    signature = Signature(json.loads((export / MANIFEST_FILE).read_text()))
-    sizes = {"batch": PROBE_BATCH, "capacity": signature.capacity}
-    # Straight from the specs: Signature.empty_caches goes through numpy, which has no bfloat16.
-    caches = {s.name: torch.zeros(resolve_shape(s, sizes), dtype=getattr(torch, s.dtype), device="cuda")
-              for s in signature.caches}
+    # The engine runner's own allocation, from its binding plan (no engine, so no profiles).
+    capacity = json.loads((export / MANIFEST_FILE).read_text())["capacity"]
+    caches = device_caches(binding_plan(export, []).caches, PROBE_BATCH, capacity, torch.device("cuda", 0))
     for cache in caches.values():
         cache.fill_(1)
     torch.cuda.synchronize()

@@ -187,6 +187,13 @@ def torch_dtype(spec: TensorSpec) -> torch.dtype:
     return getattr(torch, spec.dtype)
 
 
+def device_caches(caches: list[TensorSpec], batch: int, capacity: int,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Zeroed caches for `batch` rows on `device`, each in its own dtype (bfloat16 included)."""
+    sizes = {"batch": batch, "capacity": capacity}
+    return {s.name: torch.zeros(resolve_shape(s, sizes), dtype=torch_dtype(s), device=device) for s in caches}
+
+
 class EngineRunner(StatefulRunner):
     """An engine built from `export_dir` (its caches, profiles and extra outputs as `binding_plan`
     says) on GPU `device`. `call` returns every output, as numpy for those in `host_outputs` (None:
@@ -243,9 +250,7 @@ class EngineRunner(StatefulRunner):
         del self.context, self.engine
 
     def empty_caches(self, batch: int) -> dict[str, torch.Tensor]:
-        sizes = {"batch": batch, "capacity": self.signature.capacity}
-        return {s.name: torch.zeros(resolve_shape(s, sizes), dtype=torch_dtype(s), device=self.device)
-                for s in self.plan.caches}
+        return device_caches(self.plan.caches, batch, self.signature.capacity, self.device)
 
     def reset(self, batch: int, rows: list[int] | None = None) -> None:
         super().reset(batch, rows)
