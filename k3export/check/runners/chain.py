@@ -219,6 +219,10 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         eager_graph=lambda model, tapped: EagerChain(model, stage_manifests, Signature(manifest), tapped),
         routing=[stage_output(i, name) for i, names in enumerate(routing) for name in names], on_step=on_step)
     report["aliased"] = dict(runner.aliased)
+    held = {name for names in routing for name in names}
+    if held:  # where the tensors held were read, by their names
+        listed = {s["name"] for s in manifest.get("routing_outputs", [])}
+        report["routing_read_from"] = "graph outputs" if held <= listed else "intermediates"
     report["build"] = str(build_dir)
     report["stage_folders"] = [str(folder) for folder in exports]
     report["stages"] = [[r.start, r.stop] for r in ranges]
@@ -231,9 +235,7 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         report["taps"]["first_divergent"]["stage"] = owner[report["taps"]["first_divergent"]["name"]]
     if grid:
         report["ranks"] = ranks
-        # Each worker reads its rank's partial sums where its export.json lists them.
-        outputs = all("partial_outputs" in m for m in stage_manifests)
-        report["partials_read_from"] = "graph outputs" if outputs else "segments"
+        report["partials_read_from"] = ", ".join(grid.partials_read_from)
         report["first_divergent_rank"] = first_divergent_rank(report["steps"])
         # A replicated output that differs between ranks fails the grid, whatever rank 0's says.
         report["ranks_differ"] = sorted({f"stage {e['stage']} rank {e['rank']}: {name}"

@@ -130,6 +130,7 @@ class RankWorker:
         self.collectives = manifest["parallel"]["collectives"]
         self.tolerance = TOLERANCES[manifest["dtype"]]
         self.partial_outputs = [s["name"] for s in manifest.get("partial_outputs", [])]
+        self.partials_read_from = "graph outputs" if self.partial_outputs else "segments"
         self.routing = held_routing_names(manifest)
         signature = Signature(manifest)
         dtypes = ["float32"] if manifest["dtype"] == "float32" else [manifest["dtype"], "float32"]
@@ -191,7 +192,7 @@ def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
                                 timeout=timedelta(seconds=WORKER_TIMEOUT_S))
         worker = RankWorker(folder, rank, ranks)
-        conn.send((READY, None))
+        conn.send((READY, worker.partials_read_from))
         while (message := conn.recv())[0] != STOP:
             conn.send((OK, getattr(worker, message[0])(*message[1:])))
         worker.close()
@@ -244,7 +245,8 @@ class GridRunner(StatefulRunner):
     folders (verified); `stage_manifests`: per stage its unsplit export.json (grid_stages'). After each
     call, `partials[stage][rank]` holds that rank's partial sums compared with its eager split model's,
     and `disagreements` each replicated output (routing choices too) in which a rank differs from rank
-    0 ({"stage", "rank", "output", "max_abs"})."""
+    0 ({"stage", "rank", "output", "max_abs"}). `partials_read_from`: where the workers read their
+    partial sums ("graph outputs", "segments": one each, both for a build that mixes them)."""
 
     def __init__(self, folders: list[list[Path]], stage_manifests: list[dict[str, Any]],
                  signature: Signature, routing: list[list[str]] | None = None) -> None:
@@ -273,9 +275,8 @@ class GridRunner(StatefulRunner):
                     process.start()
                     theirs.close()
                     self.workers[-1].append(Worker(s, r, process, ours))
-            for ranks in self.workers:
-                for worker in ranks:
-                    worker.answer()  # READY
+            # READY, with where the worker reads its partial sums.
+            self.partials_read_from = sorted({w.answer() for ranks in self.workers for w in ranks})
         except BaseException:
             self.deactivate_impl()
             raise
