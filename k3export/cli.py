@@ -289,6 +289,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.taps:
         raise UserError("build --taps: expected a RECIPE (its stages are exported with taps); an engine "
                         "from --onnx DIR has the export's outputs: export it with `k3export export --taps`")
+    if args.routing_outputs:
+        raise UserError("build --routing-outputs: expected a RECIPE (its stages are exported with them); an "
+                        "engine from --onnx DIR has the export's outputs: export it with `k3export export "
+                        "--routing-outputs`")
 
     if args.backend == "onnx":
         raise UserError(f"build --onnx DIR --backend onnx: an export is already ONNX; expected --backend "
@@ -425,9 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="add each layer's mixer and FFN outputs and AttnRes partial after it as outputs "
                         "taps.{layer}.{mixer,ffn,partial}, for `check --taps` to localise a divergence")
     export.add_argument("--routing-outputs", action="store_true",
-                        help="add each MoE layer's chosen experts as outputs routing.{layer}, so that an "
-                        "engine built from the export can be checked in half precision (check holds the "
-                        "eager routers to them); a served engine needs none")
+                        help="add check's outputs: each MoE layer's chosen experts routing.{layer} (check "
+                        "holds the eager routers to them, so that a half-precision engine can be checked) "
+                        "and, with --ranks, each all-reduce's input partial.{n} (the rank's partial sum, "
+                        "for check --build to name a wrong rank); such a checking engine is not "
+                        "byte-identical to the served one, which needs none")
     export.add_argument("--ranks", type=positive_int, default=1, metavar="N",
                         help="split every layer over N GPUs (tensor-parallel heads, expert-parallel experts; "
                              "k3export/model/parallel.py) and export one rank's graph, with DistCollective "

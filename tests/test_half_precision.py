@@ -32,7 +32,7 @@ from k3export.check.machine import KNOBS
 from k3export.cli import main
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.export import ROUTING_PREFIX, add_routing_outputs
+from k3export.onnx.export import ROUTING_PREFIX, add_checking_outputs
 
 HERE = Path(__file__).parent
 # leg -> (environment, the (dtype, check) pairs it runs): bfloat16 matmuls go through oneDNN, so
@@ -54,7 +54,7 @@ def with_routing_outputs(export: Path, folder: Path) -> Path:
     manifest = json.loads((folder / "export.json").read_text())
     config = K3Config.from_json(folder / "config.json")
     layers = range(*manifest["layers"])
-    manifest["routing_outputs"] = add_routing_outputs(folder / "model.onnx", config, layers)
+    manifest.update(add_checking_outputs(folder / "model.onnx", config, layers))
     (folder / "export.json").write_text(json.dumps(manifest))
     rerecord_file(folder, "model.onnx")
     return folder
@@ -197,3 +197,41 @@ def test_bfloat16_is_valid_onnx_that_onnxruntime_cpu_cannot_run(exports: dict) -
         ort.InferenceSession(str(export / "model.onnx"), providers=["CPUExecutionProvider"])
     with pytest.raises(UserError, match="k3export check --network"):
         run_check(export, log=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def float16_chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """test_parallel_grid's 3-layer k3-tiny in float16, 2 stages, built with `routing_outputs = true`
+    under the recipe's [build] (the grid's build takes the command-line option)."""
+    from test_parallel_grid import short_recipe
+
+    folder = tmp_path_factory.mktemp("chain16")
+    recipe = short_recipe(folder, "float16", 2, 1)
+    recipe.write_text(recipe.read_text().replace("[build]", "[build]\nrouting_outputs = true"))
+    assert main(["build", str(recipe), "--out", str(folder / "build"), "--quiet"]) == 0
+    return folder / "build"
+
+
+def test_float16_chain_is_checked_held_to_its_stages_routing_outputs(float16_chain: Path, tmp_path: Path,
+                                                                    capsys) -> None:
+    """check --build of a float16 stage chain built with routing outputs: each stage's expert choices
+    read from its graph outputs (one routing.{layer} a MoE layer of the stage), the check passes; with
+    stage 1's routed experts' up projection (after their norm) scaled by 1.5 it fails, naming stage 1."""
+    from test_parallel_grid import scale_weight
+
+    manifest = json.loads((float16_chain / "manifest.json").read_text())
+    assert manifest["settings"]["routing_outputs"] is True
+    stages = [json.loads((float16_chain / f"stage-{i}/export.json").read_text()) for i in range(2)]
+    config = K3Config.from_json(float16_chain / "stage-0/config.json")
+    assert [[s["name"] for s in m["routing_outputs"]] for m in stages] == [
+        [f"routing.{i}" for i in range(*m["layers"]) if not config.is_dense(i)] for m in stages]
+    assert main(["check", "--build", str(float16_chain), "--steps", "1", "--prompt-len", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["held_routing"] and report["routing_read_from"] == "graph outputs"
+    bad = shutil.copytree(float16_chain, tmp_path / "bad")
+    layer = stages[1]["layers"][0]
+    scale_weight(bad, 1, None, f"layers.{layer}.block_sparse_moe.routed_expert_up_proj.weight", 1.5)
+    assert main(["check", "--build", str(bad), "--steps", "1", "--prompt-len", "8", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["passed"] and report["first_divergent_stage"] == 1
+    assert report["routing_read_from"] == "graph outputs"

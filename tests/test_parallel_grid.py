@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from test_parallel import four_head_config
@@ -29,6 +30,7 @@ from k3export.cli import main
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
+from k3export.onnx.export import PARTIAL_PREFIX, ROUTING_PREFIX, add_checking_outputs
 from k3export.onnx.runner import Signature
 from k3export.runtime import random_prompts, stage_ranks
 from k3export.shards.recipe import load_recipe
@@ -303,3 +305,185 @@ def test_a_dead_rank_stops_the_check_naming_it(grid_build: Path) -> None:
         workers = [w.process for ranks in runner.workers for w in ranks]
         stopped = time.monotonic()
     assert not any(p.is_alive() for p in workers) and time.monotonic() - stopped < 10
+
+
+# -- check's outputs (build --routing-outputs): a float16 grid held to its ranks' own routing --------
+
+PARTIAL_WORKER = Path(__file__).with_name("partial_outputs_worker.py")
+
+
+def short_config() -> K3Config:
+    """k3-tiny cut to 3 layers that keep every kind (a dense KDA layer, a KDA MoE layer, an MLA MoE
+    layer, an AttnRes block boundary between them): the float16 builds and exports below cost a
+    third of k3-tiny's."""
+    data = K3Config.from_preset("k3-tiny").to_dict()
+    data["num_hidden_layers"] = 3
+    data["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3])
+    data["attn_res_block_size"] = 2
+    return K3Config.from_dict(data)
+
+
+def short_recipe(folder: Path, dtype: str, stages: int, ranks: int) -> Path:
+    """The shipped 2 x 2 recipe on short_config in `dtype`, `stages` stages of `ranks` ranks."""
+    short_config().to_json(folder / "config.json")
+    text = GRID_RECIPE.read_text().replace('preset = "k3-tiny"', 'config = "config.json"')
+    text = text.replace("count = 2", f"count = {stages}").replace("\nranks = 2", f"\nranks = {ranks}")
+    (folder / "short.toml").write_text(text.replace('dtype = "float32"', f'dtype = "{dtype}"'))
+    return folder / "short.toml"
+
+
+@pytest.fixture(scope="module")
+def float16_grid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """short_config in float16, one stage over 2 ranks, built with check's outputs."""
+    folder = tmp_path_factory.mktemp("grid16")
+    recipe = short_recipe(folder, "float16", 1, 2)
+    assert main(["build", str(recipe), "--out", str(folder / "build"), "--routing-outputs", "--quiet"]) == 0
+    return folder / "build"
+
+
+def scale_weight(build: Path, stage: int, rank: int | None, suffix: str, factor: float) -> None:
+    """Scales the initializer named ...`suffix` (any float dtype numpy has) of a stage or rank in its
+    external data, the new hashes recorded: a wrong weight, not a damaged file."""
+    from test_shards import rerecord, stage_folder
+
+    folder = build / stage_folder(stage, rank)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    target = next(t for t in model.graph.initializer if t.name.endswith(suffix))
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(target.data_type)
+    where = {e.key: e.value for e in target.external_data}
+    offset, length = int(where["offset"]), int(where["length"])
+    data = bytearray((folder / "model.onnx.data").read_bytes())
+    values = np.frombuffer(data, dtype, count=length // dtype.itemsize, offset=offset)
+    data[offset:offset + length] = (values * factor).astype(dtype).tobytes()
+    (folder / "model.onnx.data").write_bytes(bytes(data))
+    rerecord(build, stage, ["model.onnx.data"], rank)
+
+
+@pytest.mark.usefixtures("bounded_check")
+def test_float16_grid_with_checking_outputs_passes_held_to_its_ranks_routing(float16_grid: Path,
+                                                                              capsys) -> None:
+    """build --routing-outputs: every rank's graph outputs its routing and partial sums (one a
+    collective, as export.json's "parallel" lists them); check --build reads both there, holds the
+    eager models to the graph's choices, and the float16 grid passes, every rank's partials within
+    their bound (in the dtype's fixed bound here: 3 layers, one step)."""
+    manifest = json.loads((float16_grid / "manifest.json").read_text())
+    assert manifest["settings"]["routing_outputs"] is True
+    for rank in range(2):
+        export = json.loads((float16_grid / f"stage-0/rank-{rank}/export.json").read_text())
+        assert [s["name"] for s in export["routing_outputs"]] == ["routing.1", "routing.2"]
+        assert [s["name"] for s in export["partial_outputs"]] == [
+            f"partial.{n}" for n in range(len(export["parallel"]["collectives"]))] == [
+            f"partial.{n}" for n in range(6)]
+        # A MoE layer's FFN sums [u | shared] in float32; the others the model dtype.
+        assert [s["dtype"] for s in export["partial_outputs"]] == [
+            "float32" if c["dtype"] == "float32" else "float16" for c in export["parallel"]["collectives"]]
+    assert main(["check", "--build", str(float16_grid), "--steps", "1", "--prompt-len", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["dtype"] == "float16" and report["first_divergent_rank"] is None
+    assert report["held_routing"] and report["routing_read_from"] == "graph outputs"
+    assert report["partials_read_from"] == "graph outputs" and not report["ranks_differ"]
+    for step in report["steps"]:
+        assert [(e["stage"], e["rank"]) for e in step["ranks"]] == [(0, 0), (0, 1)]
+        assert all(e["passed"] and e["worst"]["rel"] <= 0.5 * e["worst"]["bound"] for e in step["ranks"])
+
+
+@pytest.mark.usefixtures("bounded_check")
+def test_float16_grid_names_the_rank_of_a_wrong_expert(float16_grid: Path, tmp_path: Path, capsys) -> None:
+    """Rank 0's layer 2 routed experts' down projection scaled by 1.5 in float16: check --build fails
+    and names stage 0 rank 0 and layer 2's FFN (rank 1's partials, read from its outputs, pass)."""
+    bad = shutil.copytree(float16_grid, tmp_path / "bad")
+    scale_weight(bad, 0, 0, "layers.2.block_sparse_moe.experts.w2", 1.5)
+    assert main(["check", "--build", str(bad), "--steps", "1", "--prompt-len", "8"]) == 1
+    printed = capsys.readouterr().out
+    assert "first divergent stage and rank: stage 0 rank 0 (layer 2 ffn) at prefill: partial sum rel" \
+        in printed
+
+
+def test_float16_grid_without_checking_outputs_is_refused(float16_grid: Path, tmp_path: Path,
+                                                          capsys) -> None:
+    """A half-precision grid whose ranks do not output their routing (as served): refused, naming the
+    build option (a rank's graph runs in pieces, which give no intermediates)."""
+    from test_shards import rerecord
+
+    served = shutil.copytree(float16_grid, tmp_path / "served")
+    for rank in range(2):
+        path = served / f"stage-0/rank-{rank}/export.json"
+        export = json.loads(path.read_text())
+        del export["routing_outputs"], export["partial_outputs"]
+        path.write_text(json.dumps(export))
+        rerecord(served, 0, ["export.json"], rank)
+    assert main(["check", "--build", str(served), "--steps", "1"]) == 2
+    assert (f"{served}: a float16 build split over 2 ranks without check's outputs"
+            in capsys.readouterr().err.replace("\n", " "))
+
+
+def strip_checking_outputs(folder: Path, out: Path) -> Path:
+    """A copy of a rank export with check's outputs taken out (the Identity nodes and graph outputs
+    routing.* and partial.* that add_checking_outputs appends): the graph as served."""
+    shutil.copytree(folder, out)
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    extra = {o.name for o in model.graph.output if o.name.startswith((ROUTING_PREFIX, PARTIAL_PREFIX))}
+    nodes = [n for n in model.graph.node if not set(n.output) & extra]
+    outputs = [o for o in model.graph.output if o.name not in extra]
+    del model.graph.node[:], model.graph.output[:]
+    model.graph.node.extend(nodes)
+    model.graph.output.extend(outputs)
+    (out / "model.onnx").write_bytes(model.SerializeToString())
+    return out
+
+
+def with_checking_outputs(folder: Path, out: Path) -> Path:
+    """A copy of a rank export with check's outputs added as `export --routing-outputs` adds them."""
+    shutil.copytree(folder, out)
+    manifest = json.loads((out / "export.json").read_text())
+    config = K3Config.from_json(out / "config.json")
+    manifest.update(add_checking_outputs(out / "model.onnx", config, range(*manifest["layers"])))
+    (out / "export.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_checking_outputs_change_nothing_and_are_the_sums_inputs(grid_build: Path, float16_grid: Path,
+                                                                  tmp_path: Path) -> None:
+    """Both ranks' graphs with and without check's outputs, run together under torchrun (gloo sums),
+    a ragged prefill in one process per rank: in ONNX Runtime's pieces (float32: stage 0 of the
+    2 x 2 build; float16: the grid built with --routing-outputs) and in the TensorRT-RTX network
+    evaluator (float16; bfloat16, exported with --routing-outputs) every served output is bit for
+    bit the same; each partial.{n} is bit for bit what the pieces hand their n-th sum, and in the
+    network within the dtype's bound of the split eager model's partial sum (held to the network's
+    routing). The graphs without them are those with them stripped, and adding them back as export
+    does gives the exported bytes again."""
+    cases = {"float32": (grid_build / "stage-0", None), "float16": (None, float16_grid / "stage-0")}
+    short_config().to_json(tmp_path / "config.json")
+    for rank in range(2):
+        assert main(["export", "--config", str(tmp_path / "config.json"), "--dtype", "bfloat16",
+                     "--ranks", "2", "--rank", str(rank), "--routing-outputs", "--quiet",
+                     "--out", str(tmp_path / f"bfloat16-exported/rank-{rank}")]) == 0
+    cases["bfloat16"] = (None, tmp_path / "bfloat16-exported")
+    spec = []
+    for dtype, (served, checking) in cases.items():
+        for rank in range(2):
+            rank_folder = f"rank-{rank}"
+            if served:
+                with_checking_outputs(served / rank_folder, tmp_path / f"{dtype}-checking" / rank_folder)
+            else:
+                stripped = strip_checking_outputs(checking / rank_folder, tmp_path / dtype / rank_folder)
+                again = with_checking_outputs(stripped, tmp_path / f"{dtype}-again" / rank_folder)
+                exported = (checking / rank_folder / "model.onnx").read_bytes()
+                assert (again / "model.onnx").read_bytes() == exported
+        spec.append({"name": dtype, "served": str(served or tmp_path / dtype),
+                     "checking": str(checking or tmp_path / f"{dtype}-checking"),
+                     "ort": dtype != "bfloat16", "network": dtype != "float32"})
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = torchrun(2, str(PARTIAL_WORKER), str(tmp_path / "spec.json"), str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert results["float32"]["partials"] == 10 and results["float16"]["partials"] == 6
+        for dtype in ("float32", "float16"):
+            assert results[dtype]["ort_outputs_equal"], (dtype, rank)
+            assert results[dtype]["ort_partials_equal"] == [True] * results[dtype]["partials"], (dtype, rank)
+        for dtype in ("float16", "bfloat16"):
+            mine = results[dtype]
+            assert mine["network_outputs_equal"], (dtype, rank)
+            assert len(mine["network_partials_rel"]) == 6, (dtype, rank)
+            assert max(mine["network_partials_rel"]) <= mine["network_partials_bound"], (dtype, rank, mine)

@@ -42,6 +42,8 @@ def write(tmp_path: Path, text: str) -> Path:
     ('preset = "k3-tiny"', 'preset = "k3-huge"', "key 'model.preset' = 'k3-huge'"),
     ("[cache]", "[cash]", "unknown table [cash]"),
     ('target = "sm89"', 'target = "sm89"\ntaps = 1', "key 'build.taps' = 1: expected true or false"),
+    ('target = "sm89"', 'target = "sm89"\nrouting_outputs = "yes"',
+     "key 'build.routing_outputs' = 'yes': expected true or false"),
 ])
 def test_bad_keys_are_named(tmp_path: Path, old: str, new: str, message: str) -> None:
     assert old in TINY

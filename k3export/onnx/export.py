@@ -42,6 +42,8 @@ from k3export.model import K3ForCausalLM, KDACache, MLACache
 from k3export.model.accounting import moe_cost_note
 from k3export.model.cache import LayerCache
 from k3export.model.k3 import last_positions
+from k3export.onnx.collectives import DOMAIN as COLLECTIVE_DOMAIN
+from k3export.onnx.collectives import OP_TYPE as COLLECTIVE_OP
 from k3export.onnx.collectives import parallel_record
 from k3export.onnx.domain import DOMAIN, ROUTED_OPS
 from k3export.onnx.ops import export_onnx
@@ -52,7 +54,10 @@ from k3export.options import MIN_CAPACITY
 
 GRAPH_FILE = "model.onnx"
 MANIFEST_FILE = "export.json"
-ROUTING_PREFIX = "routing."  # export --routing-outputs: routing.{layer}, each MoE layer's chosen experts
+# export --routing-outputs: routing.{layer}, each MoE layer's chosen experts; and on a rank's graph
+# partial.{n}, the rank's partial sum that its n-th all-reduce takes (add_checking_outputs).
+ROUTING_PREFIX = "routing."
+PARTIAL_PREFIX = "partial."
 
 
 # Named dims of the specs' shapes: "batch" and "seq" are dynamic; "capacity" is static, fixed at
@@ -219,25 +224,46 @@ def dynamic_shapes(inputs: list[TensorSpec]) -> tuple[dict[int, str], ...]:
     return tuple({axis: d for axis, d in enumerate(spec.shape) if d in DYNAMIC_AXES} for spec in inputs)
 
 
-def add_routing_outputs(path: Path, config: K3Config, layers: range) -> list[dict[str, Any]]:
-    """Makes each MoE layer's expert choices (its k3 routed-experts node's `experts` input) a graph
-    output `routing.{layer}`, in place in the graph file (its weights untouched); returns their specs.
-    An engine's outputs are fixed when it is built, so a half-precision engine can be held to its
-    own expert choices (check's held routing) only if its export outputs them."""
+# ONNX element types of the checking outputs: expert ids, and partial sums in the model dtype or
+# float32 (a MoE layer's [u | shared]).
+_ELEMENT_TYPES = {"int64": onnx.TensorProto.INT64, "float32": onnx.TensorProto.FLOAT,
+                  "float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}
+_DTYPE_NAMES = {element: name for name, element in _ELEMENT_TYPES.items()}
+
+
+def add_checking_outputs(path: Path, config: K3Config, layers: range) -> dict[str, list[dict[str, Any]]]:
+    """Makes what check holds an artifact to graph outputs, in place in the graph file (its weights
+    untouched), and returns their specs by manifest key: "routing_outputs", each MoE layer's expert
+    choices `routing.{layer}` (its k3 routed-experts node's `experts` input), and for a rank's graph
+    "partial_outputs", each all-reduce's input `partial.{n}` (the rank's partial sum; n: the
+    DistCollective node's index in graph order, as export.json's "parallel" lists them). An engine's
+    outputs are fixed when it is built, so a half-precision engine can be held to its own expert
+    choices, and a rank's engine compared by its partial sums, only if its export outputs them."""
     graph = onnx.load(path, load_external_data=False)
-    routed = [n for n in graph.graph.node if n.domain == DOMAIN and n.op_type in ROUTED_OPS]
+    nodes = graph.graph.node
+    routed = [n for n in nodes if n.domain == DOMAIN and n.op_type in ROUTED_OPS]
     moe_layers = [i for i in layers if not config.is_dense(i)]
-    specs = []
-    for node, layer in zip(routed, moe_layers, strict=True):
-        spec = TensorSpec(f"{ROUTING_PREFIX}{layer}", "int64", ["batch*seq", config.num_experts_per_token],
-                          f"layer {layer}'s chosen experts per token (rows: batch-major positions)")
-        graph.graph.node.append(onnx.helper.make_node("Identity", [node.input[1]], [spec.name],
-                                                      name=f"{spec.name}.identity"))
-        graph.graph.output.append(onnx.helper.make_tensor_value_info(spec.name, onnx.TensorProto.INT64,
+    routing = [(node.input[1], TensorSpec(f"{ROUTING_PREFIX}{layer}", "int64",
+                                          ["batch*seq", config.num_experts_per_token],
+                                          f"layer {layer}'s chosen experts per token (rows: batch-major "
+                                          "positions)"))
+               for node, layer in zip(routed, moe_layers, strict=True)]
+    # The exporter records each intermediate's type with the graph's named dims (batch, seq, batch*seq).
+    types = {v.name: v.type.tensor_type for v in graph.graph.value_info}
+    sums = [n for n in nodes if n.domain == COLLECTIVE_DOMAIN and n.op_type == COLLECTIVE_OP]
+    partials = [(node.input[0], TensorSpec(
+        f"{PARTIAL_PREFIX}{n}", _DTYPE_NAMES[types[node.input[0]].elem_type],
+        [d.dim_param or d.dim_value for d in types[node.input[0]].shape.dim],
+        f"this rank's partial sum, the input of all-reduce {n} (export.json's parallel.collectives[{n}])"))
+        for n, node in enumerate(sums)]
+    for source, spec in routing + partials:
+        nodes.append(onnx.helper.make_node("Identity", [source], [spec.name], name=f"{spec.name}.identity"))
+        graph.graph.output.append(onnx.helper.make_tensor_value_info(spec.name, _ELEMENT_TYPES[spec.dtype],
                                                                      spec.shape))
-        specs.append(asdict(spec))
     write_atomic(path, graph.SerializeToString())
-    return specs
+    # "routing_outputs" even when empty (a dense-only range): check reads its presence as the option's.
+    return {"routing_outputs": [asdict(spec) for _, spec in routing],
+            **({"partial_outputs": [asdict(spec) for _, spec in partials]} if partials else {})}
 
 
 def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None = None,
@@ -251,9 +277,10 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
     for full TensorRT's AOT plugins (export_onnx). `capacity` is the MLA cache's static row count;
     `last_logits` gives logits only at each row's last valid token (a range that does not end at
     the last layer has no logits and ignores it). `taps` adds each layer's taps as outputs
-    (k3export.onnx.taps; the graph is otherwise the same). `routing_outputs` adds each MoE layer's
-    expert choices as outputs routing.{layer} (add_routing_outputs), listed apart from "outputs" in
-    the manifest's "routing_outputs". Returns the manifest."""
+    (k3export.onnx.taps; the graph is otherwise the same). `routing_outputs` adds check's outputs
+    (add_checking_outputs): each MoE layer's expert choices routing.{layer}, and on a rank's graph
+    each all-reduce's input partial.{n}, listed apart from "outputs" in the manifest's
+    "routing_outputs" and "partial_outputs". Returns the manifest."""
     if capacity < MIN_CAPACITY:
         raise UserError(f"--capacity {capacity}: expected at least {MIN_CAPACITY} cached tokens per sequence")
     out_dir = Path(out_dir)
@@ -270,7 +297,7 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
                     dynamic_shapes=(dynamic_shapes(inputs),),  # forward(*inputs): one parameter
                     opset_version=OPSET, input_names=[s.name for s in inputs],
                     output_names=[s.name for s in outputs], aot_plugins=aot_plugins)
-    routing = add_routing_outputs(out_dir / GRAPH_FILE, config, layers) if routing_outputs else []
+    checking = add_checking_outputs(out_dir / GRAPH_FILE, config, layers) if routing_outputs else {}
     graph = onnx.load(out_dir / GRAPH_FILE, load_external_data=False)
     split = getattr(model, "tensor_parallel", None)  # a rank of k3export.model.parallel.split_model
     (split.config if split else config).to_json(out_dir / "config.json")
@@ -300,8 +327,7 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
         manifest["taps"] = {"names": "taps.{layer}.{sublayer}", "sublayers": list(TAP_SUBLAYERS),
                             "meaning": {s: m.format(i="{layer}") for s, m in TAP_MEANINGS.items()},
                             "valid": "each row's first input_lengths[b] positions along seq"}
-    if routing:  # absent without --routing-outputs, as taps are
-        manifest["routing_outputs"] = routing
+    manifest.update(checking)  # absent without --routing-outputs, as taps are
     if split:  # absent for an unsplit model, so that its manifest is what it always was
         manifest["parallel"] = parallel_record(split, graph, layers, dtype)
     write_atomic(out_dir / MANIFEST_FILE, (json.dumps(manifest, indent=2) + "\n").encode())

@@ -15,6 +15,9 @@
     [build]     backend = "tensorrt-rtx"  onnx | tensorrt-rtx | tensorrt; target = "sm89"
                 taps = false              true: every stage exports its layers' taps (export --taps),
                                           for `check --build DIR --taps`
+                routing_outputs = false   true: every stage (and rank) exports check's outputs
+                                          (export --routing-outputs), for `check --build DIR` of
+                                          half-precision engines; not the served engines
 
 Every key is checked on load; a bad one raises UserError naming the file, the key and what was
 expected. Unknown keys are refused too (a misspelt key would otherwise be silently ignored).
@@ -44,7 +47,7 @@ _KEYS: dict[str, set[str]] = {
     "stages": {"count", "ranges"},
     "cache": {"capacity", "batch"},
     "profiles": {"prefill", "decode"},
-    "build": {"backend", "target", "taps"},
+    "build": {"backend", "target", "taps", "routing_outputs"},
     "parallel": {"ranks"},
     "links": {"stages_gb_per_s", "ranks_gb_per_s"},
 }
@@ -72,6 +75,7 @@ class Recipe:
     backend: str
     target: str | None
     taps: bool = False  # stage exports carry taps.{layer}.* outputs (global layer indices)
+    routing_outputs: bool = False  # stage (rank) exports carry check's routing.* (and partial.*) outputs
     ranks: int = 1  # GPUs per stage (k3export/model/parallel.py); 1: stages are not split
     stages_gb_per_s: float | None = None  # link between stages; None: the plan's default
     ranks_gb_per_s: float | None = None  # link among a stage's ranks (the collectives); None: default
@@ -236,9 +240,9 @@ def load_recipe(path: str | Path) -> Recipe:
         None if target is None else target_problem(FLAVOURS["tensorrt"], target)
     if problem:
         raise r.fail("build.target", problem)
-    taps = r.get("build.taps")
-    if taps is not None and not isinstance(taps, bool):
-        raise r.fail("build.taps", "true or false")
+    for key in ("build.taps", "build.routing_outputs"):
+        if r.get(key) is not None and not isinstance(r.get(key), bool):
+            raise r.fail(key, "true or false")
     ranks = r.integer("parallel.ranks") if r.get("parallel.ranks") is not None else 1
     try:
         check_split(config, ranks)
@@ -251,6 +255,7 @@ def load_recipe(path: str | Path) -> Recipe:
                   packed_experts=packed, stage_count=count, stage_ranges=ranges, capacity=capacity,
                   batch=batch, prefill_batch=profile_batches["profiles.prefill.batch"],
                   prefill_seq=prefill_seq, decode_batch=profile_batches["profiles.decode.batch"],
-                  backend=backend, target=target, taps=bool(taps), ranks=ranks,
+                  backend=backend, target=target, taps=bool(r.get("build.taps")),
+                  routing_outputs=bool(r.get("build.routing_outputs")), ranks=ranks,
                   stages_gb_per_s=r.bandwidth("links.stages_gb_per_s"),
                   ranks_gb_per_s=r.bandwidth("links.ranks_gb_per_s"))

@@ -13,6 +13,11 @@ also outputs its layers' taps (export --taps), named by the model's layer indice
 layers 5..8 gives taps.5.* .. taps.8.*), for `check --build DIR --taps`; the runtime ignores them.
 Taps are one of the manifest's settings, so a resume never mixes tapped and untapped stages.
 
+With check's outputs (`build RECIPE --routing-outputs`, or `routing_outputs = true` under [build])
+every stage's (and rank's) export also outputs its expert choices and a rank its partial sums (export
+--routing-outputs), which `check --build DIR` reads, so that half-precision engines can be checked;
+such engines are checking engines, not byte-identical to the served ones. One of the settings too.
+
 Each stage loads only its own layers' weights (layer-range loading), and each rank of a split stage
 only its slice of them (from a checkpoint; checkpoint.build_model), exports its graph, builds its
 engine, and is dropped before the next starts, so peak memory follows the largest stage (or rank),
@@ -67,10 +72,12 @@ def _versions(backend: str) -> dict[str, str]:
     return versions
 
 
-def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool, strip: bool) -> dict[str, Any]:
+def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool, strip: bool,
+              routing_outputs: bool) -> dict[str, Any]:
     """What decides a stage's files: a stage built under other settings is rebuilt."""
+    # routing_outputs only when set, so that a build from before the option resumes as it was.
     return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights, "taps": taps,
-            "strip": strip}
+            "strip": strip, **({"routing_outputs": True} if routing_outputs else {})}
 
 
 def _intact(out: Path, entry: dict[str, Any]) -> str | None:
@@ -136,7 +143,7 @@ def _release_exporter_graph() -> None:
 
 def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path, backend: str,
                   no_weights: bool, taps: bool, strip: bool, overwrite: bool,
-                  log: Callable[[str], None]) -> dict[str, Any]:
+                  log: Callable[[str], None], routing_outputs: bool) -> dict[str, Any]:
     """Exports `layers` (rank `rank` of the recipe's ranks) into DIR/name and builds its engine; returns
     what the manifest records of it."""
     from k3export.engine.build import Limits, build_engine
@@ -150,7 +157,8 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
     folder = OutputDir(out / name, MANIFEST_FILE, "build", overwrite=overwrite)
     result = None
     with folder.staged() as staged:
-        export = export_model(model, staged, layers, weights, capacity=recipe.capacity, taps=taps)
+        export = export_model(model, staged, layers, weights, capacity=recipe.capacity, taps=taps,
+                              routing_outputs=routing_outputs)
         # Free the stage's weights before the engine build: the parser holds its own copy.
         del model
         _release_exporter_graph()
@@ -172,18 +180,19 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
 
 
 def _build_stage(recipe: Recipe, plan: Plan, index: int, out: Path, backend: str, no_weights: bool,
-                 taps: bool, strip: bool, overwrite: bool, log: Callable[[str], None]) -> dict[str, Any]:
+                 taps: bool, strip: bool, overwrite: bool, log: Callable[[str], None],
+                 routing_outputs: bool) -> dict[str, Any]:
     """Exports stage `index` (and builds its engine) into DIR/stage-{index}, or with [parallel] ranks = N
     each rank into DIR/stage-{index}/rank-{r}, one after the other; returns its manifest entry."""
     stage = plan.stages[index]
     started = time.perf_counter()
     if recipe.ranks == 1:
         built = _build_export(recipe, stage.layers, stage_folder(index), 0, out, backend, no_weights, taps,
-                              strip, overwrite, log)
+                              strip, overwrite, log, routing_outputs)
         built["seconds"] = round(time.perf_counter() - started, 1)
         return _stage_entry(plan, index, built)
     parts = [_build_export(recipe, stage.layers, rank_folder(index, r), r, out, backend, no_weights, taps,
-                           strip, overwrite, log) for r in range(recipe.ranks)]
+                           strip, overwrite, log, routing_outputs) for r in range(recipe.ranks)]
     return _grid_entry(plan, index, parts, round(time.perf_counter() - started, 1))
 
 
@@ -223,13 +232,13 @@ def _locked(out: Path) -> Iterator[None]:
 
 def _build_rank(recipe: Recipe, plan: Plan, index: int, rank: int, out: Path, backend: str,
                 no_weights: bool, taps: bool, strip: bool, overwrite: bool, header: dict[str, Any],
-                log: Callable[[str], None]) -> dict[str, Any]:
+                log: Callable[[str], None], routing_outputs: bool) -> dict[str, Any]:
     """Builds rank `rank` of stage `index` alone and records it: until every rank of the stage is
     there the stage's entry keeps them under "rank_builds" with no files (so the stage counts as not
     built); the last rank to finish assembles the entry a whole-stage build writes."""
     started = time.perf_counter()
     part = _build_export(recipe, plan.stages[index].layers, rank_folder(index, rank), rank, out, backend,
-                         no_weights, taps, strip, overwrite, log)
+                         no_weights, taps, strip, overwrite, log, routing_outputs)
     part["seconds"] = round(time.perf_counter() - started, 1)
     with _locked(out):
         manifest = {**header, "stages": _previous(out, header["settings"]), "files": {}}
@@ -254,14 +263,17 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
                  taps: bool | None = None, strip: bool = False, only: list[int] | None = None,
                  rank: int | None = None, overwrite: bool = False,
                  log: Callable[[str], None] = print,
-                 after_stage: Callable[[int], None] | None = None) -> dict[str, Any]:
+                 after_stage: Callable[[int], None] | None = None,
+                 routing_outputs: bool | None = None) -> dict[str, Any]:
     """Builds the recipe's stages into `out` (all, or the indices in `only`), skipping stages whose
     files still match the manifest; `after_stage(i)` runs once stage i is recorded. `taps`: the
-    stages export their layers' taps (default: the recipe's build.taps). `rank`: only that rank of
+    stages export their layers' taps (default: the recipe's build.taps); `routing_outputs`: check's
+    outputs (default: the recipe's build.routing_outputs). `rank`: only that rank of
     the one stage in `only` (a process per rank, any number at once on one folder). Returns the
     manifest."""
     backend = backend or recipe.backend
     taps = recipe.taps if taps is None else taps
+    routing_outputs = recipe.routing_outputs if routing_outputs is None else routing_outputs
     # Everything this machine lacks, named at once, before any export or checkpoint read.
     checkpoint = [] if no_weights or recipe.checkpoint is None or recipe.checkpoint.is_dir() else [
         f"{recipe.path}: [weights] checkpoint = {recipe.data['weights']['checkpoint']!r}: no folder at "
@@ -296,7 +308,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         shutil.rmtree(stale, ignore_errors=True)
     OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
     _refuse_other_ranks(out, recipe)
-    settings = _settings(recipe, backend, no_weights, taps, strip)
+    settings = _settings(recipe, backend, no_weights, taps, strip, routing_outputs)
     manifest: dict[str, Any] = {
         "written_by": WRITTEN_BY, "command": "build", "recipe_file": str(recipe.path),
         "recipe_sha256": recipe.sha256, "recipe": recipe.data, "settings": settings,
@@ -308,7 +320,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
     }
     if rank is not None:
         return _build_rank(recipe, plan, only[0], rank, out, backend, no_weights, taps, strip, overwrite,
-                           manifest, log)
+                           manifest, log, routing_outputs)
     previous = _previous(out, settings)
     for i, stage in track(enumerate(plan.stages), "build: stages", total=len(plan.stages)):
         layers = [stage.layers.start, stage.layers.stop]
@@ -321,7 +333,8 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         else:
             log(f"stage {i} (layers {layers[0]}..{layers[1] - 1}, {stage.weight_bytes / 1e9:.3g} GB of "
                 f"weights): {problem}, building ({backend})")
-            entry = _build_stage(recipe, plan, i, out, backend, no_weights, taps, strip, overwrite, log)
+            entry = _build_stage(recipe, plan, i, out, backend, no_weights, taps, strip, overwrite, log,
+                                 routing_outputs)
             gc.collect()
         manifest["stages"].append(entry)
         manifest["files"] = {name: rec for e in manifest["stages"] for name, rec in e["files"].items()}
@@ -335,12 +348,14 @@ def cmd_build_recipe(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
                             taps=True if args.taps else None, strip=args.strip, only=args.stage,
-                            rank=args.rank, overwrite=args.overwrite)
+                            rank=args.rank, overwrite=args.overwrite,
+                            routing_outputs=True if args.routing_outputs else None)
     built = [s for s in manifest["stages"] if s["files"]]
     size = sum(r["bytes"] for r in manifest["files"].values())
     print(f"wrote {args.out}/{MANIFEST}: {len(built)} of {len(manifest['stages'])} stages "
-          f"({manifest['backend']}{', with taps' if manifest['taps'] else ''}), {size / 1e6:.1f} MB in "
-          f"{len(manifest['files'])} files")
+          f"({manifest['backend']}{', with taps' if manifest['taps'] else ''}"
+          f"{', with check outputs' if manifest['settings'].get('routing_outputs') else ''}), "
+          f"{size / 1e6:.1f} MB in {len(manifest['files'])} files")
     return 0
 
 
@@ -356,6 +371,11 @@ def add_build_arguments(build: argparse.ArgumentParser) -> None:
     build.add_argument("--taps", action="store_true",
                        help="with RECIPE: every stage exports its layers' taps too (as export --taps; or "
                        "taps = true under the recipe's [build]), for `check --build DIR --taps`")
+    build.add_argument("--routing-outputs", action="store_true",
+                       help="with RECIPE: every stage (and rank) exports check's outputs too (as export "
+                       "--routing-outputs: expert choices, and a rank's partial sums; or routing_outputs = "
+                       "true under the recipe's [build]), for `check --build DIR` of half-precision "
+                       "engines; such checking engines are not byte-identical to served ones")
     build.add_argument("--stage", type=non_negative_int, action="append", metavar="I",
                        help="with RECIPE: build only stage I (repeatable); the others keep what they have")
     build.add_argument("--rank", type=non_negative_int, metavar="R",

@@ -16,6 +16,12 @@ A build split over ranks (`[parallel] ranks = N`) is run by k3export.check.runne
 (one worker process a rank) in place of ChainRunner, against the same unsplit eager chain; its extra
 is the first divergent stage and rank, from each rank's partial sums.
 
+In half precision (float16) the eager chain is held to the stages' own expert choices, as the driver
+holds one export (k3export.check.routing): read from each stage's graph outputs routing.{layer} where
+the build has them (`build RECIPE --routing-outputs`: what an engine must output to be checked), else
+from the intermediates ONNX Runtime exposes (a grid needs the outputs: grid.py); the report's
+"routing_read_from" says which.
+
 With taps (`k3export build RECIPE --taps`) the per-layer table and the first divergent layer and
 sublayer are those of `check --onnx --taps`, and the stage holding that layer is named.
 """
@@ -37,8 +43,10 @@ from k3export.check.runners.grid import (
     GridRunner,
     first_divergent_rank,
     grid_stages,
+    held_routing_names,
     rank_entries,
     rank_lines,
+    stage_output,
 )
 from k3export.config import K3Config
 from k3export.errors import UserError
@@ -46,8 +54,6 @@ from k3export.onnx.export import GRAPH_FILE, ExportGraph
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.onnx.taps import parse_tap
 from k3export.runtime import Pipeline, stage_ranks
-
-ROUTING_SEPARATOR = ":"  # a routing output of stage i is named "stage{i}:{tensor}" (tensor names repeat)
 
 
 def _boundary_or_result(name: str) -> bool:
@@ -67,10 +73,11 @@ def chain_manifest(build_dir: Path, stages: list[tuple[dict[str, Any], K3Config]
         if len(values) > 1:
             raise UserError(f"{build_dir}: its stages' export.json disagree on '{key}' "
                             f"({', '.join(sorted(values))}); expected one build of one recipe")
-    tapped = ["taps" in m for m in manifests]
-    if any(tapped) and not all(tapped):
-        raise UserError(f"{build_dir}: stages {[i for i, t in enumerate(tapped) if t]} carry taps and the "
-                        "others do not; rebuild it (k3export build RECIPE --out DIR, with or without --taps)")
+    for key, option in (("taps", "--taps"), ("routing_outputs", "--routing-outputs")):
+        carrying = [i for i, m in enumerate(manifests) if key in m]
+        if carrying and len(carrying) < len(manifests):
+            raise UserError(f"{build_dir}: stages {carrying} carry {key} and the others do not; rebuild it "
+                            f"(k3export build RECIPE --out DIR, with or without {option})")
     inputs = [s for s in first["inputs"] if not s["name"].startswith("past.")]
     inputs += [s for m in manifests for s in m["inputs"] if s["name"].startswith("past.")]
     outputs = [s for s in manifests[-1]["outputs"] if _boundary_or_result(s["name"])]
@@ -79,6 +86,8 @@ def chain_manifest(build_dir: Path, stages: list[tuple[dict[str, Any], K3Config]
     outputs += [s for m in manifests for s in m["outputs"] if parse_tap(s["name"])]
     manifest = {**first, "layers": [first["layers"][0], manifests[-1]["layers"][1]], "inputs": inputs,
                 "outputs": outputs, "last_logits": manifests[-1].get("last_logits", False)}
+    if "routing_outputs" in first:
+        manifest["routing_outputs"] = [s for m in manifests for s in m["routing_outputs"]]
     return manifest, stages[0][1], manifests
 
 
@@ -105,16 +114,13 @@ class EagerChain:
 class ChainRunner(StatefulRunner):
     """The build's stages chained in this process (k3export.runtime.Pipeline, as `k3export run`
     runs them) as one check runner; the caches are the stages' own: it takes the request's feeds and
-    returns the chain's outputs in `signature`'s order, then `extra_outputs` ("stage{i}:{tensor}",
-    a stage's routing choices)."""
+    returns the chain's outputs in `signature`'s order, then each stage's `routing[stage]` (its
+    routing choices, graph outputs or intermediates) as stage_output(stage, name)."""
 
-    def __init__(self, exports: list[Path], signature: Signature, extra_outputs: list[str]) -> None:
+    def __init__(self, exports: list[Path], signature: Signature, routing: list[list[str]]) -> None:
         super().__init__(signature, "build")
-        self.exports, self.extra_outputs = exports, extra_outputs
-        self.per_stage: list[list[str]] = [[] for _ in exports]
-        for name in extra_outputs:
-            stage, tensor = name.split(ROUTING_SEPARATOR, 1)
-            self.per_stage[int(stage.removeprefix("stage"))].append(tensor)
+        self.exports, self.per_stage = exports, routing
+        self.extra_outputs = [stage_output(i, name) for i, names in enumerate(routing) for name in names]
 
     def activate_impl(self) -> None:
         self.pipeline = Pipeline(self.exports, extra_outputs=self.per_stage)
@@ -132,7 +138,7 @@ class ChainRunner(StatefulRunner):
         for i, outputs in enumerate(self.pipeline.calls(feeds)):
             # A stage's non-cache outputs are its own arrays; its caches stay valid until its next call.
             produced.update(outputs)
-            produced.update({f"stage{i}{ROUTING_SEPARATOR}{t}": outputs[t] for t in self.per_stage[i]})
+            produced.update({stage_output(i, t): outputs[t] for t in self.per_stage[i]})
         for stage in self.pipeline.stages:
             self.aliased.update(stage.runner.aliased)
         names = [s.name for s in self.signature.outputs] + self.extra_outputs
@@ -169,19 +175,23 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         raise UserError(f"{build_dir}: a bfloat16 build cannot be fed through numpy (ONNX Runtime's CPU "
                         "provider has no bfloat16 MatMul); check a float32 or float16 build, or a stage's "
                         "graph as TensorRT parses it: k3export check --network DIR/stage-N")
-    if ranks > 1 and dtype != "float32":
-        raise UserError(f"{build_dir}: a {dtype} build split over {ranks} ranks; check --build checks a "
-                        "split build in float32 only (each rank's eager routers would have to be held to its "
-                        "graph's expert choices): build the recipe with dtype = \"float32\" under [weights]")
+    if ranks > 1 and dtype != "float32" and "routing_outputs" not in manifest:
+        raise UserError(f"{build_dir}: a {dtype} build split over {ranks} ranks without check's outputs (its "
+                        "ranks' export.json list no routing_outputs); a rank's graph runs in pieces, which "
+                        "give only its outputs: build it with them, k3export build RECIPE --out "
+                        f"{build_dir} --routing-outputs (or routing_outputs = true under the recipe's "
+                        "[build])")
     lengths = fitting_lengths(stage_manifests, batch, prompt_len, steps)
     ranges = [range(*m["layers"]) for m in stage_manifests]
     owner = {s["name"]: i for i, m in enumerate(stage_manifests) for s in m["outputs"]}
-    routing = [f"stage{i}{ROUTING_SEPARATOR}{name}" for i, folder in enumerate(exports)
-               for name in routing_outputs(folder / GRAPH_FILE)] if dtype != "float32" else []
+    # Each stage's routing tensors: its outputs (build --routing-outputs), else intermediates.
+    routing = [held_routing_names(m) if "routing_outputs" in m else
+               routing_outputs(folder / GRAPH_FILE) if dtype != "float32" else []
+               for m, folder in zip(stage_manifests, exports, strict=True)]
     log(f"build {build_dir}: {len(exports)} stages, layers "
         + ", ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
         + (f"; each split over {ranks} ranks, one worker process a rank" if ranks > 1 else ""))
-    grid = GridRunner(folders, stage_manifests, Signature(manifest)) if ranks > 1 else None
+    grid = GridRunner(folders, stage_manifests, Signature(manifest), routing) if ranks > 1 else None
 
     def on_step(step: dict[str, Any]) -> None:
         """Each stage's worst output (relative to its bound) and whether all of them passed; on a
@@ -202,13 +212,17 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
                 for e in step["ranks"]))
 
     def graph_runner(signature: Signature, extra: list[str]) -> StatefulRunner:
-        return grid if grid else ChainRunner(exports, signature, extra)
+        return grid if grid else ChainRunner(exports, signature, routing)
 
     report, runner = compare_with_eager(
         manifest, config, None, graph_runner, steps, seed, lengths, log, taps,
         eager_graph=lambda model, tapped: EagerChain(model, stage_manifests, Signature(manifest), tapped),
-        routing=routing, on_step=on_step)
+        routing=[stage_output(i, name) for i, names in enumerate(routing) for name in names], on_step=on_step)
     report["aliased"] = dict(runner.aliased)
+    held = {name for names in routing for name in names}
+    if held:  # where the tensors held were read, by their names
+        listed = {s["name"] for s in manifest.get("routing_outputs", [])}
+        report["routing_read_from"] = "graph outputs" if held <= listed else "intermediates"
     report["build"] = str(build_dir)
     report["stage_folders"] = [str(folder) for folder in exports]
     report["stages"] = [[r.start, r.stop] for r in ranges]
@@ -221,6 +235,7 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         report["taps"]["first_divergent"]["stage"] = owner[report["taps"]["first_divergent"]["name"]]
     if grid:
         report["ranks"] = ranks
+        report["partials_read_from"] = ", ".join(grid.partials_read_from)
         report["first_divergent_rank"] = first_divergent_rank(report["steps"])
         # A replicated output that differs between ranks fails the grid, whatever rank 0's says.
         report["ranks_differ"] = sorted({f"stage {e['stage']} rank {e['rank']}: {name}"

@@ -21,10 +21,19 @@ judged alone: the first divergent stage and rank is, in the first stage with a p
 bound, the rank whose partial leaves the bound first (step, then collective; export.json's
 "parallel" names its layer and whether it follows the attention or the FFN).
 
+Checking outputs (`build RECIPE --routing-outputs`): each rank's graph also outputs its expert
+choices (routing.{layer}) and its partial sums (partial.{n}), as a rank's engine must to be checked.
+The partials are then read from those outputs, else from the pieces' sums. In half precision (float16:
+ONNX Runtime has no bfloat16 MatMul) each worker holds its split eager model's routers to its graph's
+choices (k3export.check.routing), and the driver holds the unsplit eager chain to rank 0's: the router
+is replicated and reads the summed (bit for bit equal) input on every rank, so every rank chooses the
+same experts; a rank whose choices differ from rank 0's fails the check as any replicated output does.
+Half precision needs the checking outputs: a rank's graph runs in pieces, which output only the
+graph's outputs.
+
 Workers never hang the check: a worker that dies, fails or stays silent past WORKER_TIMEOUT_S is
 a UserError naming its stage and rank, and every worker is stopped when the runner deactivates
-(on errors and Ctrl-C too). Float32 only: half precision would have to hold each rank's eager
-routers to its graph's choices, as the driver does for the whole model.
+(on errors and Ctrl-C too).
 """
 
 from __future__ import annotations
@@ -47,8 +56,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from k3export.check.compare import TOLERANCES, compare
+from k3export.check.compare import TOLERANCES, compare, half_precision_tolerance
 from k3export.check.driver import read_export
+from k3export.check.routing import held_routing
 from k3export.check.runners.eager import EagerRunner
 from k3export.config import K3Config
 from k3export.errors import UserError
@@ -63,6 +73,17 @@ WORKER_TIMEOUT_S = 600.0  # the longest a worker may take to load or to answer o
 POLL_S = 0.2  # how often a silent worker is looked at (a dead one is named within this)
 STOP_S = 2.0  # how long the workers may take to stop before they are terminated
 READY, OK, FAILED, STOP = "ready", "ok", "failed", "stop"
+
+
+def stage_output(stage: int, tensor: str) -> str:
+    """A stage's own output among a chain's (its routing choices: tensor names repeat across stages)."""
+    return f"stage{stage}:{tensor}"
+
+
+def held_routing_names(manifest: dict[str, Any]) -> list[str]:
+    """The routing outputs (routing.{layer}) a check of an export holds the eager routers to: none in
+    float32, where rounding flips no choice that the bound does not cover."""
+    return [s["name"] for s in manifest.get("routing_outputs", [])] if manifest["dtype"] != "float32" else []
 
 
 def unsplit_manifest(manifest: dict[str, Any], config: K3Config) -> dict[str, Any]:
@@ -97,20 +118,30 @@ def valid_tokens(partial: np.ndarray, input_lengths: np.ndarray) -> np.ndarray:
 
 
 class RankWorker:
-    """In a worker process: a rank's graph and its eager split model, each with its own caches."""
+    """In a worker process: a rank's graph and its eager split model, each with its own caches. The
+    graph's partial sums are its outputs partial.{n} where it has them, else kept from its pieces'
+    sums. Half precision, as the driver for the whole model: the split model's routers take the
+    graph's choices (routing.{layer}), and the split model in float32 (held to them too) sets the
+    bound, twice the half-vs-float32 spread of the partial sums (half_precision_tolerance)."""
 
     def __init__(self, folder: Path, rank: int, ranks: int) -> None:
         manifest, config = verified_export(folder)
         layers = range(*manifest["layers"])
         self.collectives = manifest["parallel"]["collectives"]
         self.tolerance = TOLERANCES[manifest["dtype"]]
+        self.partial_outputs = [s["name"] for s in manifest.get("partial_outputs", [])]
+        self.partials_read_from = "graph outputs" if self.partial_outputs else "segments"
+        self.routing = held_routing_names(manifest)
         signature = Signature(manifest)
-        model = build_model(config, getattr(torch, manifest["dtype"]), manifest["weights"], layers)
-        model = split_model(model, rank, ranks)
-        eager = ExportGraph(model, layers, manifest.get("last_logits", False), "taps" in manifest)
+        dtypes = ["float32"] if manifest["dtype"] == "float32" else [manifest["dtype"], "float32"]
+        self.models = [split_model(build_model(config, getattr(torch, dtype), manifest["weights"], layers),
+                                   rank, ranks) for dtype in dtypes]
         self.graph = SegmentedRunner(folder / GRAPH_FILE, signature, None, "grid rank", threads=1,
-                                     keep_partials=True)
-        self.runners = [self.graph, EagerRunner(eager, "eager split", signature)]
+                                     keep_partials=not self.partial_outputs)
+        graphs = [ExportGraph(model, layers, manifest.get("last_logits", False), "taps" in manifest)
+                  for model in self.models]
+        self.runners = [self.graph, *(EagerRunner(graph, f"eager split {dtype}", signature)
+                                      for graph, dtype in zip(graphs, dtypes, strict=True))]
         for runner in self.runners:
             runner.activate()
 
@@ -123,20 +154,28 @@ class RankWorker:
             runner.deactivate()
 
     def call(self, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
-        """The graph's outputs, and each of its partial sums compared with the eager split model's
-        (valid tokens only), in graph order."""
-        outputs = self.runners[0].infer(feeds, check_inputs=False)
-        with recording_partials() as expected:
-            self.runners[1].infer(feeds, check_inputs=False)
-        actual = self.graph.graph.partials
-        if len(expected) != len(actual):
-            raise UserError(f"the graph sums {len(actual)} times, the eager split model {len(expected)} "
+        """The graph's outputs (its routing ones included, its partial sums not), and each of its
+        partial sums compared with the eager split model's (valid tokens only), in graph order."""
+        outputs = self.graph.infer(feeds, check_inputs=False)
+        choices = [outputs[name] for name in self.routing]
+        eager = []  # per eager model, its partial sums (valid tokens)
+        for runner, model in zip(self.runners[1:], self.models, strict=True):
+            with recording_partials() as recorded, \
+                    held_routing(model, choices) if choices else contextlib.nullcontext():
+                runner.infer(feeds, check_inputs=False)  # the float32 model takes half-precision feeds
+            eager.append([valid_tokens(p.numpy(), feeds["input_lengths"]) for p in recorded])
+        actual = [outputs.pop(name) for name in self.partial_outputs] or self.graph.graph.partials
+        if len(eager[0]) != len(actual):
+            raise UserError(f"the graph sums {len(actual)} times, the eager split model {len(eager[0])} "
                             "times: the rank's graph is not its split model's")
+        tolerance = self.tolerance
+        if len(eager) > 1:
+            spread = max(compare("", half, full, tolerance).rel for half, full in zip(*eager, strict=True))
+            tolerance = half_precision_tolerance(tolerance, spread, 0.0)
         partials = []
-        for k, (where, mine, reference) in enumerate(zip(self.collectives, actual, expected, strict=True)):
+        for k, (where, mine, reference) in enumerate(zip(self.collectives, actual, eager[0], strict=True)):
             comparison = compare(f"layer {where['layer']} {where['after']}",
-                                 valid_tokens(mine, feeds["input_lengths"]),
-                                 valid_tokens(reference.numpy(), feeds["input_lengths"]), self.tolerance)
+                                 valid_tokens(mine, feeds["input_lengths"]), reference, tolerance)
             partials.append({"collective": k, "layer": where["layer"], "after": where["after"],
                              "rel": comparison.rel, "bound": comparison.bound, "passed": comparison.passed})
         return dict(outputs), partials
@@ -153,7 +192,7 @@ def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
                                 timeout=timedelta(seconds=WORKER_TIMEOUT_S))
         worker = RankWorker(folder, rank, ranks)
-        conn.send((READY, None))
+        conn.send((READY, worker.partials_read_from))
         while (message := conn.recv())[0] != STOP:
             conn.send((OK, getattr(worker, message[0])(*message[1:])))
         worker.close()
@@ -201,16 +240,19 @@ class Worker:
 
 class GridRunner(StatefulRunner):
     """The grid's workers as one check runner: it takes the request's feeds and returns the unsplit
-    chain's outputs in `signature`'s order. `folders`: per stage its ranks' folders (verified);
-    `stage_manifests`: per stage its unsplit export.json (grid_stages'). After each call,
-    `partials[stage][rank]` holds that rank's partial sums compared with its eager split model's,
-    and `disagreements` each replicated output in which a rank differs from rank 0 ({"stage",
-    "rank", "output", "max_abs"})."""
+    chain's outputs in `signature`'s order, then rank 0's routing choices `routing[stage]` (routing
+    outputs of the stage's graphs) as stage_output(stage, name). `folders`: per stage its ranks'
+    folders (verified); `stage_manifests`: per stage its unsplit export.json (grid_stages'). After each
+    call, `partials[stage][rank]` holds that rank's partial sums compared with its eager split model's,
+    and `disagreements` each replicated output (routing choices too) in which a rank differs from rank
+    0 ({"stage", "rank", "output", "max_abs"}). `partials_read_from`: where the workers read their
+    partial sums ("graph outputs", "segments": one each, both for a build that mixes them)."""
 
     def __init__(self, folders: list[list[Path]], stage_manifests: list[dict[str, Any]],
-                 signature: Signature) -> None:
+                 signature: Signature, routing: list[list[str]] | None = None) -> None:
         super().__init__(signature, "grid")
         self.folders = folders
+        self.routing = routing or [[] for _ in folders]
         self.unsplit = [Signature(m) for m in stage_manifests]
         self.split = [Signature(verified_export(ranks[0])[0]) for ranks in folders]
         self.workers: list[list[Worker]] = []
@@ -233,9 +275,8 @@ class GridRunner(StatefulRunner):
                     process.start()
                     theirs.close()
                     self.workers[-1].append(Worker(s, r, process, ours))
-            for ranks in self.workers:
-                for worker in ranks:
-                    worker.answer()  # READY
+            # READY, with where the worker reads its partial sums.
+            self.partials_read_from = sorted({w.answer() for ranks in self.workers for w in ranks})
         except BaseException:
             self.deactivate_impl()
             raise
@@ -271,23 +312,29 @@ class GridRunner(StatefulRunner):
         for s, (unsplit, split) in enumerate(zip(self.unsplit, self.split, strict=True)):
             answers = self._ask("call", {spec.name: produced[spec.name] for spec in split.feeds}, stage=s)
             self.partials.append([partials for _, partials in answers])
-            produced.update(self._unsplit_outputs(s, unsplit, split, [outputs for outputs, _ in answers]))
-        return OrderedDict((spec.name, produced[spec.name]) for spec in self.signature.outputs)
+            outputs = [outputs for outputs, _ in answers]
+            produced.update(self._unsplit_outputs(s, unsplit, split, outputs))
+            produced.update({stage_output(s, name): outputs[0][name] for name in self.routing[s]})
+        names = [spec.name for spec in self.signature.outputs]
+        names += [stage_output(s, name) for s, stage in enumerate(self.routing) for name in stage]
+        return OrderedDict((name, produced[name]) for name in names)
 
     def _unsplit_outputs(self, stage: int, unsplit: Signature, split: Signature,
                          outputs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """A stage's outputs by the unsplit names: a rank-split tensor concatenated in rank order along
         the axis where the rank's shape differs from the unsplit one; a replicated one rank 0's."""
-        whole = {}
+        whole, replicated = {}, list(self.routing[stage])
         for spec, part in zip(unsplit.outputs, split.outputs, strict=True):
-            arrays = [ranks[spec.name] for ranks in outputs]
             axes = [axis for axis, (a, b) in enumerate(zip(spec.shape, part.shape, strict=True)) if a != b]
             if axes:
-                whole[spec.name] = np.concatenate(arrays, axis=axes[0])
-                continue
-            whole[spec.name] = arrays[0]
+                whole[spec.name] = np.concatenate([ranks[spec.name] for ranks in outputs], axis=axes[0])
+            else:
+                replicated.append(spec.name)
+        for name in replicated:
+            arrays = [ranks[name] for ranks in outputs]
+            whole[name] = arrays[0]
             # Every rank computes it from the same summed tensors: it must be rank 0's, bit for bit.
-            self.disagreements += [{"stage": stage, "rank": r, "output": spec.name,
+            self.disagreements += [{"stage": stage, "rank": r, "output": name,
                                     "max_abs": float(np.abs(a.astype(np.float64) - arrays[0]).max())}
                                    for r, a in enumerate(arrays) if not np.array_equal(a, arrays[0])]
         return whole
