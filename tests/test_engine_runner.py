@@ -19,7 +19,7 @@ from k3export.engine.build import Limits, profile_shapes
 from k3export.engine.network import NetworkEvaluator, parse_network, torch_dtype
 from k3export.engine.runner import EngineRunner, binding_plan, engine_profiles
 from k3export.errors import UserError
-from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, add_routing_outputs
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, add_checking_outputs
 
 LIMITS = Limits(prefill_batch=2, prefill_seq=80, decode_batch=4)
 
@@ -37,7 +37,7 @@ def routed_export(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -
     shutil.copytree(tiny_export, folder)
     manifest = manifest_of(folder)
     config = K3Config.from_json(folder / "config.json")
-    manifest["routing_outputs"] = add_routing_outputs(folder / GRAPH_FILE, config, range(*manifest["layers"]))
+    manifest.update(add_checking_outputs(folder / GRAPH_FILE, config, range(*manifest["layers"])))
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
     return folder
 
