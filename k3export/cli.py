@@ -182,6 +182,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from k3export.check.driver import run_check
 
     extra = {"taps": True} if args.taps else {}
+    if args.runner and not args.build:
+        raise UserError("--runner: expected --build DIR (a build's engines, or its ONNX graphs on CPU); "
+                        "--engine FILE always runs the engine, --onnx DIR ONNX Runtime")
     if args.kernels:
         if not args.network:
             raise UserError("--kernels: expected --network DIR (the parsed network's plugin layers then "
@@ -200,6 +203,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     elif args.build:
         from k3export.check.runners.chain import run_build_check
         run = run_build_check
+        extra["runner"] = args.runner
     else:
         run = run_check
     if args.report:
@@ -443,7 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(export)
     export.set_defaults(run=cmd_export)
 
-    check = sub.add_parser("check", help="an export in ONNX Runtime against the eager model")
+    from k3export.runtime.engines import RUNNERS
+
+    check = sub.add_parser("check", help="an artifact (an export, its network, an engine, a build) against "
+                           "the eager model")
     artifact = check.add_mutually_exclusive_group(required=True)
     artifact.add_argument("--onnx", metavar="DIR", type=existing_dir,
                           help="a `k3export export` folder, in ONNX Runtime")
@@ -452,12 +459,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "TensorRT-RTX (k3 plugins registered) and the network evaluated on CPU")
     artifact.add_argument("--engine", metavar="FILE", type=existing_path,
                           help="an engine `k3export build` wrote (or a `build "
-                          "RECIPE` folder: every stage's engine), through Polygraphy's TensorRT runner; "
-                          "needs an NVIDIA GPU and TensorRT, so it cannot run on CPU-only machines")
+                          "RECIPE` folder: every stage's engine alone), through the engine runner; needs an "
+                          "NVIDIA GPU and TensorRT, so it cannot run on CPU-only machines")
     artifact.add_argument("--build", metavar="DIR", type=existing_dir,
-                          help="a `k3export build RECIPE` folder: its stages "
-                          "chained in ONNX Runtime against the eager model run as the same chain, compared "
-                          "at every stage boundary; names the first divergent stage")
+                          help="a `k3export build RECIPE` folder: its stages (their engines, or their ONNX "
+                          "graphs in ONNX Runtime: --runner) chained against the eager model run as the "
+                          "same chain, compared at every stage boundary; names the first divergent stage "
+                          "(and rank)")
+    check.add_argument("--runner", choices=RUNNERS, help="with --build: the build's TensorRT engines (on "
+                       "GPUs; the default when it has them) or its ONNX graphs in ONNX Runtime (CPU)")
     check.add_argument("--steps", type=non_negative_int, default=16,
                        help="greedy decode steps after the prefill")
     check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")

@@ -413,8 +413,9 @@ def test_float16_grid_without_checking_outputs_is_refused(float16_grid: Path, tm
         path.write_text(json.dumps(export))
         rerecord(served, 0, ["export.json"], rank)
     assert main(["check", "--build", str(served), "--steps", "1"]) == 2
-    assert (f"{served}: a float16 build split over 2 ranks without check's outputs"
-            in capsys.readouterr().err.replace("\n", " "))
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert f"{served}: a build split over 2 ranks whose ranks' export.json list none of check's" in err
+    assert "the ranks' float16 graphs give only their outputs" in err and "--routing-outputs" in err
 
 
 def strip_checking_outputs(folder: Path, out: Path) -> Path:

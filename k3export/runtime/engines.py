@@ -62,10 +62,11 @@ def _engines(build_dir: Path, manifest: dict[str, Any]) -> list[list[Path | None
             for stage in manifest["stages"]]
 
 
-def choose_runner(build_dir: str | Path, requested: str | None) -> RunnerChoice:
-    """`--runner` (None: not given) for the build at `build_dir`, whose manifest is already verified
-    (runtime.stage_ranks): its engines when asked, or by default when every stage has them; refused
-    when asked for engines the build lacks, or for engines on a machine without a GPU or TensorRT."""
+def choose_runner(build_dir: str | Path, requested: str | None, command: str = "the runtime") -> RunnerChoice:
+    """`--runner` (None: not given) of `command` for the build at `build_dir`, whose manifest is
+    already verified (runtime.stage_ranks): its engines when asked, or by default when every stage has
+    them; refused when asked for engines the build lacks, or for engines on a machine without a GPU or
+    TensorRT."""
     build_dir = Path(build_dir)
     manifest = read_manifest(build_dir, BUILD_MANIFEST)
     engines = _engines(build_dir, manifest)
@@ -84,10 +85,10 @@ def choose_runner(build_dir: str | Path, requested: str | None) -> RunnerChoice:
     from k3export.engine.runner import require_engine_runtime
 
     try:
-        require_engine_runtime("the runtime's --runner engine")
+        require_engine_runtime(f"{command}'s --runner engine")
     except UserError as e:
         default = "" if requested else \
-            f"{build_dir} holds TensorRT engines, which the runtime runs by default: "
+            f"{build_dir} holds TensorRT engines, which {command} runs by default: "
         raise UserError(f"{default}{e}; --runner onnx runs the build's ONNX graphs on CPU") from None
     why = "--runner engine" if requested else \
         "the build holds TensorRT engines; --runner onnx runs its ONNX graphs on CPU"

@@ -54,6 +54,7 @@ from k3export.onnx.export import GRAPH_FILE, ExportGraph
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.onnx.taps import parse_tap
 from k3export.runtime import Pipeline, stage_ranks
+from k3export.runtime.engines import ENGINE, EnginePlace, RunnerChoice, choose_runner
 
 
 def _boundary_or_result(name: str) -> bool:
@@ -117,13 +118,14 @@ class ChainRunner(StatefulRunner):
     returns the chain's outputs in `signature`'s order, then each stage's `routing[stage]` (its
     routing choices, graph outputs or intermediates) as stage_output(stage, name)."""
 
-    def __init__(self, exports: list[Path], signature: Signature, routing: list[list[str]]) -> None:
+    def __init__(self, exports: list[Path], signature: Signature, routing: list[list[str]],
+                 engines: list[EnginePlace] | None = None) -> None:
         super().__init__(signature, "build")
-        self.exports, self.per_stage = exports, routing
+        self.exports, self.per_stage, self.engines = exports, routing, engines
         self.extra_outputs = [stage_output(i, name) for i, names in enumerate(routing) for name in names]
 
     def activate_impl(self) -> None:
-        self.pipeline = Pipeline(self.exports, extra_outputs=self.per_stage)
+        self.pipeline = Pipeline(self.exports, extra_outputs=self.per_stage, engines=self.engines)
 
     def deactivate_impl(self) -> None:
         self.pipeline.close()
@@ -152,8 +154,17 @@ def require_build_taps(build_dir: Path, manifest: dict[str, Any]) -> None:
                         "(or taps = true under the recipe's [build])")
 
 
+def engine_places(choice: RunnerChoice, gpus: int) -> list[list[EnginePlace]]:
+    """Per stage, per rank, where check runs its engine: one GPU each of the `gpus` in turn (stage by
+    stage, rank by rank), every output read back to the host (check compares them all)."""
+    ranks = len(choice.engines[0])
+    return [[EnginePlace(path, (s * ranks + r) % gpus) for r, path in enumerate(paths)]
+            for s, paths in enumerate(choice.engines)]
+
+
 def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
-                    prompt_len: int = 70, log: Any = print, taps: bool = False) -> dict[str, Any]:
+                    prompt_len: int = 70, log: Any = print, taps: bool = False,
+                    runner: str | None = None) -> dict[str, Any]:
     """The chain of the build's stages against the eager chain through check's driver; returns the
     driver's report (steps, verdict, and with `taps` the taps and first divergent layer, its "stage"
     added) with "stages" (layer ranges), per step "stages" (each stage's worst output and whether
@@ -164,6 +175,8 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     G_LOGGER.module_severity = G_LOGGER.WARNING
     folders = stage_ranks(build_dir)
     ranks = len(folders[0])
+    choice = choose_runner(build_dir, runner, "check --build")
+    engines = engine_places(choice, max(1, torch.cuda.device_count())) if choice.kind == ENGINE else None
     exports = [stage[0] for stage in folders]
     # A grid's stages as the unsplit stages they compute together (its ranks' files verified).
     stages = grid_stages(folders) if ranks > 1 else [read_export(folder) for folder in exports]
@@ -171,16 +184,17 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     if taps:
         require_build_taps(build_dir, manifest)
     dtype = manifest["dtype"]
-    if dtype == "bfloat16":
-        raise UserError(f"{build_dir}: a bfloat16 build cannot be fed through numpy (ONNX Runtime's CPU "
-                        "provider has no bfloat16 MatMul); check a float32 or float16 build, or a stage's "
-                        "graph as TensorRT parses it: k3export check --network DIR/stage-N")
-    if ranks > 1 and dtype != "float32" and "routing_outputs" not in manifest:
-        raise UserError(f"{build_dir}: a {dtype} build split over {ranks} ranks without check's outputs (its "
-                        "ranks' export.json list no routing_outputs); a rank's graph runs in pieces, which "
-                        "give only its outputs: build it with them, k3export build RECIPE --out "
-                        f"{build_dir} --routing-outputs (or routing_outputs = true under the recipe's "
-                        "[build])")
+    if dtype == "bfloat16" and not engines:
+        raise UserError(f"{build_dir}: ONNX Runtime's CPU provider has no bfloat16 MatMul, so --runner onnx "
+                        "cannot run a bfloat16 build; check its engines on GPUs (--runner engine), or a "
+                        "stage's graph as TensorRT parses it: k3export check --network DIR/stage-N")
+    if ranks > 1 and (dtype != "float32" or engines) and "routing_outputs" not in manifest:
+        what = "engines" if engines else f"{dtype} graphs"
+        raise UserError(f"{build_dir}: a build split over {ranks} ranks whose ranks' export.json list none "
+                        f"of check's outputs (routing_outputs, partial_outputs); the ranks' {what} give only "
+                        "their outputs (an engine its built ones, an ONNX rank graph its pieces'): build it "
+                        f"with them, k3export build RECIPE --out {build_dir} --routing-outputs (or "
+                        "routing_outputs = true under the recipe's [build])")
     lengths = fitting_lengths(stage_manifests, batch, prompt_len, steps)
     ranges = [range(*m["layers"]) for m in stage_manifests]
     owner = {s["name"]: i for i, m in enumerate(stage_manifests) for s in m["outputs"]}
@@ -188,10 +202,11 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     routing = [held_routing_names(m) if "routing_outputs" in m else
                routing_outputs(folder / GRAPH_FILE) if dtype != "float32" else []
                for m, folder in zip(stage_manifests, exports, strict=True)]
+    log(choice.line())
     log(f"build {build_dir}: {len(exports)} stages, layers "
         + ", ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
         + (f"; each split over {ranks} ranks, one worker process a rank" if ranks > 1 else ""))
-    grid = GridRunner(folders, stage_manifests, Signature(manifest), routing) if ranks > 1 else None
+    grid = GridRunner(folders, stage_manifests, Signature(manifest), routing, engines) if ranks > 1 else None
 
     def on_step(step: dict[str, Any]) -> None:
         """Each stage's worst output (relative to its bound) and whether all of them passed; on a
@@ -212,7 +227,8 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
                 for e in step["ranks"]))
 
     def graph_runner(signature: Signature, extra: list[str]) -> StatefulRunner:
-        return grid if grid else ChainRunner(exports, signature, routing)
+        return grid if grid else ChainRunner(exports, signature, routing,
+                                             [ranks[0] for ranks in engines] if engines else None)
 
     report, runner = compare_with_eager(
         manifest, config, None, graph_runner, steps, seed, lengths, log, taps,
@@ -224,6 +240,7 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
         listed = {s["name"] for s in manifest.get("routing_outputs", [])}
         report["routing_read_from"] = "graph outputs" if held <= listed else "intermediates"
     report["build"] = str(build_dir)
+    report["runner"] = choice.kind
     report["stage_folders"] = [str(folder) for folder in exports]
     report["stages"] = [[r.start, r.stop] for r in ranges]
     failing = [(s["stage"], step["step"]) for step in report["steps"] for s in step["stages"]
