@@ -31,6 +31,11 @@ same experts; a rank whose choices differ from rank 0's fails the check as any r
 Half precision needs the checking outputs: a rank's graph runs in pieces, which output only the
 graph's outputs.
 
+Engines (`check --build --runner engine`, the default on a build with engines): each worker runs its
+rank's engine on a GPU of its own (`rank_engine`, GPU only: an NCCL group of the stage's workers, its
+communicator handed to the engine, whose DIST_COLLECTIVE layers sum over it) in place of the pieces;
+the engine's partial sums and expert choices are its checking outputs, which it then must have.
+
 Workers never hang the check: a worker that dies, fails or stays silent past WORKER_TIMEOUT_S is
 a UserError naming its stage and rank, and every worker is stopped when the runner deactivates
 (on errors and Ctrl-C too).
@@ -66,6 +71,7 @@ from k3export.model.parallel import split_model
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, graph_signature
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.ops.collectives import recording_partials
+from k3export.runtime.engines import EnginePlace
 from k3export.runtime.segments import SegmentedRunner
 from k3export.weights.checkpoint import build_model
 
@@ -124,7 +130,7 @@ class RankWorker:
     graph's choices (routing.{layer}), and the split model in float32 (held to them too) sets the
     bound, twice the half-vs-float32 spread of the partial sums (half_precision_tolerance)."""
 
-    def __init__(self, folder: Path, rank: int, ranks: int) -> None:
+    def __init__(self, folder: Path, rank: int, ranks: int, engine: EnginePlace | None = None) -> None:
         manifest, config = verified_export(folder)
         layers = range(*manifest["layers"])
         self.collectives = manifest["parallel"]["collectives"]
@@ -136,8 +142,9 @@ class RankWorker:
         dtypes = ["float32"] if manifest["dtype"] == "float32" else [manifest["dtype"], "float32"]
         self.models = [split_model(build_model(config, getattr(torch, dtype), manifest["weights"], layers),
                                    rank, ranks) for dtype in dtypes]
-        self.graph = SegmentedRunner(folder / GRAPH_FILE, signature, None, "grid rank", threads=1,
-                                     keep_partials=not self.partial_outputs)
+        self.graph = rank_engine(folder, engine) if engine else SegmentedRunner(
+            folder / GRAPH_FILE, signature, None, "grid rank", threads=1,
+            keep_partials=not self.partial_outputs)
         graphs = [ExportGraph(model, layers, manifest.get("last_logits", False), "taps" in manifest)
                   for model in self.models]
         self.runners = [self.graph, *(EagerRunner(graph, f"eager split {dtype}", signature)
@@ -181,9 +188,22 @@ class RankWorker:
         return dict(outputs), partials
 
 
-def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str) -> None:
+def rank_engine(folder: Path, engine: EnginePlace) -> StatefulRunner:  # GPU only
+    """The rank's engine on its GPU, summing through an NCCL communicator of the stage's ranks (every
+    worker of this process group makes the group and hands its communicator over, collectively)."""
+    from k3export.engine.runner import EngineRunner
+    from k3export.runtime.nccl import communicator_capsule
+
+    torch.cuda.set_device(engine.device)
+    return EngineRunner(engine.path, folder, name="grid rank", device=engine.device,
+                        communicator=communicator_capsule(dist.new_group(backend="nccl")))
+
+
+def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str,
+          engine: EnginePlace | None = None) -> None:
     """A worker process's life: rank `rank` of a stage of `ranks` (gloo, rendezvous in `init_file`),
-    answering (method, *arguments) messages from the check process until STOP."""
+    its graph's pieces or its `engine`, answering (method, *arguments) messages from the check process
+    until STOP."""
     # Ctrl-C is the check process's: it stops every worker (a worker stopped alone would leave its
     # partners waiting in a sum).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -191,7 +211,7 @@ def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str)
         torch.set_num_threads(1)  # every worker shares the machine's cores
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
                                 timeout=timedelta(seconds=WORKER_TIMEOUT_S))
-        worker = RankWorker(folder, rank, ranks)
+        worker = RankWorker(folder, rank, ranks, engine)
         conn.send((READY, worker.partials_read_from))
         while (message := conn.recv())[0] != STOP:
             conn.send((OK, getattr(worker, message[0])(*message[1:])))
@@ -249,9 +269,10 @@ class GridRunner(StatefulRunner):
     partial sums ("graph outputs", "segments": one each, both for a build that mixes them)."""
 
     def __init__(self, folders: list[list[Path]], stage_manifests: list[dict[str, Any]],
-                 signature: Signature, routing: list[list[str]] | None = None) -> None:
+                 signature: Signature, routing: list[list[str]] | None = None,
+                 engines: list[list[EnginePlace]] | None = None) -> None:
         super().__init__(signature, "grid")
-        self.folders = folders
+        self.folders, self.engines = folders, engines
         self.routing = routing or [[] for _ in folders]
         self.unsplit = [Signature(m) for m in stage_manifests]
         self.split = [Signature(verified_export(ranks[0])[0]) for ranks in folders]
@@ -270,7 +291,9 @@ class GridRunner(StatefulRunner):
                 for r, folder in enumerate(ranks):
                     ours, theirs = context.Pipe()
                     rendezvous = f"{self.rendezvous.name}/stage-{s}"
-                    process = context.Process(target=serve, args=(theirs, folder, r, len(ranks), rendezvous),
+                    engine = self.engines[s][r] if self.engines else None
+                    process = context.Process(target=serve, args=(theirs, folder, r, len(ranks), rendezvous,
+                                                                   engine),
                                               name=f"k3export check stage {s} rank {r}", daemon=True)
                     process.start()
                     theirs.close()
