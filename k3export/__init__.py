@@ -14,7 +14,7 @@ The packages, in pipeline order (model -> export -> engine -> shards -> check):
     runtime/    a sharded build run stage after stage (`k3export run`), or a process a stage and rank
                 under `torchrun -m k3export.runtime` (segments.py: a rank's graph between its sums)
     check/      an artifact against the eager model: the driver, the comparison, one runner each
-    cli.py      the command line; demo.py its `demo`
+    cli.py      the command line (__main__.py: `python -m k3export`); demo.py its `demo`
     config.py, artifacts.py, options.py, progress.py, errors.py   the model config, files written
                 whole with their manifests, the command-line option types (ranges, paths, requests
                 that fit), progress bars, the error a user gets
@@ -23,6 +23,7 @@ Layers: a module imports from its own package and from the floors below its own,
 floor above nor from another package on its floor (tests/test_layers.py reads this table, and also
 refuses any import cycle between modules):
 
+    floor 11   __main__
     floor 10   cli
     floor  9   check demo
     floor  8   shards runtime

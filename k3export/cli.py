@@ -496,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "RECIPE: the folder of the stages and their manifest.json)")
     build.add_argument("--target", metavar="SM", help="compute capability: TensorRT-RTX's sm75, sm80, "
                        "sm86, sm89 (default), sm120, sm121; full TensorRT: this machine's GPU (sm90, "
-                       "sm100, ...)")
+                       "sm100, ...); with RECIPE: instead of its [build] target")
     build.add_argument("--max-batch", type=positive_int, default=Limits.prefill_batch,
                        help="sequences per prefill call (and per decode call unless --decode-batch)")
     build.add_argument("--max-seq", type=positive_int, default=Limits.prefill_seq,

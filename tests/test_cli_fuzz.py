@@ -307,11 +307,17 @@ def edge_value(action: argparse.Action) -> str:
 
 
 def sweep() -> list[Vector]:
-    """Every option of every parser once, added to the program's first base command with its edge
-    value, and every positional alone: the fuzz's explicit examples, so that each option is drawn
-    whatever the generated examples draw (they favour some: 1000 of them left options undrawn)."""
+    """Every program's base commands as they are (valid: each reaches its work), then every option of
+    every parser once, added to the program's first base command with its edge value, and every
+    positional alone: the fuzz's explicit examples, so that each program is reached and each option
+    drawn whatever the generated examples draw (they favour some: 1000 of them left options undrawn,
+    and a new option elsewhere once left `verify {build}` undrawn)."""
     vectors = []
     for program, parser in programs().items():
+        for base in BASES.get(program, []):
+            given = [a for a in drawable(parser) if set(a.option_strings) & set(base)]
+            vectors.append(Vector(program, parser, base if program == "runtime" else [program, *base], [],
+                                  given))
         for action in drawable(parser):
             value = None if action.nargs == 0 else edge_value(action)
             argv = [*BASES.get(program, [[]])[0], action.option_strings[-1]] if action.option_strings else []

@@ -116,9 +116,9 @@ def test_wrong_imports_are_found(tmp_path: Path) -> None:
 
 
 def test_the_readme_states_the_same_floors() -> None:
-    """The README's one-line form of the table ("cli > check, demo > ... > errors, progress")."""
+    """The README's one-line form of the table ("__main__ > cli > ... > errors, progress")."""
     readme = (ROOT.parent / "README.md").read_text().splitlines()
-    line = next(text.strip() for text in readme if text.strip().startswith("cli > "))
+    line = next(text.strip() for text in readme if text.strip().startswith("__main__ > "))
     stated = [set(group.replace(",", " ").split()) for group in reversed(line.split(" > "))]
     table = floors()
     floor_names = [{name for name, f in table.items() if f == floor} for floor in sorted(set(table.values()))]

@@ -593,3 +593,79 @@ def test_check_build_report(onnx_build, tmp_path: Path, capsys) -> None:
     expected = [max(c["rel"] for c in prefill if c["name"].startswith(f"present.{i}.")) for i in range(9)]
     assert report["plots"]["layers"]["prefill"]["caches"]["y"] == pytest.approx(expected, rel=1e-12)
     assert "build RECIPE --taps" in (tmp_path / "plain/report.md").read_text()
+
+
+@pytest.fixture
+def engines_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The runtime's and check's engine path with, in each engine's place, the parsed network evaluated
+    on CPU (test_engine_runner.NetworkExecutedRunner: not an engine), this machine's refusal lifted and
+    one GPU counted; returns the runners made, in order."""
+    import torch
+    from test_engine_runner import NetworkExecutedRunner
+
+    from k3export.engine import runner
+
+    made = []
+
+    class Recorded(NetworkExecutedRunner):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(runner, "require_engine_runtime", lambda what, instead="": None)
+    monkeypatch.setattr(runner, "EngineRunner", Recorded)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    return made
+
+
+def test_engine_builds_are_refused_at_the_gpu_boundary(rtx_build, capsys) -> None:
+    """A build with engines: the runtime and check --build take its engines by default, and here
+    (no GPU) refuse before anything runs, naming what is missing and --runner onnx."""
+    out = rtx_build[0]
+    for command, who in ((["run", str(out), "--max-new-tokens", "2"], "the runtime"),
+                         (["check", "--build", str(out), "--steps", "1"], "check --build")):
+        assert main(command) == 2
+        err = capsys.readouterr().err.replace("\n", " ")
+        assert f"holds TensorRT engines, which {who} runs by default" in err, err
+        assert "needs an NVIDIA GPU" in err and "--runner onnx runs the build's ONNX graphs on CPU" in err
+
+
+def test_check_build_takes_the_stages_engines(rtx_build, engines_on_cpu: list) -> None:
+    """check --build on a build with engines runs each stage's engine through the engine runner, from
+    the engine file and profiles its manifest records (the network evaluated in the engine's place)."""
+    out, manifest, _ = rtx_build
+    report = run_build_check(out, steps=2, batch=2, prompt_len=12, log=lambda _: None)
+    assert report["runner"] == "engine" and report["passed"] and report["first_divergent_stage"] is None
+    assert [r.engine_path for r in engines_on_cpu] == [out / s["engine"] for s in manifest["stages"]]
+    assert [r.plan.profiles for r in engines_on_cpu] == [s["profiles"] for s in manifest["stages"]]
+    assert all([profile for profile, _ in r.calls] == [0, 1, 1] for r in engines_on_cpu)
+
+
+def test_the_runtime_generates_on_the_stages_engines(rtx_build, engines_on_cpu: list, capsys) -> None:
+    """`k3export run` on the engine path gives the tokens the ONNX graphs give; the boundary stays a
+    tensor (on the engine's device) and only the last stage's logits are read to the host."""
+    out = rtx_build[0]
+    rows = {}
+    for runner in ("onnx", "engine"):
+        assert main(["run", str(out), "--runner", runner, "--batch", "2", "--prompt-len", "12",
+                     "--max-new-tokens", "4", "--json"]) == 0
+        captured = capsys.readouterr()
+        assert f"runner: {runner}" in captured.err
+        rows[runner] = json.loads(captured.out)["tokens"]
+    assert rows["engine"] == rows["onnx"]
+    first, last = engines_on_cpu
+    assert first.host_outputs == set() and last.host_outputs == {"logits"}
+
+
+def test_target_option_overrides_the_recipes(tmp_path: Path, capsys) -> None:
+    """build RECIPE --target is the build's target instead of the recipe's [build] target (refused
+    here for one TensorRT-RTX has not), and one of the settings a resume compares."""
+    assert main(["build", str(TINY), "--out", str(tmp_path / "out"), "--target", "sm90"]) == 2
+    assert "target 'sm90' (its [build] target, or --target) with backend 'tensorrt-rtx'" in \
+        capsys.readouterr().err.replace("\n", " ")
+    from k3export.shards.stages import _settings
+
+    recipe = load_recipe(TINY)
+    assert "target" not in _settings(recipe, "tensorrt-rtx", False, False, False, False)
+    moved = _settings(dataclasses.replace(recipe, target="sm120"), "tensorrt-rtx", False, False, False, False)
+    assert moved["target"] == "sm120"

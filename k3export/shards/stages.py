@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import importlib
@@ -75,9 +76,12 @@ def _versions(backend: str) -> dict[str, str]:
 def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool, strip: bool,
               routing_outputs: bool) -> dict[str, Any]:
     """What decides a stage's files: a stage built under other settings is rebuilt."""
-    # routing_outputs only when set, so that a build from before the option resumes as it was.
+    # routing_outputs only when set, and the target only when --target overrides the recipe's (whose
+    # sha256 covers its own), so that a build from before either option resumes as it was.
+    overridden = recipe.target != recipe.data.get("build", {}).get("target")
     return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights, "taps": taps,
-            "strip": strip, **({"routing_outputs": True} if routing_outputs else {})}
+            "strip": strip, **({"routing_outputs": True} if routing_outputs else {}),
+            **({"target": recipe.target} if overridden else {})}
 
 
 def _intact(out: Path, entry: dict[str, Any]) -> str | None:
@@ -281,8 +285,8 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
     if backend in FLAVOURS:
         problem = target_problem(FLAVOURS[backend], recipe.target)
         if problem:
-            raise UserError(f"{recipe.path}: [build] target = {recipe.target!r} with backend {backend!r}: "
-                            f"expected {problem}")
+            raise UserError(f"{recipe.path}: target {recipe.target!r} (its [build] target, or --target) "
+                            f"with backend {backend!r}: expected {problem}")
         require_machine(FLAVOURS[backend], recipe.target, checkpoint, strip=strip)
     elif checkpoint:
         raise UserError(checkpoint[0])
@@ -346,6 +350,8 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
 
 def cmd_build_recipe(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
+    if args.target:  # instead of the recipe's [build] target, as --backend is for its backend
+        recipe = dataclasses.replace(recipe, target=args.target)
     manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
                             taps=True if args.taps else None, strip=args.strip, only=args.stage,
                             rank=args.rank, overwrite=args.overwrite,
