@@ -24,7 +24,8 @@ from typing import Any
 from k3export.errors import UserError
 
 # Every manifest a k3export command writes; a folder holding one with `written_by` is ours.
-MANIFEST_NAMES = ("export.json", "manifest.json", "check.json")
+BUILD_MANIFEST = "manifest.json"  # a `k3export build RECIPE` folder's
+MANIFEST_NAMES = ("export.json", BUILD_MANIFEST, "check.json")
 WRITTEN_BY = "k3export"
 _STAGE_PREFIX = ".k3export-stage-"
 # Lists the files being moved into place while a commit runs, so that a rerun after a kill

@@ -41,13 +41,11 @@ import numpy as np
 import onnx
 import torch
 
-from k3export.artifacts import read_manifest
+from k3export.artifacts import BUILD_MANIFEST, read_manifest
 from k3export.errors import UserError
 from k3export.onnx.domain import DOMAIN
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, TensorSpec, resolve_shape
 from k3export.onnx.runner import PRESENT, Signature, StatefulRunner, present_to_past
-
-BUILD_MANIFEST = "manifest.json"  # a `k3export build RECIPE` folder's (k3export.runtime's name too)
 
 
 def require_engine_runtime(what: str, instead: str = "") -> None:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.distributed import ProcessGroup
 
-from k3export.artifacts import read_manifest, require, verify
+from k3export.artifacts import BUILD_MANIFEST, read_manifest, require, verify
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 from k3export.onnx.runner import BoundOnnxrtRunner, Signature
@@ -54,7 +54,7 @@ from k3export.options import (
     seed,
     token_ids,
 )
-from k3export.runtime.engines import BUILD_MANIFEST, ENGINE, RUNNERS, EnginePlace, choose_runner, device_of
+from k3export.runtime.engines import ENGINE, RUNNERS, EnginePlace, choose_runner, device_of
 from k3export.runtime.schedule import (
     StageTimes,
     Tokens,

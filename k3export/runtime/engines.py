@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3export.artifacts import read_manifest
+from k3export.artifacts import BUILD_MANIFEST, read_manifest
 from k3export.errors import UserError
 
-BUILD_MANIFEST = "manifest.json"
 ONNX, ENGINE = "onnx", "engine"
 RUNNERS = (ONNX, ENGINE)
 

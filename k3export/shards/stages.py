@@ -44,7 +44,15 @@ from typing import Any
 
 import torch
 
-from k3export.artifacts import MANIFEST_LOCK, WRITTEN_BY, OutputDir, file_record, read_manifest, write_json
+from k3export.artifacts import (
+    BUILD_MANIFEST,
+    MANIFEST_LOCK,
+    WRITTEN_BY,
+    OutputDir,
+    file_record,
+    read_manifest,
+    write_json,
+)
 from k3export.engine.flavours import FLAVOURS, load_tensorrt, require_machine, target_problem
 from k3export.errors import UserError
 from k3export.options import existing_file, non_negative_int
@@ -53,7 +61,7 @@ from k3export.shards.plan import Plan, plan_recipe
 from k3export.shards.recipe import BACKENDS, Recipe, load_recipe
 from k3export.weights.checkpoint import build_model
 
-MANIFEST = "manifest.json"
+MANIFEST = BUILD_MANIFEST
 
 
 def stage_folder(index: int) -> str:

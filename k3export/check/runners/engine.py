@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3export.artifacts import read_manifest
+from k3export.artifacts import BUILD_MANIFEST, read_manifest
 from k3export.check.driver import run_check
 from k3export.engine.runner import EngineRunner, binding_plan, engine_profiles, require_engine_runtime
 from k3export.errors import UserError
@@ -32,10 +32,10 @@ def engine_targets(path: str | Path) -> list[tuple[Path, Path]]:
     stage for a sharded build folder (manifest.json)."""
     path = Path(path)
     if path.is_dir():
-        if not (path / "manifest.json").is_file():
+        if not (path / BUILD_MANIFEST).is_file():
             raise UserError(f"--engine {path}: a folder without manifest.json; expected an engine file or "
                             "a `k3export build RECIPE` folder")
-        stages = json.loads((path / "manifest.json").read_text()).get("stages") or []
+        stages = json.loads((path / BUILD_MANIFEST).read_text()).get("stages") or []
         targets = [(engine, path / s["folder"]) for s in stages
                    for engine in sorted((path / s["folder"]).glob("*.engine"))]
         if not targets:
