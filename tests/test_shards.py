@@ -651,7 +651,9 @@ def test_the_runtime_generates_on_the_stages_engines(rtx_build, engines_on_cpu: 
                      "--max-new-tokens", "4", "--json"]) == 0
         captured = capsys.readouterr()
         assert f"runner: {runner}" in captured.err
-        rows[runner] = json.loads(captured.out)["tokens"]
+        summary = json.loads(captured.out)
+        rows[runner] = summary["tokens"]
+        assert (summary["threads"] is None) == (runner == "engine")  # ONNX Runtime's threads, if it ran
     assert rows["engine"] == rows["onnx"]
     first, last = engines_on_cpu
     assert first.host_outputs == set() and last.host_outputs == {"logits"}

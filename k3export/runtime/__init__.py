@@ -298,7 +298,7 @@ class Generation:
     stage_seconds: list[float]  # each stage's time in its graph, prefill included
     micro_batches: int = 1
     stages: list[dict[str, Any]] = field(default_factory=list)  # StageTimes.summary() each
-    threads: int | None = None  # ONNX Runtime intra-op threads of each stage
+    threads: int | None = None  # ONNX Runtime intra-op threads of each stage (None: engines)
 
     def summary(self) -> dict[str, Any]:
         new = sum(len(t) for t in self.tokens)
@@ -413,8 +413,9 @@ def report(args: argparse.Namespace, result: Generation, names: list[str]) -> No
     rate = summary["decode_tokens_per_second"]
     print(f"prefill {result.prefill_seconds * 1e3:.1f} ms; {result.decode_steps} decode steps in "
           f"{result.decode_seconds:.2f} s" + (f" ({rate:.1f} tokens/s)" if rate else "")
-          + f"; {result.micro_batches} micro-batch{'es' if result.micro_batches > 1 else ''}, "
-          f"{result.threads} thread{'s' if result.threads != 1 else ''} a stage")
+          + f"; {result.micro_batches} micro-batch{'es' if result.micro_batches > 1 else ''}"
+          + (f", {result.threads} thread{'s' if result.threads != 1 else ''} a stage" if result.threads
+             else ", engines"))
     for name, seconds, times in zip(names, result.stage_seconds, result.stages, strict=True):
         line = f"  {name}: {seconds:.3f} s in its graph"
         if times["busy_fraction"] is not None:
@@ -433,7 +434,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     exports = stage_exports(args.build)
     choice = choose_runner(args.build, args.runner)
     print(choice.line(), file=sys.stderr, flush=True)
-    threads = intra_op_threads(args, 1)
+    threads = intra_op_threads(args, 1) if choice.kind != ENGINE else None  # ONNX Runtime's
     prompts = prompts_of(args, exports)
     engines = None
     if choice.kind == ENGINE:  # every stage on this process's GPU

@@ -372,7 +372,8 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
                         f"torchrun --nproc-per-node {stages * ranks}")
     index = process // ranks
     lane = [folders[process % ranks] for folders in exports]
-    threads = intra_op_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    engine = choice.kind == ENGINE
+    threads = None if engine else intra_op_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     prompts = prompts_of(args, lane)  # on every process, so that all refuse a bad request alike
     count = args.micro_batches or default_micro_batches(len(prompts), stages)
     batches = split_prompts(prompts, count)  # refuses a bad --micro-batches before any session loads
@@ -382,7 +383,6 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
     # order (torch.distributed's rule). ONNX Runtime's pieces sum over gloo, whose timeout names a rank
     # that does not join; engines sum over NCCL inside TensorRT, where the watchdog keeps the deadline
     # (the groups keep torch's own, longer, NCCL timeout).
-    engine = choice.kind == ENGINE
     options = {"backend": "nccl"} if engine else {"timeout": timedelta(seconds=args.timeout)}
     groups = [dist.new_group(list(range(s * ranks, (s + 1) * ranks)), **options) if ranks > 1 else None
               for s in range(stages)]
@@ -404,8 +404,9 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
     try:
         dist.barrier()  # every session is loaded
         if process == 0:
+            work = f"{threads} thread{'s' if threads > 1 else ''} a process" if threads else "engines"
             print(f"k3export.runtime: {grid}, {count} micro-batches of {[b.size for b in batches]} rows, "
-                  f"{threads} thread{'s' if threads > 1 else ''} a process, --timeout {args.timeout:g} s",
+                  f"{work}, --timeout {args.timeout:g} s",
                   file=sys.stderr, flush=True)
         if stages == 1:
             result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop), count,
