@@ -38,13 +38,14 @@ timeout (BUDGETS; they add up to 480, 8 minutes on one H200; --dry-run prints ea
     held to the engine's expert choices.
  6. k3-tiny in stages: `k3export build $WORK/k3-tiny.toml --routing-outputs --out $WORK/stages` (the
     recipe is engines/k3-tiny.toml with [build] backend and target this machine's, written when the
-    step starts: build RECIPE takes both from the recipe and ignores --target), then `torchrun
+    step starts), then `torchrun
     --standalone --nproc-per-node 2 -m k3export.runtime $WORK/stages --runner engine ...` (one GPU a
     stage, so 2 GPUs) and `k3export check --build $WORK/stages`: a pipeline of engines built, served
     across its stage boundary, and checked stage by stage.
  7. the 1 x 2 grid: engines/k3-tiny-2x2.toml in one stage (written as $WORK/k3-tiny-1x2.toml, backend and
     target as above; no recipe in engines/ is that small), built with engines (the ranks' DIST_COLLECTIVE
-    layers; on one GPU too), then run under torchrun and `check --build`, both needing 2 GPUs.
+    layers; on one GPU too; with --routing-outputs, the partial sums check reads from a rank's engine),
+    then run under torchrun and `check --build`, both needing 2 GPUs.
  8. plugins: `python tools/gpu_check.py --only plugin --dtypes bfloat16 --no-fla`: the plugins' enqueue
     bodies (k3plugins.trt.launch_from_pointers) on raw device pointers against the eager ops,
     gpu_check.py's plugin rows in the published dtype (`tools/gpu_check` alone runs every dtype).
@@ -240,10 +241,12 @@ def plan(machine: Machine, work: Path) -> list[Step]:
                                              "--json"],
                           BUDGETS["check"], "passed, headroom, routing flips", check_numbers,
                           needs=(f"build {dtype}",), skip=reasons(no_gpu, no_engine)))
-    # build RECIPE takes its backend and target from the recipe alone (it ignores --target): each recipe is
-    # written into the work folder for this machine when its build starts (write_recipe).
+    # Each recipe is written into the work folder for this machine (its backend and target, and the
+    # grid's one stage) when its build starts (write_recipe), so that the built folder records them.
+    # Both with check's outputs: a grid's engines are checked from their partial sums, which an engine
+    # gives only as outputs (and a half-precision one from its expert choices).
     recipes = (("stages", STAGE_RECIPE, "k3-tiny.toml", None, ["--routing-outputs"]),
-               ("grid", GRID_SOURCE, "k3-tiny-1x2.toml", 1, []))  # the 1 x 2 grid: the 2 x 2 in one stage
+               ("grid", GRID_SOURCE, "k3-tiny-1x2.toml", 1, ["--routing-outputs"]))  # the 2 x 2 in one stage
     for label, source, name, stages, extra in recipes:
         shape = {**read_recipe(ROOT / source), **({"stages": stages} if stages else {})}
         processes = shape["stages"] * shape["ranks"]
