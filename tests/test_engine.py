@@ -320,10 +320,10 @@ def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None
     assert report["bytes"] > 0
 
 
-@pytest.mark.parametrize("target", ["sm89", "sm120"])
-def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path, target: str) -> None:
-    out = tmp_path / f"tiny.{target}.engine"
-    report = run("build", tiny_export, str(out), target)
+def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path) -> None:
+    """Built for SM89 (the other targets TensorRT-RTX takes are accepted alike: test_flavours)."""
+    out = tmp_path / "tiny.sm89.engine"
+    report = run("build", tiny_export, str(out), "sm89")
 
     assert out.stat().st_size == report["bytes"] > 0
     assert [p.name for p in tmp_path.iterdir()] == [out.name], "a temporary file was left behind"
@@ -346,14 +346,15 @@ def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path, targ
     assert [m["profile"] for m in report["device_memory"]] == ["prefill", "decode"]
 
 
-def test_aot_attribute_is_ignored(tiny_export: Path, aot_export: Path, tmp_path: Path) -> None:
+def test_aot_attribute_is_ignored(tiny_export: Path, aot_export: Path) -> None:
     """`aot = 1` (export --aot-plugins) is for full TensorRT's tensorrt.plugin plugins; the IPluginV3
-    creators do not declare it, so TensorRT-RTX's parser passes the same fields and the engine builds."""
+    creators do not declare it, so TensorRT-RTX's parser makes the same plugin layers with the same
+    fields as of the plain export (which builds: test_engine_builds_with_two_profiles)."""
     summary, plain = run("strict", aot_export), run("strict", tiny_export)
     assert summary["plugin_layers"] == plain["plugin_layers"]
+    assert len(summary["plugin_layers"]) == len(k3_nodes(aot_export))
     assert summary["plugin_fields"] == plain["plugin_fields"]
-    report = run("build", aot_export, str(tmp_path / "aot.sm89.engine"), "sm89")
-    assert report["bytes"] > 0 and len(report["network"]["plugin_layers"]) == len(k3_nodes(aot_export))
+    assert summary["layer_types"] == plain["layer_types"]
 
 
 def assert_parser_inlines(export_dir: Path, register: bool = True) -> None:

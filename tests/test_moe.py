@@ -373,24 +373,21 @@ print(json.dumps([network.get_layer(i).type.name for i in range(network.num_laye
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx is not installed")
-@pytest.mark.parametrize("kind", ["no_weights", "packed_experts", "no_weights_packed"])
-def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, tiny_model, tmp_path):
+@pytest.mark.parametrize("kind", ["no_weights", "no_weights_packed"])
+def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, tiny_config, tmp_path):
     """`export --no-weights` (weights as graph inputs) and `export --packed-experts` (experts as int32
     words) skip the exporter's constant folding; the shape arithmetic is folded afterwards, so
     TensorRT-RTX's parser (which wants axes and shapes as build-time constants) takes them: one plugin
     per mixer and one per MoE layer (k3plugins.moe), no Loop. Both at once (layers 0..2: the dense
     layer and two MoE layers) give MXFP4 nodes whose experts are int32 word inputs. Parsed in a
-    subprocess: some TensorRT failures abort the process."""
+    subprocess: some TensorRT failures abort the process. (`--packed-experts` alone, from a checkpoint:
+    test_engine.py::test_packed_experts_stay_packed parses and builds it.)"""
     from k3export.cli import main
-    from k3export.weights.published import write_published
 
-    config = tiny_model.config
+    config = tiny_config
     layers = range(config.num_hidden_layers)
     if kind == "no_weights":
         options = ["--preset", "k3-tiny", "--no-weights"]
-    elif kind == "packed_experts":
-        write_published(tiny_model, tmp_path / "checkpoint", experts="mxfp4")
-        options = ["--checkpoint", str(tmp_path / "checkpoint"), "--packed-experts"]
     else:
         layers = range(3)
         options = ["--preset", "k3-tiny", "--no-weights", "--packed-experts", "--layers", "0:3"]
@@ -403,10 +400,9 @@ def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, ti
         weights = [name for name in inputs if name.startswith("model.")]
         assert weights and not any(name.startswith("model.") for name in initializers)
     else:
-        stored = initializers if kind == "packed_experts" else inputs
-        packed = [name for name in stored if name.endswith(("_packed", "_scale"))]
+        packed = [name for name in inputs if name.endswith(("_packed", "_scale"))]
         assert len(packed) == 6 * sum(not config.is_dense(i) for i in layers)
-        assert all(stored[name] == onnx.TensorProto.INT32 for name in packed)  # words
+        assert all(inputs[name] == onnx.TensorProto.INT32 for name in packed)  # words
         mxfp4_nodes = [n for n in model.graph.node if n.op_type == "RoutedExpertsMXFP4"]
         assert len(mxfp4_nodes) == len(packed) // 6
     proc = subprocess.run([sys.executable, "-c", PARSE_SCRIPT, str(path)], capture_output=True, text=True,
