@@ -41,9 +41,10 @@ def test_no_gpu_is_refused_with_what_is_missing(tiny_export, tmp_path, capsys, m
     record.write_text(json.dumps({"export": str(tiny_export)}))
     assert engine_targets(engine) == [(engine, tiny_export)]
     assert main(["check", "--engine", str(engine), "--steps", "1"]) == 2
-    assert "tiny.engine.json: not a build record with 'profiles'" in capsys.readouterr().err
+    assert "tiny.engine.json: not a build record with 'profiles' and 'backend'" in capsys.readouterr().err
     profiles = profile_shapes(json.loads((tiny_export / "export.json").read_text()), Limits())
-    record.write_text(json.dumps({"export": str(tiny_export), "profiles": profiles}))
+    built = {"export": str(tiny_export), "backend": "tensorrt-rtx", "profiles": profiles}
+    record.write_text(json.dumps(built))
     assert main(["check", "--engine", str(engine), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "needs an NVIDIA GPU (torch.cuda.is_available() is False)" in err

@@ -17,7 +17,7 @@ from k3export.check.driver import run_check
 from k3export.config import K3Config
 from k3export.engine.build import Limits, profile_shapes
 from k3export.engine.network import NetworkEvaluator, parse_network, torch_dtype
-from k3export.engine.runner import EngineRunner, binding_plan, engine_profiles
+from k3export.engine.runner import EngineRunner, binding_plan, engine_record
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, add_checking_outputs
 
@@ -128,11 +128,12 @@ def test_each_call_takes_the_tightest_profile(tiny_export: Path) -> None:
 
 
 def test_profiles_are_read_from_either_build_record(tiny_export: Path, tmp_path: Path) -> None:
+    """An engine's profiles and the flavour that built it (which alone can run it)."""
     profiles = profile_shapes(manifest_of(tiny_export), LIMITS)
     single = tmp_path / "t.engine"  # `build --onnx`: the record FILE.json beside the engine
-    record = {"export": str(tiny_export), "profiles": profiles}
+    record = {"export": str(tiny_export), "backend": "tensorrt", "profiles": profiles}
     single.with_name("t.engine.json").write_text(json.dumps(record))
-    assert engine_profiles(single) == profiles
+    assert engine_record(single) == {"profiles": profiles, "backend": "tensorrt"}
     # `build RECIPE`: a rank's entry in the build folder's manifest.
     build = tmp_path / "build"
     rank = build / "stage-1" / "rank-1"
@@ -140,10 +141,10 @@ def test_profiles_are_read_from_either_build_record(tiny_export: Path, tmp_path:
     entries = [{"index": 0, "engine": "stage-0/stage-0.sm90.engine", "profiles": []},
                {"index": 1, "ranks": [{"rank": r, "engine": f"stage-1/rank-{r}/x.engine",
                                        "profiles": [{"r": r}]} for r in range(2)]}]
-    (build / "manifest.json").write_text(json.dumps({"stages": entries}))
-    assert engine_profiles(rank / "x.engine") == [{"r": 1}]
+    (build / "manifest.json").write_text(json.dumps({"backend": "tensorrt-rtx", "stages": entries}))
+    assert engine_record(rank / "x.engine") == {"profiles": [{"r": 1}], "backend": "tensorrt-rtx"}
     with pytest.raises(UserError, match="no build record names it"):
-        engine_profiles(build / "stage-0" / "stage-0.sm90.engine")  # its entry records no profiles
+        engine_record(build / "stage-0" / "stage-0.sm90.engine")  # its entry records no profiles
 
 
 class NetworkExecutedRunner(EngineRunner):
@@ -175,6 +176,7 @@ def test_engine_runner_carries_its_caches_through_the_check(tiny_export: Path, t
     record = tmp_path / "network-standing-in.engine"
     profiles = profile_shapes(manifest_of(tiny_export), LIMITS)
     record.with_name(f"{record.name}.json").write_text(json.dumps({"export": str(tiny_export),
+                                                                   "backend": "tensorrt-rtx",
                                                                    "profiles": profiles}))
     made = []
 

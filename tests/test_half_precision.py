@@ -171,8 +171,8 @@ def test_engine_runner_returns_the_routing_outputs(exports: dict, tmp_path: Path
 
     export, made = exports["bfloat16", True, False], []
     record = tmp_path / "network-standing-in.engine.json"
-    record.write_text(json.dumps({"profiles": profile_shapes(json.loads((export / "export.json").read_text()),
-                                                             LIMITS)}))
+    profiles = profile_shapes(json.loads((export / "export.json").read_text()), LIMITS)
+    record.write_text(json.dumps({"backend": "tensorrt-rtx", "profiles": profiles}))
 
     def runner(signature, routing):
         made.append(NetworkExecutedRunner(record.with_suffix(""), export, signature=signature,

@@ -147,24 +147,26 @@ def binding_plan(export_dir: Path, profiles: list[dict[str, list[list[int]]]],
         profiles=profiles)
 
 
-def engine_profiles(engine: Path) -> list[dict[str, list[list[int]]]]:
-    """The optimization profiles an engine was built with, from its build record: FILE.json beside an
-    engine `build --onnx` wrote, or the stage's (rank's) entry of a `build RECIPE` folder's manifest."""
+def engine_record(engine: Path) -> dict[str, Any]:
+    """What the build recorded of an engine: its optimization "profiles" and the "backend" (TensorRT
+    flavour) that built it, from FILE.json beside an engine `build --onnx` wrote, or from the stage's
+    (rank's) entry of a `build RECIPE` folder's manifest and its backend."""
     record = engine.with_name(f"{engine.name}.json")
     if record.is_file():
         try:
-            profiles = json.loads(record.read_text())["profiles"]
+            built = json.loads(record.read_text())
+            return {"profiles": built["profiles"], "backend": built["backend"]}
         except (ValueError, KeyError, TypeError):
-            raise UserError(f"{record}: not a build record with 'profiles' (the record `k3export build "
-                            f"--onnx DIR --out {engine.name}` writes); build the engine again") from None
-        return profiles
+            raise UserError(f"{record}: not a build record with 'profiles' and 'backend' (the record "
+                            f"`k3export build --onnx DIR --out {engine.name}` writes); build the engine "
+                            "again") from None
     for folder in engine.parents[:3]:
         if (folder / BUILD_MANIFEST).is_file():
             relative = engine.resolve().relative_to(folder.resolve()).as_posix()
-            stages = json.loads((folder / BUILD_MANIFEST).read_text()).get("stages", [])
-            for entry in [e for s in stages for e in [s, *s.get("ranks", [])]]:
+            manifest = json.loads((folder / BUILD_MANIFEST).read_text())
+            for entry in [e for s in manifest.get("stages", []) for e in [s, *s.get("ranks", [])]]:
                 if entry.get("engine") == relative and entry.get("profiles"):
-                    return entry["profiles"]
+                    return {"profiles": entry["profiles"], "backend": manifest.get("backend")}
     raise UserError(f"{engine}: no build record names it (neither {record.name} beside it nor a "
                     f"`k3export build RECIPE` {BUILD_MANIFEST} above it); build it again")
 
@@ -206,7 +208,9 @@ class EngineRunner(StatefulRunner):
                  signature: Signature | None = None) -> None:
         super().__init__(signature or Signature(read_manifest(export_dir, MANIFEST_FILE)), name)
         self.engine_path, self.export_dir = Path(engine), Path(export_dir)
-        self.plan = binding_plan(self.export_dir, engine_profiles(self.engine_path), extra_outputs or [])
+        record = engine_record(self.engine_path)
+        self.backend = record["backend"]  # the flavour that built it, which alone can run it
+        self.plan = binding_plan(self.export_dir, record["profiles"], extra_outputs or [])
         self.device = torch.device("cuda", device)
         self.host_outputs = None if host_outputs is None else set(host_outputs)
         self.communicator = communicator
@@ -218,7 +222,7 @@ class EngineRunner(StatefulRunner):
         from k3export.engine.flavours import load_tensorrt, register_plugins
         from k3export.engine.trt_log import tensorrt_logger
 
-        trt = load_tensorrt("tensorrt" if importlib.util.find_spec("tensorrt") else "tensorrt-rtx")
+        trt = load_tensorrt(self.backend)
         register_plugins(trt)  # the k3 plugins the engine was built with, as its flavour registers them
         torch.cuda.set_device(self.device)
         self.engine = load_engine(trt, tensorrt_logger(trt), self.engine_path, self.export_dir / GRAPH_FILE)

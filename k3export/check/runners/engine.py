@@ -21,7 +21,7 @@ from typing import Any
 
 from k3export.artifacts import BUILD_MANIFEST, read_manifest
 from k3export.check.driver import run_check
-from k3export.engine.runner import EngineRunner, binding_plan, engine_profiles, require_engine_runtime
+from k3export.engine.runner import EngineRunner, binding_plan, engine_record, require_engine_runtime
 from k3export.errors import UserError
 from k3export.onnx.export import MANIFEST_FILE
 from k3export.onnx.runner import Signature, StatefulRunner
@@ -70,7 +70,7 @@ def run_engine_check(path: str | Path, log: Any = print, **options: Any) -> dict
     targets = engine_targets(path)
     for engine, export in targets:  # what can be refused without a GPU is refused first
         require_routing_outputs(engine, export)
-        binding_plan(export, engine_profiles(engine))
+        binding_plan(export, engine_record(engine)["profiles"])
     require_engine_runtime("check --engine", instead="on this machine check the network the builder receives "
                            "instead: `k3export check --network DIR` (CPU)")
     reports = []
