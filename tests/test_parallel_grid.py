@@ -167,10 +167,9 @@ def four_head_short_config() -> K3Config:
 
 @torch.no_grad()
 @pytest.mark.usefixtures("bounded_check")
-def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
+def test_four_ranks_of_a_four_head_model(tmp_path: Path, capsys) -> None:
     """One stage over 4 ranks: the grid under torchrun gives the unsplit eager model's greedy
-    tokens. (check --build of a grid, its workers and partial sums, is proven on the 2 x 2 and 1 x 2
-    grids below: 4 more worker processes on 2 cores cost about 20 s.)"""
+    tokens, and check --build (4 workers) passes against the unsplit eager model."""
     config = four_head_short_config()
     config.to_json(tmp_path / "config.json")
     recipe = grid_recipe(4).replace('preset = "k3-tiny"', 'config = "config.json"')
@@ -183,6 +182,8 @@ def test_four_ranks_of_a_four_head_model(tmp_path: Path) -> None:
     model.init_weights(0)
     expected = eager_greedy(model, random_prompts(2, 8, 256, 3), 4)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == expected
+    assert main(["check", "--build", str(tmp_path / "build"), "--steps", "1", "--prompt-len", "8"]) == 0
+    assert "first divergent stage and rank: none" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("ranks", "expected"), [
