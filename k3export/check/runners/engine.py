@@ -35,9 +35,14 @@ def engine_targets(path: str | Path) -> list[tuple[Path, Path]]:
         if not (path / BUILD_MANIFEST).is_file():
             raise UserError(f"--engine {path}: a folder without manifest.json; expected an engine file or "
                             "a `k3export build RECIPE` folder")
-        stages = json.loads((path / BUILD_MANIFEST).read_text()).get("stages") or []
-        targets = [(engine, path / s["folder"]) for s in stages
-                   for engine in sorted((path / s["folder"]).glob("*.engine"))]
+        try:
+            stages = json.loads((path / BUILD_MANIFEST).read_text()).get("stages") or []
+            # The engines its manifest records (what the runtime and the engine runner read too).
+            targets = [(path / s["engine"], path / s["folder"]) for s in stages if s.get("engine")]
+        except (ValueError, AttributeError, TypeError, KeyError):
+            raise UserError(f"--engine {path / BUILD_MANIFEST}: not a `k3export build RECIPE` manifest (not "
+                            "JSON, or stages without folders); the folder is damaged, build it "
+                            "again") from None
         if not targets:
             raise UserError(f"--engine {path}: its stages hold no engines (built with --backend onnx?); "
                             "build them with --backend tensorrt-rtx, or check the stage graphs with --build")
