@@ -1,8 +1,9 @@
 """The engine runner (k3export.engine.runner) without a GPU: its binding plan against the network
 TensorRT-RTX parses from the same export, the profile each call takes, the build records it reads,
-and its binding and cache logic through check's driver with the parsed network evaluated on CPU in
-the engine's place. No engine runs here: none deserializes without a GPU (docs/kernels.md lists the
-runner's GPU-only lines)."""
+and every line of the runner but the engine's loading, through check's driver, over a CPU stand-in of
+an engine and its execution context (tests/engine_standin.py: the parsed network evaluated on the
+memory at the addresses bound, refusing what TensorRT refuses). No engine runs here: none
+deserializes without a GPU (docs/kernels.md lists the runner's GPU-only lines)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from engine_standin import CpuMemoryEngineRunner, NetworkEngine, install, traced_aliases
 
 from k3export.check.driver import run_check
-from k3export.config import K3Config
 from k3export.engine.build import Limits, profile_shapes
 from k3export.engine.network import NetworkEvaluator, parse_network, torch_dtype
-from k3export.engine.runner import EngineRunner, binding_plan, engine_record
+from k3export.engine.runner import EngineRunner, binding_plan, engine_bindings, engine_record, enqueue
 from k3export.errors import UserError
-from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, add_checking_outputs
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 
 LIMITS = Limits(prefill_batch=2, prefill_seq=80, decode_batch=4)
 
@@ -31,43 +33,9 @@ def manifest_of(export: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def routed_export(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """k3-tiny with its expert choices as outputs (export --routing-outputs), as a checking engine's."""
-    import shutil
+    from test_half_precision import with_routing_outputs
 
-    folder = tmp_path_factory.mktemp("routed") / "tiny"
-    shutil.copytree(tiny_export, folder)
-    manifest = manifest_of(folder)
-    config = K3Config.from_json(folder / "config.json")
-    manifest.update(add_checking_outputs(folder / GRAPH_FILE, config, range(*manifest["layers"])))
-    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
-    return folder
-
-
-def traced_aliases(network: Any, trt: Any) -> dict[str, str]:
-    """Network output -> the network input whose buffer it must be bound to, traced in the parsed
-    network itself: the cache input of the KV_CACHE_UPDATE layer that makes it, or the input a plugin
-    layer's build capability says its output aliases (get_aliased_input)."""
-    producer = {}
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        for k in range(layer.num_outputs):
-            producer[layer.get_output(k).name] = (layer, k)
-    inputs = {network.get_input(i).name for i in range(network.num_inputs)}
-    aliases = {}
-    for i in range(network.num_outputs):
-        name = network.get_output(i).name
-        layer, index = producer[name]
-        if layer.type.name == "KV_CACHE_UPDATE":
-            source = layer.get_input(0).name
-        elif layer.type == trt.LayerType.PLUGIN_V3:
-            layer.__class__ = trt.IPluginV3Layer
-            build = layer.plugin.get_capability_interface(trt.PluginCapabilityType.BUILD)
-            aliased = build.get_aliased_input(index)
-            source = layer.get_input(aliased).name if aliased >= 0 else None
-        else:
-            source = None
-        if source in inputs:
-            aliases[name] = source
-    return aliases
+    return with_routing_outputs(tiny_export, tmp_path_factory.mktemp("routed") / "tiny")
 
 
 @pytest.mark.parametrize("routed", [False, True], ids=["plain", "routing-outputs"])
@@ -76,7 +44,7 @@ def test_plan_binds_every_tensor_of_the_parsed_network(tiny_export: Path, routed
     export = routed_export if routed else tiny_export
     manifest = manifest_of(export)
     extra = [s["name"] for s in manifest.get("routing_outputs", [])]
-    plan = binding_plan(export, profile_shapes(manifest, LIMITS), extra)
+    plan = binding_plan(export, profile_shapes(manifest, LIMITS))
     net = parse_network(export / GRAPH_FILE)
     network = net.network
     inputs = [network.get_input(i) for i in range(network.num_inputs)]
@@ -147,51 +115,175 @@ def test_profiles_are_read_from_either_build_record(tiny_export: Path, tmp_path:
         engine_record(build / "stage-0" / "stage-0.sm90.engine")  # its entry records no profiles
 
 
-class NetworkExecutedRunner(EngineRunner):
-    """EngineRunner with its GPU-only pieces replaced, and nothing else: activation parses the network
-    (TensorRT-RTX on CPU) and `execute` evaluates it on the bound tensors, writing each output into
-    the buffer bound to it, as an engine writes to the addresses it is given. Not an engine: its
-    numbers are the network evaluator's."""
-
-    def activate_impl(self) -> None:
-        self.device = torch.device("cpu")
-        self.evaluator = NetworkEvaluator(parse_network(self.export_dir / GRAPH_FILE))
-        self.calls: list[tuple[int, dict[str, int]]] = []  # (profile, output name -> data pointer)
-
-    def deactivate_impl(self) -> None:
-        del self.evaluator
-
-    def execute(self, bound: dict[str, torch.Tensor], profile: int, shapes: dict[str, list[int]]) -> None:
-        inputs = {name: bound[name] for name in self.evaluator.inputs}
-        with torch.no_grad():
-            results = self.evaluator.evaluate(inputs)
-        for name, value in results.items():
-            bound[name].copy_(value)
-        self.calls.append((profile, {name: bound[name].data_ptr() for name in self.plan.outputs}))
+def standin_record(export: Path, folder: Path) -> Path:
+    """An engine path whose build record (FILE.json beside it) names `export` and its profiles at
+    LIMITS: all the stand-in loads (it reads no engine file)."""
+    engine = folder / "network-standing-in.engine"
+    profiles = profile_shapes(manifest_of(export), LIMITS)
+    record = {"export": str(export), "backend": "tensorrt-rtx", "profiles": profiles}
+    engine.with_name(f"{engine.name}.json").write_text(json.dumps(record))
+    return engine
 
 
-def test_engine_runner_carries_its_caches_through_the_check(tiny_export: Path, tmp_path: Path) -> None:
-    """check's driver with the runner: the caches held between calls, the in-place ones in the same
-    buffers every call, the swapped ones alternating between two, prefill then decode profiles."""
-    record = tmp_path / "network-standing-in.engine"
-    profiles = profile_shapes(manifest_of(tiny_export), LIMITS)
-    record.with_name(f"{record.name}.json").write_text(json.dumps({"export": str(tiny_export),
-                                                                   "backend": "tensorrt-rtx",
-                                                                   "profiles": profiles}))
+@pytest.fixture
+def standin(monkeypatch: pytest.MonkeyPatch) -> list[NetworkEngine]:
+    """The CPU stand-in under the engine runner (tests/engine_standin.py), two GPUs counted."""
+    return install(monkeypatch, gpus=2)
+
+
+def prefill_feeds(runner: EngineRunner, batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
+    return {"input_ids": np.zeros((batch, seq), np.int64), "cache_lengths": np.zeros(batch, np.int64),
+            "input_lengths": np.full(batch, seq, np.int64)}
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["plain", "routing-outputs"])
+def test_engine_runner_carries_its_caches_through_the_check(tiny_export: Path, routed_export: Path,
+                                                            routed: bool, standin: list,
+                                                            tmp_path: Path) -> None:
+    """check's driver with the runner over the stand-in: the caches held between calls, the in-place
+    ones in the same buffers every call, the swapped ones alternating between two, the prefill then the
+    decode profile held by the execution context. A float32 check of an export with checking outputs
+    names none of them, and the runner binds them all the same (an unbound output fails the call)."""
+    export = routed_export if routed else tiny_export
     made = []
 
-    def runner(signature: Any, extra: list[str]) -> NetworkExecutedRunner:
-        made.append(NetworkExecutedRunner(record, tiny_export, signature=signature, extra_outputs=extra))
+    def runner(signature: Any, extra: list[str]) -> EngineRunner:
+        made.append(CpuMemoryEngineRunner(standin_record(export, tmp_path), export, signature=signature,
+                                          extra_outputs=extra))
         return made[-1]
 
-    report = run_check(tiny_export, steps=2, prompt_len=10, log=lambda _: None, graph_runner=runner)
+    report = run_check(export, steps=2, prompt_len=10, log=lambda _: None, graph_runner=runner)
     assert report["passed"] and report["greedy_streams_identical"]
     assert all(c["rel"] < 1e-4 for s in report["steps"] for c in s["outputs"])
+    (context,) = standin[0].contexts
+    assert context.refusals == [] and context.gpu == 0
+    assert [profile for profile, _ in context.calls] == [0, 1, 1]  # prefill, then two decode steps
     plan = made[0].plan
-    assert [profile for profile, _ in made[0].calls] == [0, 1, 1]  # prefill, then two decode steps
-    pointers = [written for _, written in made[0].calls]
+    pointers = [written for _, written in context.calls]
     for present in plan.in_place:
         assert len({p[present] for p in pointers}) == 1, f"{present} moved between calls"
     for present in plan.swapped:  # two buffers in turn: each call writes the one the last did not
         first, second, third = (p[present] for p in pointers)
         assert first != second and third == first, f"{present} is not written into a spare in turn"
+
+
+def test_engine_runner_returns_what_it_promises(routed_export: Path, standin: list, tmp_path: Path) -> None:
+    """What a call returns: every output, the checking ones first; those named in host_outputs as numpy
+    arrays, the others as tensors in the runner's memory, the present caches its own buffers (the next
+    call's past), the routing and logits fresh each call."""
+    runner = CpuMemoryEngineRunner(standin_record(routed_export, tmp_path), routed_export,
+                                   host_outputs={"logits"})
+    runner.activate()
+    runner.reset(2)
+    first = runner.infer(prefill_feeds(runner), check_inputs=False)
+    routing = [s["name"] for s in manifest_of(routed_export)["routing_outputs"]]
+    assert list(first)[:len(routing) + 1] == [*routing, "logits"]
+    assert isinstance(first["logits"], np.ndarray)
+    assert all(isinstance(first[n], torch.Tensor) and first[n].device == runner.device
+               for n in first if n != "logits")
+    for present, past in {**runner.plan.in_place, **runner.plan.swapped}.items():
+        assert first[present] is runner.caches[past], present
+    second = runner.infer({"input_ids": np.zeros((2, 1), np.int64), "cache_lengths": np.full(2, 5),
+                           "input_lengths": np.ones(2, np.int64)}, check_inputs=False)
+    assert second[routing[0]].data_ptr() != first[routing[0]].data_ptr()
+    assert standin[0].contexts[0].refusals == []
+
+
+def test_engine_runner_makes_its_gpu_current(tiny_export: Path, standin: list, tmp_path: Path) -> None:
+    """Two engines of a chain on GPUs 0 and 1 in one process, called in turn: each context is made,
+    and enqueued, with its own GPU current (the stand-in refuses another)."""
+    runners = [CpuMemoryEngineRunner(standin_record(tiny_export, tmp_path), tiny_export, device=d)
+               for d in (1, 0)]
+    for runner in runners:
+        runner.activate()
+        runner.reset(2)
+    for _ in range(2):
+        for runner in runners:
+            runner.infer(prefill_feeds(runner), check_inputs=False)
+    assert [e.contexts[0].gpu for e in standin] == [1, 0]
+    assert all(e.contexts[0].refusals == [] and len(e.contexts[0].calls) == 2 for e in standin)
+
+
+def test_engine_runner_follows_the_engines_aliases(tiny_export: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    """Where TensorRT inserts a copy for the KDA plugin's aliased state (the engine reports no alias),
+    the runner writes that state into a spare, as a conv tail; the check still passes."""
+    states = [s["name"] for s in manifest_of(tiny_export)["outputs"] if s["name"].endswith("kda_state")]
+    engines = install(monkeypatch, copies=states)
+    made = []
+
+    def runner(signature: Any, extra: list[str]) -> EngineRunner:
+        made.append(CpuMemoryEngineRunner(standin_record(tiny_export, tmp_path), tiny_export,
+                                          signature=signature))
+        return made[-1]
+
+    report = run_check(tiny_export, steps=1, prompt_len=6, log=lambda _: None, graph_runner=runner)
+    assert report["passed"] and engines[0].contexts[0].refusals == []
+    assert set(states) <= set(made[0].plan.swapped) and not set(states) & set(made[0].plan.in_place)
+    assert {n.split(".")[-1] for n in made[0].plan.in_place} == {"mla_latent"}
+
+
+def test_engine_tensors_the_plan_does_not_know_are_refused(tiny_export: Path, routed_export: Path) -> None:
+    """An engine with outputs its export does not list (built from the export with checking outputs,
+    loaded with the plain one's) is named when it is loaded, before anything runs."""
+    from engine_standin import NetworkEngine
+
+    net = parse_network(routed_export / GRAPH_FILE)
+    engine = NetworkEngine(net, profile_shapes(manifest_of(routed_export), LIMITS))
+    plan = binding_plan(tiny_export, engine.profiles)
+    with pytest.raises(UserError, match="its tensor 'routing.1' is not in the binding plan"):
+        engine_bindings(engine, net.trt, plan, Path("x.engine"))
+    assert engine_bindings(engine, net.trt, binding_plan(routed_export, engine.profiles), Path("x.engine"))
+
+
+def test_the_standin_refuses_what_tensorrt_refuses(tiny_export: Path, standin: list, tmp_path: Path) -> None:
+    """The stand-in's contract, run directly on its context (the runner's own checks bypassed), then
+    the runner's checks that refuse the same before TensorRT sees it, each naming the tensor."""
+    runner = CpuMemoryEngineRunner(standin_record(tiny_export, tmp_path), tiny_export)
+    runner.activate()
+    runner.reset(2)
+    context, plan = runner.context, runner.plan
+    shapes = plan.shapes({"batch": 2, "seq": 5, "capacity": runner.signature.capacity})
+    feeds = {s.name: torch.from_numpy(prefill_feeds(runner)[s.name]) for s in plan.feeds}
+    outputs = {s.name: torch.empty(shapes[s.name], dtype=getattr(torch, s.dtype)) for s in plan.returned}
+    latent = next(iter(plan.in_place))
+    conv = next(iter(plan.swapped))
+
+    def bound(**changed: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        tensors = {**feeds, **runner.caches, **{p: runner.caches[q] for p, q in plan.in_place.items()},
+                   **runner.spares, **outputs, **changed}
+        return {n: t for n, t in tensors.items() if t is not None}
+
+    def refusal(tensors: dict[str, torch.Tensor]) -> str:
+        fresh = standin[0].create_execution_context()
+        for spec in [*plan.feeds, *plan.caches]:
+            assert fresh.set_input_shape(spec.name, shapes[spec.name])
+        for name, tensor in tensors.items():
+            assert fresh.set_tensor_address(name, tensor.data_ptr())
+        assert not fresh.execute_async_v3(0)
+        return fresh.refusals[-1]
+
+    assert refusal(bound(logits=None)) == "no address for 'logits'"
+    assert "shares input" in refusal(bound(**{conv: runner.caches[plan.swapped[conv]]}))
+    elsewhere = torch.zeros_like(runner.caches[plan.in_place[latent]])
+    assert "is aliased to" in refusal(bound(**{latent: elsewhere}))
+    assert not context.set_tensor_address("no.such.tensor", 0) and not context.set_input_shape("logits", [1])
+    assert context.set_optimization_profile_async(1, 0) and context.active_optimization_profile == 1
+    assert not context.set_input_shape("input_ids", [2, 5])  # decode's profile takes one token a row
+    assert not context.execute_async_v3(0)  # no shape set since the profile was
+    with torch.cuda.device(1):
+        assert not context.execute_async_v3(0) and "GPU 1 current" in context.refusals[-1]
+
+    def enqueued(tensors: dict[str, torch.Tensor], profile: int = 0) -> None:
+        enqueue(runner.context, plan, tensors, profile, shapes, 0, "stage 0")
+
+    with pytest.raises(UserError, match="no buffer bound to the engine tensor 'logits'"):
+        enqueued(bound(logits=None))
+    with pytest.raises(UserError, match=f"'{conv}' is bound to the buffer of the input"):
+        enqueued(bound(**{conv: runner.caches[plan.swapped[conv]]}))
+    with pytest.raises(UserError, match=f"'{latent}' is bound to its own buffer"):
+        enqueued(bound(**{latent: elsewhere}))
+    with pytest.raises(UserError, match="TensorRT refused the shape .* of 'input_ids' in profile 1"):
+        enqueued(bound(), profile=1)
+    enqueued(bound())
+    assert runner.context.active_optimization_profile == 0 and runner.context.calls

@@ -161,21 +161,19 @@ def test_export_option_adds_each_moe_layers_choices(tmp_path: Path) -> None:
     assert not any(s["name"].startswith(ROUTING_PREFIX) for s in manifest["outputs"])
 
 
-def test_engine_runner_returns_the_routing_outputs(exports: dict, tmp_path: Path) -> None:
+def test_engine_runner_returns_the_routing_outputs(exports: dict, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """check --engine's path for a bfloat16 engine built from such an export: the engine runner binds
-    the routing outputs and hands them to the driver, which holds the eager model to them (the
-    parsed network evaluated on CPU in the engine's place, as in test_engine_runner: not an engine)."""
-    from test_engine_runner import LIMITS, NetworkExecutedRunner
+    the routing outputs and hands them to the driver, which holds the eager model to them (over the
+    CPU stand-in of an engine, as in test_engine_runner: not an engine)."""
+    from engine_standin import CpuMemoryEngineRunner, install
+    from test_engine_runner import standin_record
 
-    from k3export.engine.build import profile_shapes
-
+    engines = install(monkeypatch)
     export, made = exports["bfloat16", True, False], []
-    record = tmp_path / "network-standing-in.engine.json"
-    profiles = profile_shapes(json.loads((export / "export.json").read_text()), LIMITS)
-    record.write_text(json.dumps({"backend": "tensorrt-rtx", "profiles": profiles}))
 
     def runner(signature, routing):
-        made.append(NetworkExecutedRunner(record.with_suffix(""), export, signature=signature,
+        made.append(CpuMemoryEngineRunner(standin_record(export, tmp_path), export, signature=signature,
                                           extra_outputs=routing))
         return made[-1]
 
@@ -183,6 +181,7 @@ def test_engine_runner_returns_the_routing_outputs(exports: dict, tmp_path: Path
     routing = [f"routing.{i}" for i in range(1, 9)]
     assert [s.name for s in made[0].plan.returned][:len(routing)] == routing
     assert report["passed"] and report["routing_read_from"] == "graph outputs", report["failed_outputs"]
+    assert engines[0].contexts[0].refusals == []
 
 
 def test_bfloat16_is_valid_onnx_that_onnxruntime_cpu_cannot_run(exports: dict) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+import torch
 from reference import without_headroom
 
 from k3export.artifacts import file_record, verify
@@ -601,25 +602,30 @@ def test_check_build_report(onnx_build, tmp_path: Path, capsys) -> None:
 
 @pytest.fixture
 def engines_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
-    """The runtime's and check's engine path with, in each engine's place, the parsed network evaluated
-    on CPU (test_engine_runner.NetworkExecutedRunner: not an engine), this machine's refusal lifted and
-    one GPU counted; returns the runners made, in order."""
-    import torch
-    from test_engine_runner import NetworkExecutedRunner
+    """The runtime's and check's engine path over the CPU stand-in of an engine (tests/engine_standin.py:
+    the parsed network evaluated on the memory the runner binds, refusing what TensorRT refuses; not an
+    engine), this machine's refusal lifted and two GPUs counted; returns the runners made and the
+    stand-in engines they loaded, in order."""
+    from engine_standin import CpuMemoryEngineRunner, install
 
     from k3export.engine import runner
 
     made = []
 
-    class Recorded(NetworkExecutedRunner):
+    class Recorded(CpuMemoryEngineRunner):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.returned: list[dict[str, Any]] = []
             made.append(self)
 
+        def call(self, feeds: dict[str, Any]) -> Any:
+            self.returned.append(super().call(feeds))
+            return self.returned[-1]
+
+    engines = install(monkeypatch, gpus=2)
     monkeypatch.setattr(runner, "require_engine_runtime", lambda what, instead="": None)
     monkeypatch.setattr(runner, "EngineRunner", Recorded)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    return made
+    return made, engines
 
 
 def test_engine_builds_are_refused_at_the_gpu_boundary(rtx_build, capsys) -> None:
@@ -634,21 +640,28 @@ def test_engine_builds_are_refused_at_the_gpu_boundary(rtx_build, capsys) -> Non
         assert "needs an NVIDIA GPU" in err and "--runner onnx runs the build's ONNX graphs on CPU" in err
 
 
-def test_check_build_takes_the_stages_engines(rtx_build, engines_on_cpu: list) -> None:
+def test_check_build_takes_the_stages_engines(rtx_build, engines_on_cpu: tuple) -> None:
     """check --build on a build with engines runs each stage's engine through the engine runner, from
     the engine file and profiles its manifest records (the network evaluated in the engine's place)."""
     out, manifest, _ = rtx_build
+    runners, engines = engines_on_cpu
     report = run_build_check(out, steps=1, batch=2, prompt_len=8, log=lambda _: None)
     assert report["runner"] == "engine" and report["passed"] and report["first_divergent_stage"] is None
-    assert [r.engine_path for r in engines_on_cpu] == [out / s["engine"] for s in manifest["stages"]]
-    assert [r.plan.profiles for r in engines_on_cpu] == [s["profiles"] for s in manifest["stages"]]
-    assert all([profile for profile, _ in r.calls] == [0, 1] for r in engines_on_cpu)  # prefill, decode
+    assert [r.engine_path for r in runners] == [out / s["engine"] for s in manifest["stages"]]
+    assert [r.plan.profiles for r in runners] == [s["profiles"] for s in manifest["stages"]]
+    # Each stage's engine on its own GPU (s * N + r mod 2), its context holding prefill's then decode's
+    # profile, refusing nothing.
+    contexts = [c for e in engines for c in e.contexts]
+    assert [c.gpu for c in contexts] == [0, 1]
+    assert all([profile for profile, _ in c.calls] == [0, 1] and not c.refusals for c in contexts)
 
 
-def test_the_runtime_generates_on_the_stages_engines(rtx_build, engines_on_cpu: list, capsys) -> None:
-    """`k3export run` on the engine path gives the tokens the ONNX graphs give; the boundary stays a
-    tensor (on the engine's device) and only the last stage's logits are read to the host."""
+def test_the_runtime_generates_on_the_stages_engines(rtx_build, engines_on_cpu: tuple, capsys) -> None:
+    """`k3export run` on the engine path gives the tokens the ONNX graphs give; what the first stage
+    returns stays tensors in the engine's memory (the boundary crosses to the next stage as it is), and
+    only the last stage's logits are read to the host."""
     out = rtx_build[0]
+    runners, engines = engines_on_cpu
     rows = {}
     for runner in ("onnx", "engine"):
         assert main(["run", str(out), "--runner", runner, "--batch", "2", "--prompt-len", "8",
@@ -659,8 +672,14 @@ def test_the_runtime_generates_on_the_stages_engines(rtx_build, engines_on_cpu: 
         rows[runner] = summary["tokens"]
         assert (summary["threads"] is None) == (runner == "engine")  # ONNX Runtime's threads, if it ran
     assert rows["engine"] == rows["onnx"]
-    first, last = engines_on_cpu
-    assert first.host_outputs == set() and last.host_outputs == {"logits"}
+    first, last = runners
+    assert first.returned and len(first.returned) == len(last.returned)
+    for outputs in first.returned:
+        assert all(isinstance(v, torch.Tensor) and v.device == first.device for v in outputs.values())
+    for outputs in last.returned:
+        assert isinstance(outputs["logits"], np.ndarray)
+        assert all(isinstance(v, torch.Tensor) for n, v in outputs.items() if n != "logits")
+    assert not any(c.refusals for e in engines for c in e.contexts)
 
 
 def test_target_option_overrides_the_recipes(tmp_path: Path, capsys) -> None:

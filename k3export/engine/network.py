@@ -99,9 +99,6 @@ class ParsedNetwork:
         return torch.from_numpy(array.copy())
 
 
-_CREATORS: dict[str, Any] = {}
-
-
 def parse_network(model_path: str | Path, trt: ModuleType | None = None) -> ParsedNetwork:
     """Parses an ONNX file with TensorRT-RTX, the k3 plugins registered (as `k3export build` does)."""
     import k3plugins.trt
@@ -110,9 +107,7 @@ def parse_network(model_path: str | Path, trt: ModuleType | None = None) -> Pars
     if not model_path.is_file():
         raise UserError(f"{model_path}: no such file")
     trt = trt or load_tensorrt()
-    # The registry does not own the Python creators: one freed while registered crashes the next
-    # lookup, so they live as long as the process.
-    _CREATORS.update(k3plugins.trt.register(trt))
+    k3plugins.trt.register(trt)
     logger = tensorrt_logger(trt)
     builder, network, parser = parse(model_path, trt, logger)
     return ParsedNetwork(trt, network, model_path, (logger, builder, parser))

@@ -124,26 +124,23 @@ def aliased_outputs(graph: Path, manifest: dict[str, Any]) -> dict[str, str]:
     return aliased
 
 
-def binding_plan(export_dir: Path, profiles: list[dict[str, list[list[int]]]],
-                 extra_outputs: Collection[str] = ()) -> BindingPlan:
-    """The plan of an engine built from `export_dir` with `profiles` (its build record's), returning
-    `extra_outputs` too (the routing or partial sums export.json lists apart from its outputs)."""
+def binding_plan(export_dir: Path, profiles: list[dict[str, list[list[int]]]]) -> BindingPlan:
+    """The plan of an engine built from `export_dir` with `profiles` (its build record's). Every output
+    the engine has is bound, the checking outputs export.json lists apart from its outputs (routing,
+    partial sums) included, whoever reads them: TensorRT runs only with every output bound
+    (NvInferRuntime.h, setTensorAddress: "each output must have a non-null address or an
+    IOutputAllocator" before enqueueV3)."""
     manifest = read_manifest(export_dir, MANIFEST_FILE)
     signature = Signature(manifest)
     in_place = aliased_outputs(export_dir / GRAPH_FILE, manifest)
-    listed = {s["name"]: TensorSpec(**s) for key in ("routing_outputs", "partial_outputs")
-              for s in manifest.get(key, [])}
-    unknown = [name for name in extra_outputs if name not in listed]
-    if unknown:
-        raise UserError(f"{export_dir / MANIFEST_FILE}: no output {unknown[0]!r} (the engine's extra outputs "
-                        f"are {sorted(listed) or 'none'}; export with --routing-outputs)")
+    checking = [TensorSpec(**s) for key in ("routing_outputs", "partial_outputs")
+                for s in manifest.get(key, [])]
     presents = [s.name for s in signature.outputs if s.name.startswith(PRESENT)]
     return BindingPlan(
         feeds=signature.feeds, caches=signature.caches,
         in_place={p: in_place[p] for p in presents if p in in_place},
         swapped={p: present_to_past(p) for p in presents if p not in in_place},
-        returned=[*(listed[n] for n in extra_outputs),
-                  *(s for s in signature.outputs if not s.name.startswith(PRESENT))],
+        returned=[*checking, *(s for s in signature.outputs if not s.name.startswith(PRESENT))],
         profiles=profiles)
 
 
@@ -171,10 +168,16 @@ def engine_record(engine: Path) -> dict[str, Any]:
                     f"`k3export build RECIPE` {BUILD_MANIFEST} above it); build it again")
 
 
+# setTensorAddress: "The pointer must have at least 256-byte alignment" (NvInferRuntime.h).
+ALIGNMENT = 256
+
+
 def device_tensor(value: np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A feed as a contiguous tensor of the engine's dtype on `device` (copied only if it is not one)."""
+    """A feed as a contiguous tensor of the engine's dtype on `device` (copied only if it is not one,
+    or if it starts off TensorRT's alignment: a view into another tensor can)."""
     tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
-    return tensor.to(device=device, dtype=dtype).contiguous()
+    tensor = tensor.to(device=device, dtype=dtype).contiguous()
+    return tensor.clone() if tensor.data_ptr() % ALIGNMENT else tensor
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
@@ -194,13 +197,105 @@ def device_caches(caches: list[TensorSpec], batch: int, capacity: int,
     return {s.name: torch.zeros(resolve_shape(s, sizes), dtype=torch_dtype(s), device=device) for s in caches}
 
 
+# The engine's binding rules, each with its reason, in the two places they are checked: what the engine
+# says of its tensors, once when it is loaded (engine_bindings), and every call's bindings, before
+# TensorRT runs it (enqueue). TensorRT-Model-Connect checks the same before a run
+# (src/runtime/backend/trt_module_impl.cpp: its alias groups); the CPU stand-in of an engine in the
+# tests (tests/engine_standin.py) refuses what these rules refuse, so that a runner breaking one fails
+# there too.
+
+DTYPE_NAMES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32"}
+
+
+def engine_bindings(engine: Any, trt: Any, plan: BindingPlan, where: Path) -> BindingPlan:
+    """`plan` held to what `engine` says of its tensors, refused (naming the tensor) before anything
+    runs where they disagree; returns it with the engine's own in-place pairs:
+    - the engine's inputs and outputs are exactly the plan's, in the plan's dtypes (an engine built from
+      another export, or from this one without its checking outputs, is named, not run);
+    - an output is written into its past input's buffer exactly where the engine says it aliases it
+      (ICudaEngine::getAliasedInputTensor). KV_CACHE_UPDATE requires it; for a plugin's aliased
+      output "TensorRT may insert copies" (NvInferRuntime.h, PluginCapabilityType / aliased I/O), and
+      then the engine reports no alias and the present is written into a spare, as a conv tail is."""
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    inputs = [s.name for s in [*plan.feeds, *plan.caches]]
+    modes = {**dict.fromkeys(inputs, trt.TensorIOMode.INPUT),
+             **dict.fromkeys(plan.outputs, trt.TensorIOMode.OUTPUT)}
+    unknown = [n for n in names if n not in modes]
+    absent = [n for n in modes if n not in names]
+    wrong_mode = [n for n in names if n in modes and engine.get_tensor_mode(n) != modes[n]]
+    if unknown or absent or wrong_mode:
+        what = (f"its tensor {unknown[0]!r} is not in" if unknown else
+                f"it has no tensor {absent[0]!r}, which is in" if absent else
+                f"its {wrong_mode[0]!r} is an {engine.get_tensor_mode(wrong_mode[0]).name.lower()} in the "
+                "engine, not in")
+        raise UserError(f"{where}: {what} the binding plan of its export's export.json; it was built from "
+                        "another export (or this one with other --routing-outputs); build it again")
+    specs = {s.name: s.dtype for s in [*plan.feeds, *plan.caches, *plan.returned]}
+    specs.update({p: specs[past] for p, past in {**plan.in_place, **plan.swapped}.items()})
+    wrong = [f"{n}: the engine's {DTYPE_NAMES.get(engine.get_tensor_dtype(n).name, 'other')}, the plan's {d}"
+             for n, d in specs.items() if DTYPE_NAMES.get(engine.get_tensor_dtype(n).name) != d]
+    if wrong:
+        raise UserError(f"{where}: its tensors disagree with its export.json ({'; '.join(wrong)}); it was "
+                        "built from another export")
+    pasts = {**plan.in_place, **plan.swapped}
+    aliased = {n: engine.get_aliased_input_tensor(n) for n in plan.outputs}
+    strays = [n for n, source in aliased.items() if source and pasts.get(n) != source]
+    if strays:
+        raise UserError(f"{where}: the engine writes its output {strays[0]!r} into its input "
+                        f"{aliased[strays[0]]!r}, which the export does not pair with it; build it again")
+    return BindingPlan(plan.feeds, plan.caches,
+                       in_place={p: past for p, past in pasts.items() if aliased[p]},
+                       swapped={p: past for p, past in pasts.items() if not aliased[p]},
+                       returned=plan.returned, profiles=plan.profiles)
+
+
+def enqueue(context: Any, plan: BindingPlan, bound: dict[str, torch.Tensor], profile: int,
+            shapes: dict[str, list[int]], stream: int, name: str) -> None:
+    """One engine call on `stream`: every binding rule checked, then TensorRT's own answers checked,
+    each refusal naming the tensor:
+    - every input and output bound, and nothing else (enqueueV3 needs every output's address);
+    - an output shares an input's buffer only where the engine aliases them (plan.in_place); any other
+      shared buffer would be read after it is written;
+    - the profile held until set again (an execution context keeps it: "used in subsequent calls",
+      setOptimizationProfileAsync), set before the input shapes, which are checked against its ranges
+      (setInputShape returns false outside them)."""
+    expected = [s.name for s in [*plan.feeds, *plan.caches]] + plan.outputs
+    unbound = [n for n in expected if n not in bound]
+    stray = [n for n in bound if n not in expected]
+    if unbound:
+        raise UserError(f"{name}: no buffer bound to the engine tensor {unbound[0]!r}")
+    if stray:
+        raise UserError(f"{name}: a buffer bound to {stray[0]!r}, which is not an engine tensor")
+    inputs = {bound[s.name].data_ptr(): s.name for s in [*plan.feeds, *plan.caches]}
+    for output in plan.outputs:
+        shared = inputs.get(bound[output].data_ptr())
+        if shared != plan.in_place.get(output):
+            raise UserError(f"{name}: the output {output!r} is bound to " + (
+                f"the buffer of the input {shared!r}, which the engine does not alias to it" if shared else
+                f"its own buffer, but the engine writes it in place of {plan.in_place[output]!r}"))
+    if context.active_optimization_profile != profile and \
+            not context.set_optimization_profile_async(profile, stream):
+        raise UserError(f"{name}: TensorRT refused optimization profile {profile} (see the log above)")
+    for spec in [*plan.feeds, *plan.caches]:
+        if not context.set_input_shape(spec.name, shapes[spec.name]):
+            low, _, high = plan.profiles[profile].get(spec.name, (None, None, None))
+            raise UserError(f"{name}: TensorRT refused the shape {shapes[spec.name]} of {spec.name!r} in "
+                            f"profile {profile} (its range {low} to {high})")
+    for tensor, value in bound.items():
+        if not context.set_tensor_address(tensor, value.data_ptr()):
+            raise UserError(f"{name}: TensorRT refused the address of {tensor!r} (see the log above)")
+    if not context.execute_async_v3(stream):
+        raise UserError(f"{name}: TensorRT could not run the engine (see the log above)")
+
+
 class EngineRunner(StatefulRunner):
-    """An engine built from `export_dir` (its caches, profiles and extra outputs as `binding_plan`
-    says) on GPU `device`. `call` returns every output, as numpy for those in `host_outputs` (None:
-    all) and as device tensors otherwise (the present caches are the runner's buffers, valid until the
-    next call). `communicator`: an NCCL communicator capsule for a rank's engine, whose DIST_COLLECTIVE
-    layers sum over it. `signature`: check's (which may carry bfloat16 tensors as float32); default the
-    export's."""
+    """An engine built from `export_dir` (its caches, profiles and outputs as `binding_plan` says, its
+    in-place pairs as the engine says) on GPU `device`. `call` returns every output, the checking
+    outputs included, as numpy for those in `host_outputs` (None: all) and as device tensors otherwise
+    (the present caches are the runner's buffers, valid until the next call). `extra_outputs`: the
+    checking outputs the caller reads (refused unless the export lists them). `communicator`: an NCCL
+    communicator capsule for a rank's engine, whose DIST_COLLECTIVE layers sum over it. `signature`:
+    check's (which may carry bfloat16 tensors as float32); default the export's."""
 
     def __init__(self, engine: Path, export_dir: Path, name: str = "engine",
                  extra_outputs: list[str] | None = None, device: int = 0,
@@ -210,43 +305,36 @@ class EngineRunner(StatefulRunner):
         self.engine_path, self.export_dir = Path(engine), Path(export_dir)
         record = engine_record(self.engine_path)
         self.backend = record["backend"]  # the flavour that built it, which alone can run it
-        self.plan = binding_plan(self.export_dir, record["profiles"], extra_outputs or [])
-        self.device = torch.device("cuda", device)
+        self.plan = binding_plan(self.export_dir, record["profiles"])
+        listed = [s.name for s in self.plan.returned]
+        unknown = [n for n in extra_outputs or [] if n not in listed]
+        if unknown:
+            raise UserError(f"{self.export_dir / MANIFEST_FILE}: no output {unknown[0]!r} (the engine's "
+                            f"outputs are {listed}; export with --routing-outputs)")
+        self.gpu = device
+        self.device = torch.device("cuda", device)  # where its buffers are
         self.host_outputs = None if host_outputs is None else set(host_outputs)
         self.communicator = communicator
         self.spares: dict[str, torch.Tensor] = {}
         self.collective_time = 0.0  # the engine's own all-reduces are inside its time
 
-    def activate_impl(self) -> None:  # GPU only
+    def activate_impl(self) -> None:
         from k3export.engine.build import load_engine
         from k3export.engine.flavours import load_tensorrt, register_plugins
         from k3export.engine.trt_log import tensorrt_logger
 
         trt = load_tensorrt(self.backend)
         register_plugins(trt)  # the k3 plugins the engine was built with, as its flavour registers them
-        torch.cuda.set_device(self.device)
-        self.engine = load_engine(trt, tensorrt_logger(trt), self.engine_path, self.export_dir / GRAPH_FILE)
-        self.context = self.engine.create_execution_context()
-        wrong = [f"{name}: the engine's {held}, the plan's {want}"
-                 for name, held, want in self._engine_dtypes(trt) if held != want]
-        if wrong:
-            raise UserError(f"{self.engine_path}: its tensors disagree with "
-                            f"{self.export_dir / MANIFEST_FILE} ({'; '.join(wrong)}); it was built from "
-                            "another export")
+        # An execution context and a stream belong to the device current when they are made.
+        with torch.cuda.device(self.gpu):
+            self.engine = load_engine(trt, tensorrt_logger(trt), self.engine_path,
+                                      self.export_dir / GRAPH_FILE)
+            self.context = self.engine.create_execution_context()
+            self.stream = torch.cuda.Stream()
+        self.plan = engine_bindings(self.engine, trt, self.plan, self.engine_path)
         if self.communicator is not None and not self.context.set_communicator(self.communicator):
             raise UserError(f"{self.name}: TensorRT refused the NCCL communicator (set_communicator returned "
                             f"False) for {self.engine_path}: was it built with DistCollective layers?")
-        self.stream = torch.cuda.Stream(self.device)
-        self.active_profile: int | None = None
-
-    def _engine_dtypes(self, trt: Any) -> list[tuple[str, str, str]]:  # GPU only
-        """(tensor, the engine's dtype, the plan's) for every binding."""
-        names = {trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16", trt.DataType.BF16: "bfloat16",
-                 trt.DataType.INT64: "int64", trt.DataType.INT32: "int32"}
-        specs = [*self.plan.feeds, *self.plan.caches, *self.plan.returned]
-        dtypes = {s.name: s.dtype for s in specs}
-        dtypes.update({p: dtypes[past] for p, past in {**self.plan.in_place, **self.plan.swapped}.items()})
-        return [(n, names.get(self.engine.get_tensor_dtype(n), "other"), d) for n, d in dtypes.items()]
 
     def deactivate_impl(self) -> None:
         del self.context, self.engine
@@ -276,16 +364,10 @@ class EngineRunner(StatefulRunner):
                             or name in self.host_outputs else bound[name]) for name in self.plan.outputs)
 
     def execute(self, bound: dict[str, torch.Tensor], profile: int, shapes: dict[str, list[int]]) -> None:
-        """Runs the engine on `bound` (every input and output by name) with `profile`. GPU only."""
-        caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)  # the feeds were written on the caller's stream
-        if profile != self.active_profile:
-            self.context.set_optimization_profile_async(profile, self.stream.cuda_stream)
-            self.active_profile = profile
-        for spec in [*self.plan.feeds, *self.plan.caches]:
-            self.context.set_input_shape(spec.name, shapes[spec.name])
-        for name, tensor in bound.items():
-            self.context.set_tensor_address(name, tensor.data_ptr())
-        if not self.context.execute_async_v3(self.stream.cuda_stream):
-            raise UserError(f"{self.name}: TensorRT could not run {self.engine_path} (see the log above)")
-        caller.wait_stream(self.stream)  # what the caller reads next is written
+        """Runs the engine on `bound` with `profile` on the runner's stream, with its GPU current (a
+        check's chain runs each stage's engine on its own GPU in one process)."""
+        with torch.cuda.device(self.gpu):
+            caller = torch.cuda.current_stream()
+            self.stream.wait_stream(caller)  # the feeds were written on the caller's stream
+            enqueue(self.context, self.plan, bound, profile, shapes, self.stream.cuda_stream, self.name)
+            caller.wait_stream(self.stream)  # what the caller reads next is written

@@ -9,6 +9,7 @@ can say how many it held back. Verbose messages are dropped unread: a parse give
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from types import ModuleType
@@ -19,8 +20,12 @@ log = logging.getLogger("k3export.tensorrt")
 held_back: Counter[str] = Counter()
 
 
+@functools.cache
 def tensorrt_logger(trt: ModuleType) -> Any:
-    """An ILogger of `trt` (tensorrt or tensorrt_rtx) that forwards to the "k3export.tensorrt" logger."""
+    """The ILogger of `trt` (tensorrt or tensorrt_rtx) that forwards to the "k3export.tensorrt" logger:
+    one per process, never freed. TensorRT keeps the first logger it is given (a builder's, a runtime's)
+    for messages of objects that outlive it, its plugin registry's among them: a logger freed with the
+    parse that made it crashed the next plugin lookup (a segfault in get_creator)."""
     severity = trt.ILogger.Severity
 
     class ForwardingLogger(trt.ILogger):

@@ -181,6 +181,12 @@ def plugin_classes(trt: ModuleType) -> tuple[type, type]:
     return K3Plugin, K3PluginCreator
 
 
+# The registry does not own the Python creators: one freed while registered crashes the next lookup
+# (a segfault in get_creator, seen when an engine runner's activation registered them and dropped what
+# register returned), so every creator registered here lives as long as the process.
+_REGISTERED: list[Any] = []
+
+
 def register(trt: ModuleType) -> dict[str, Any]:
     """Registers a creator per definition with `trt`'s plugin registry; returns them by op name (the
     current version of each).
@@ -193,5 +199,6 @@ def register(trt: ModuleType) -> dict[str, Any]:
         if existing is None:
             existing = creator_class(definition)
             registry.register_creator(existing, definition.namespace)
+            _REGISTERED.append(existing)
         creators.setdefault(definition.name, existing)  # the current version (DEFINITIONS lists it first)
     return creators
