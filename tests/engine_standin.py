@@ -233,10 +233,12 @@ class CpuMemoryEngineRunner(EngineRunner):
 
 def install(monkeypatch: pytest.MonkeyPatch, gpus: int = 1,
             copies: Collection[str] = ()) -> list[NetworkEngine]:
-    """The stand-in under EngineRunner: each engine it loads is the NetworkEngine of the export's
-    network and the engine's recorded profiles; torch.cuda's device and streams are the CPU stand-ins,
-    `gpus` GPUs counted. Returns the engines loaded, in order."""
+    """The stand-in under the engine path: every EngineRunner made is a CpuMemoryEngineRunner, each
+    engine it loads the NetworkEngine of the export's network and the engine's recorded profiles;
+    torch.cuda's device and streams are the CPU stand-ins, `gpus` GPUs counted, and this machine's
+    refusal of engines (no GPU) lifted. Returns the engines loaded, in order."""
     import k3export.engine.build
+    import k3export.engine.runner
 
     loaded: list[NetworkEngine] = []
 
@@ -246,8 +248,34 @@ def install(monkeypatch: pytest.MonkeyPatch, gpus: int = 1,
 
     Device.current = 0
     monkeypatch.setattr(k3export.engine.build, "load_engine", load_engine)
+    monkeypatch.setattr(k3export.engine.runner, "EngineRunner", CpuMemoryEngineRunner)
+    monkeypatch.setattr(k3export.engine.runner, "require_engine_runtime", lambda what, instead="": None)
     monkeypatch.setattr(torch.cuda, "device", Device.context)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     return loaded
+
+
+def engines_recorded(build: Path, out: Path, limits: Any) -> Path:
+    """A copy at `out` of a `k3export build RECIPE --backend onnx` folder whose manifest records an
+    engine for every stage (every rank), with the profiles of `limits` (k3export.engine.build.Limits)
+    and backend tensorrt-rtx, as a TensorRT build records them; the engine files hold no engine (the
+    stand-in reads none), so only the stand-in can load them."""
+    import json
+    import shutil
+
+    from k3export.artifacts import BUILD_MANIFEST
+    from k3export.engine.build import profile_shapes
+    from k3export.onnx.export import MANIFEST_FILE
+
+    shutil.copytree(build, out)
+    manifest = json.loads((out / BUILD_MANIFEST).read_text())
+    for entry in [e for s in manifest["stages"] for e in s.get("ranks", [s])]:
+        export = json.loads((out / entry["folder"] / MANIFEST_FILE).read_text())
+        entry["engine"] = f"{entry['folder']}/standin.engine"
+        entry["profiles"] = profile_shapes(export, limits)
+        (out / entry["engine"]).write_text("not an engine: tests/engine_standin.py stands in for it\n")
+    manifest["backend"] = "tensorrt-rtx"
+    (out / BUILD_MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return out

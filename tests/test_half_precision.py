@@ -234,3 +234,27 @@ def test_float16_chain_is_checked_held_to_its_stages_routing_outputs(float16_cha
     report = json.loads(capsys.readouterr().out)
     assert not report["passed"] and report["first_divergent_stage"] == 1
     assert report["routing_read_from"] == "graph outputs"
+
+
+def test_a_routed_chain_runs_on_its_engines(float16_chain: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`k3export run` on a build made with routing outputs, on its engines (the CPU stand-in of an
+    engine: the parsed network on the memory the runner binds, not an engine): the runtime reads no
+    routing, and each engine still has every output bound (TensorRT runs none with an output unbound);
+    the tokens are ONNX Runtime's."""
+    from engine_standin import engines_recorded, install
+    from test_engine_runner import LIMITS
+
+    build = engines_recorded(float16_chain, tmp_path / "build", LIMITS)
+    engines = install(monkeypatch, gpus=2)
+    tokens = {}
+    for runner in ("onnx", "engine"):
+        assert main(["run", str(build), "--runner", runner, "--batch", "2", "--prompt-len", "6",
+                     "--max-new-tokens", "2", "--json"]) == 0
+        tokens[runner] = json.loads(capsys.readouterr().out)["tokens"]
+    assert tokens["engine"] == tokens["onnx"]
+    contexts = [c for e in engines for c in e.contexts]
+    assert len(contexts) == 2 and not any(c.refusals for c in contexts)
+    for context in contexts:
+        assert {n for n in context.addresses if n.startswith("routing.")} == \
+            {n for n in context.engine.outputs if n.startswith("routing.")} != set()

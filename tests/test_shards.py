@@ -604,8 +604,8 @@ def test_check_build_report(onnx_build, tmp_path: Path, capsys) -> None:
 def engines_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
     """The runtime's and check's engine path over the CPU stand-in of an engine (tests/engine_standin.py:
     the parsed network evaluated on the memory the runner binds, refusing what TensorRT refuses; not an
-    engine), this machine's refusal lifted and two GPUs counted; returns the runners made and the
-    stand-in engines they loaded, in order."""
+    engine), two GPUs counted; returns the runners made and the stand-in engines they loaded, in
+    order."""
     from engine_standin import CpuMemoryEngineRunner, install
 
     from k3export.engine import runner
@@ -623,7 +623,6 @@ def engines_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list:
             return self.returned[-1]
 
     engines = install(monkeypatch, gpus=2)
-    monkeypatch.setattr(runner, "require_engine_runtime", lambda what, instead="": None)
     monkeypatch.setattr(runner, "EngineRunner", Recorded)
     return made, engines
 
