@@ -488,3 +488,23 @@ def test_checking_outputs_change_nothing_and_are_the_sums_inputs(grid_build: Pat
             assert mine["network_outputs_equal"], (dtype, rank)
             assert len(mine["network_partials_rel"]) == 6, (dtype, rank)
             assert max(mine["network_partials_rel"]) <= mine["network_partials_bound"], (dtype, rank, mine)
+
+
+def test_a_grid_rank_runs_on_its_engine(float16_grid: Path, tmp_path: Path) -> None:
+    """check --build's grid worker on each rank's engine (grid.rank_engine, GPU only), over the CPU
+    stand-in of an engine (not an engine; tests/rank_engine_worker.py) under torchrun: every engine
+    tensor bound, the routing and partial sums read from the engine's outputs, each rank's partial sums
+    within their bound of its split eager model's, each rank's context on its own GPU with the stage's
+    communicator."""
+    from engine_standin import engines_recorded
+    from test_engine_runner import LIMITS
+
+    build = engines_recorded(float16_grid, tmp_path / "build", LIMITS)
+    proc = torchrun(2, str(Path(__file__).with_name("rank_engine_worker.py")), str(build), str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert seen["refusals"] == [] and seen["bound"] == seen["engine_tensors"]
+        assert seen["gpu"] == rank and seen["communicator"] == "the stage's communicator"
+        assert seen["read_from"] == "graph outputs" and seen["routing"] == ["routing.1", "routing.2"]
+        assert seen["partials"] and all(p["passed"] for p in seen["partials"]), seen["partials"]
