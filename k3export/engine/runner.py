@@ -17,13 +17,18 @@ graph's structure) and the engine's build record (its optimization profiles):
 - everything else (logits, routing choices, partial sums, taps): a buffer of the call's shape.
 
 The profile is picked by the call (the tightest one that takes every input's shape: decode for a
-batch of single tokens within its batch, else prefill). The engine runs on the runner's own CUDA
-stream; nothing goes to the host but the outputs the caller names (`host_outputs`).
+batch of single tokens within its batch, else prefill) and held by the execution context until another
+is needed. The engine runs on the runner's own CUDA stream with its GPU current; nothing goes to the
+host but the outputs the caller names (`host_outputs`). Every output is bound, the checking outputs
+(routing, partial sums) included, whoever reads them: TensorRT runs nothing with an output unbound.
+What TensorRT requires of the bindings is checked in two places, `engine_bindings` (once, against what
+the engine says of its tensors) and `enqueue` (each call), each rule with its reason.
 
-Only `EngineRunner.activate_impl`, `execute` and `_engine_dtypes` need a GPU (an engine cannot be
-deserialized without one); the plan is tested against the INetworkDefinition TensorRT-RTX parses
-(tests/test_engine_runner.py), and the runner's binding and cache logic runs there with the parsed
-network evaluated on CPU in the engine's place (`NetworkExecution`, which is not an engine).
+Only loading the engine (`load_engine`) and the CUDA device and stream calls need a GPU (an engine
+cannot be deserialized without one). The plan is tested against the INetworkDefinition TensorRT-RTX
+parses (tests/test_engine_runner.py), and every other line runs there over a CPU stand-in of an engine
+and its execution context that refuses what TensorRT refuses (tests/engine_standin.py: the parsed
+network evaluated on the memory at the bound addresses; not an engine).
 """
 
 from __future__ import annotations
