@@ -200,3 +200,22 @@ def test_the_recipes_written_for_the_machine_load(source: str, stages: int | Non
     assert recipe.stage_count == (stages or original.stage_count) and recipe.ranks == original.ranks
     assert {k: v for k, v in recipe.data.items() if k not in ("stages", "build")} == \
         {k: v for k, v in original.data.items() if k not in ("stages", "build")}
+
+
+def test_the_preflight_runs_to_its_end_over_the_standin(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU script's first step, here with TensorRT-RTX for sm89 and the CPU stand-in of an engine in
+    the loaded engine's place (tests/engine_standin.py; not an engine): the plugins registered twice, the
+    dtype tables, a 2-layer k3-tiny with packed MXFP4 experts and routing outputs exported and built
+    (a real TensorRT-RTX build), then loaded and called with every tensor bound and the engine's own
+    in-place pairs followed. Full TensorRT's shared-memory check needs it installed (GPU host only)."""
+    from engine_standin import install
+
+    engines = install(monkeypatch)
+    numbers = gpu_engines.probe_preflight("tensorrt-rtx", "sm89", tmp_path / "preflight")
+    assert numbers["registrations"] == 2 and "int32" in numbers["dtypes"].split(",")
+    assert numbers["aliases"] == "kda_state,mla_latent" and numbers["swapped"] == "k_conv,q_conv,v_conv"
+    (context,) = engines[0].contexts
+    assert context.refusals == [] and len(context.calls) == 2
+    assert numbers["tensors bound"] == engines[0].num_io_tensors == len(context.addresses)
+    assert {n for n in context.addresses if n.startswith("routing.")} == {"routing.2", "routing.3"}

@@ -21,6 +21,13 @@ a datacenter GPU only full TensorRT builds. Where no GPU answers, the dry run pl
 The steps, in order, and what each proves when it passes on a GPU. Each has a budget in seconds, its
 timeout (BUDGETS; they add up to 480, 8 minutes on one H200; --dry-run prints each):
 
+ 0. preflight: `python tools/gpu_engines.py --probe preflight --backend B --target T $WORK/preflight`, in
+    a minute, what TensorRT 11 would refuse on a first run, each fault named (probe_preflight): the plugins
+    registered twice in one process; every plugin dtype in the flavour's tables; (full TensorRT) each AOT
+    kernel's shared memory at the published widths against this GPU's limit, those over 48 KB listed; a
+    2-layer k3-tiny (packed MXFP4 experts, routing outputs) built, loaded by the engine runner (its tensors
+    and in-place pairs as the engine reports them) and called with every tensor bound. Every step that
+    builds an engine needs it.
  1. export float32 / float16 / bfloat16: `k3export export --preset k3-tiny --dtype D`, the half ones with
     --routing-outputs (each MoE layer's chosen experts as outputs, so the engine's half-precision check
     holds the eager routers to them). Runs on the CPU; the later steps read these folders.
@@ -98,8 +105,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "float16", "bfloat16")
 TOTAL_BUDGET_S = 480  # 8 minutes on one H200
 # Seconds a step may take (its timeout); they add up to TOTAL_BUDGET_S.
-BUDGETS = {"export": 25, "caches": 15, "communicator": 15, "build": 35, "check": 20,
-           "build recipe": 45, "runtime": 20, "check build": 25, "plugins": 30}
+BUDGETS = {"preflight": 60, "export": 20, "caches": 15, "communicator": 15, "build": 30, "check": 15,
+           "build recipe": 45, "runtime": 15, "check build": 25, "plugins": 25}
 STAGE_RECIPE = "engines/k3-tiny.toml"
 GRID_SOURCE = "engines/k3-tiny-2x2.toml"
 PLANNED_TARGET = "sm90"  # where no GPU answers: an H200's, so that the plan shows the commands it runs
@@ -108,7 +115,7 @@ PROBE_BATCH = 2  # check's default batch
 # k3export lacks one, the step passing it is skipped, saying so. tests/test_gpu_check.py allows exactly
 # these to be missing from k3export's parsers (so it tightens once they land) and no other planned flag.
 PENDING_FLAGS = (("k3export build", "--routing-outputs"), ("k3export.runtime", "--runner"))
-PROBES = ("caches", "communicator")
+PROBES = ("preflight", "caches", "communicator")
 
 
 @dataclass(frozen=True)
@@ -214,7 +221,12 @@ def plan(machine: Machine, work: Path) -> list[Step]:
 
     backend_name = backend or "tensorrt"  # where neither flavour imports: what the skipped steps would use
     engine_args = ["--backend", backend_name, "--target", target]
-    steps: list[Step] = []
+    # First, in a minute, what would stop the first run on this host: every step that builds or loads an
+    # engine needs it, so a fault it names ends the run early instead of in each engine step.
+    steps = [Step("preflight", ["python", "tools/gpu_engines.py", "--probe", "preflight", *engine_args,
+                                str(work / "preflight")],
+                  BUDGETS["preflight"], "registrations, smem KB, aliases, tensors bound", last_json_object,
+                  skip=reasons(no_gpu, no_engine))]
     for dtype in DTYPES:
         export = work / f"export-{dtype}"
         half = [] if dtype == "float32" else ["--routing-outputs"]
@@ -235,7 +247,7 @@ def plan(machine: Machine, work: Path) -> list[Step]:
         steps.append(Step(f"build {dtype}", ["k3export", "build", "--onnx", str(work / f"export-{dtype}"),
                                              *engine_args, "--out", str(engine)],
                           BUDGETS["build"], "MB, plugin layers, device MB", partial(engine_numbers, engine),
-                          needs=(f"export {dtype}",), skip=reasons(no_gpu, no_engine)))
+                          needs=("preflight", f"export {dtype}"), skip=reasons(no_gpu, no_engine)))
     for dtype in DTYPES:
         steps.append(Step(f"check {dtype}", ["k3export", "check", "--engine", str(work / f"{dtype}.engine"),
                                              "--json"],
@@ -254,7 +266,7 @@ def plan(machine: Machine, work: Path) -> list[Step]:
         built_with = reasons(*(lacks("k3export build", f) for f in extra))
         steps.append(Step(f"build {label}", ["k3export", "build", str(recipe), *extra, "--out", str(build)],
                           BUDGETS["build recipe"], "stages, MB", partial(recipe_numbers, build),
-                          skip=reasons(no_gpu, no_engine, built_with),
+                          needs=("preflight",), skip=reasons(no_gpu, no_engine, built_with),
                           prepare=partial(write_recipe, source, recipe, backend_name, target, stages)))
         few = f"needs {processes} GPUs (one a process), this machine has {len(machine.gpus)}" \
             if machine.gpus and len(machine.gpus) < processes else ""
@@ -511,6 +523,96 @@ def write_out(out: Path, text: str, machine: Machine, steps: list[Step], work: P
 
 # ---- the probes (steps 2 and 3, each in its own process) ----
 
+def probe_preflight(backend: str, target: str, work: Path) -> dict[str, Any]:
+    """Step 1: what TensorRT 11 would refuse on the first run on this host, each fault named (a
+    RuntimeError saying which check failed), within a minute:
+    1. the plugins registered twice in one process, as its flavour registers them (a build of a recipe's
+       stages, or a check of a chain, builds or loads several engines in one process);
+    2. every dtype a k3 plugin's inputs and outputs take (the definitions' type groups) is in the flavour's
+       dtype table, and (full TensorRT) in its AOT autotune combinations;
+    3. (full TensorRT) the dynamic shared memory of each AOT kernel at the published widths in bfloat16,
+       against this GPU's per-block opt-in limit; those over the 48 KB a launch gets without raising its
+       limit are listed;
+    4. a 2-layer k3-tiny (a KDA and an MLA layer, routed experts packed MXFP4 from a written checkpoint,
+       float16, routing outputs, AOT plugins) exported, built for this GPU, loaded by the engine runner
+       (its tensors, dtypes and in-place pairs as the engine reports them, held to the export's plan),
+       then one prefill and one decode call with every tensor bound."""
+    import importlib
+
+    import numpy as np
+    import torch
+
+    from k3export.cli import main as k3export_main
+    from k3export.config import K3Config
+    from k3export.engine.flavours import FLAVOURS, load_tensorrt, register_plugins
+    from k3export.engine.runner import EngineRunner
+    from k3export.model import K3ForCausalLM
+    from k3export.onnx.export import resolve_shape
+    from k3export.weights.published import write_published
+    from k3plugins.definitions import DEFINITIONS
+
+    def fault(check: str, why: str) -> RuntimeError:
+        return RuntimeError(f"preflight: {check}: {why}")
+
+    trt = load_tensorrt(backend)
+    plugins = importlib.import_module(FLAVOURS[backend].plugins)
+    try:
+        register_plugins(trt)
+        register_plugins(trt)
+    except Exception as e:
+        raise fault("plugins registered twice in one process", f"{type(e).__name__}: {e}") from e
+    table = set(plugins._dtype_names(trt).values())
+    dtypes = {d for definition in DEFINITIONS for types in definition.groups.values() for d in types}
+    if dtypes - table:
+        raise fault("dtype tables", f"{sorted(dtypes - table)} not in {FLAVOURS[backend].plugins}'s table")
+    numbers: dict[str, Any] = {"registrations": 2, "dtypes": ",".join(sorted(dtypes))}
+    if backend == "tensorrt":
+        for definition in DEFINITIONS:
+            try:
+                plugins.type_combinations(definition, aot=True)
+            except KeyError as e:
+                raise fault("AOT autotune combinations", f"{definition.name}: no code for {e}") from e
+        published = K3Config.from_preset("kimi-k3")
+        held = published.num_experts // 8  # one rank of the published 8-way expert split
+        shared = {name: n for name, n in plugins.shared_memory(published, held, target).items()
+                  if "bf16" in name}
+        limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+        over = [name for name, n in shared.items() if n > limit]
+        if over:
+            raise fault("shared memory", f"{over[0]} asks {shared[over[0]]} B, over this GPU's {limit} B a "
+                        "block")
+        numbers.update({"smem KB": max(shared.values()) / 1024, "over 48 KB": ",".join(
+            name for name, n in shared.items() if n > 48 * 1024) or "none"})
+
+    work.mkdir(parents=True, exist_ok=True)
+    model = K3ForCausalLM(K3Config.from_preset("k3-tiny"), torch.float32).eval()
+    model.init_weights(0)
+    write_published(model, work / "checkpoint", experts="mxfp4")
+    export, engine = work / "export", work / "preflight.engine"
+    for argv in (["export", "--checkpoint", str(work / "checkpoint"), "--layers", "2:4", "--packed-experts",
+                  "--dtype", "float16", "--routing-outputs", "--aot-plugins", "--quiet", "--out",
+                  str(export)],
+                 ["build", "--onnx", str(export), "--backend", backend, "--target", target, "--out",
+                  str(engine)]):
+        if k3export_main(argv) != 0:
+            raise fault(f"k3export {argv[0]}", "failed (its message is above)")
+    random = np.random.default_rng(0)
+    # Activation holds the engine's tensors to the export's plan (k3export.engine.runner.engine_bindings);
+    # each call checks every binding and TensorRT's answers (enqueue), and reads every output back.
+    with EngineRunner(engine, export) as runner:
+        runner.reset(2)
+        for seq, cached in ((5, 0), (1, 5)):  # prefill, then decode: the stage's boundary at random
+            sizes = {"batch": 2, "seq": seq, "capacity": runner.signature.capacity}
+            feeds = {s.name: random.standard_normal(resolve_shape(s, sizes)).astype(s.dtype)
+                     for s in runner.plan.feeds if s.dtype != "int64"}
+            runner.infer({**feeds, "cache_lengths": np.full(2, cached), "input_lengths": np.full(2, seq)},
+                         check_inputs=False)
+        plan = runner.plan
+    return {**numbers, "aliases": ",".join(sorted({n.rsplit(".", 1)[-1] for n in plan.in_place})),
+            "swapped": ",".join(sorted({n.rsplit(".", 1)[-1] for n in plan.swapped})),
+            "tensors bound": len(plan.feeds) + len(plan.caches) + len(plan.outputs)}
+
+
 def probe_caches(export: Path) -> dict[str, Any]:
     import torch
 
@@ -571,17 +673,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="folder for gpu_engines.txt, gpu_engines.json and the logs (default $OUT)")
     p.add_argument("--probe", choices=PROBES, help="run one probe (the caches and communicator steps run "
                    "this file so, each in its own process) and print its numbers as JSON")
-    p.add_argument("export", nargs="?", type=Path, help="with --probe caches: the export folder")
+    p.add_argument("--backend", choices=sorted(FLAVOURS), help="with --probe preflight: the TensorRT flavour")
+    p.add_argument("--target", help="with --probe preflight: the GPU's compute capability (sm90, ...)")
+    p.add_argument("folder", nargs="?", type=Path,
+                   help="with --probe caches: the export folder; with --probe preflight: its work folder")
     args = p.parse_args(argv)
-    if (args.probe == "caches") != (args.export is not None):
-        p.error("an export folder goes with --probe caches, and only with it")
+    if (args.probe in ("caches", "preflight")) != (args.folder is not None):
+        p.error("a folder goes with --probe caches and --probe preflight, and only with them")
+    if (args.probe == "preflight") != (args.backend is not None and args.target is not None):
+        p.error("--backend and --target go with --probe preflight, and only with it")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.probe:
-        numbers = probe_caches(args.export) if args.probe == "caches" else probe_communicator()
+        numbers = (probe_preflight(args.backend, args.target, args.folder) if args.probe == "preflight" else
+                   probe_caches(args.folder) if args.probe == "caches" else probe_communicator())
         print(json.dumps(numbers))
         return 0
     if not args.dry_run and not gpu_targets():
