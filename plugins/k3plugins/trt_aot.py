@@ -38,6 +38,7 @@ TensorRT's python/packaging/frontend_sdist/tensorrt/plugin/_plugin_class.py), so
 version 1 (the routed experts' carry expert_offset there).
 """
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -221,8 +222,15 @@ def routed_experts_aot_launch(z_dims: Sequence[Any], L: int) -> tuple[tuple[Any,
     return (z_dims[0], (L + MOE_BLOCK_L - 1) // MOE_BLOCK_L), []
 
 
+# Every dtype a k3 node carries (definitions.py's names, which are also `tensorrt`'s names of the data
+# types) -> its AutoTuneCombination code (tensorrt/plugin/_utils.py, `_str_to_data_type`: "FP32", "FP16",
+# else a trt.DataType member's name).
+_AUTOTUNE_CODES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int64": "INT64",
+                   "int32": "INT32"}
+
+
 def _dtype_names(trt: Any) -> dict[Any, str]:
-    return {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16", trt.int64: "int64"}
+    return {getattr(trt, name): name for name in _AUTOTUNE_CODES}
 
 
 def output_descs(trtp: Any, trt: Any, definition: PluginDefinition, descs: Sequence[Any],
@@ -260,24 +268,30 @@ def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
     """The autotune type combinations, one per choice of dtype for each group, each naming one type
     per position (a string cannot mix tied and independent positions). The AOT KDA kernel takes g
     and beta in float32 only."""
-    codes = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int64": "INT64"}
     groups = dict(definition.groups)
     if aot and definition is KDA:
         groups["TG"] = ("float32",)
     combinations = []
     for choice in itertools.product(*groups.values()):
         dtype = dict(zip(groups, choice, strict=True))
-        combinations.append(", ".join(codes[dtype[a.group]] for a in definition.inputs + definition.outputs))
+        tensors = definition.inputs + definition.outputs
+        combinations.append(", ".join(_AUTOTUNE_CODES[dtype[a.group]] for a in tensors))
     return combinations
 
 
+@functools.cache
 def register(trt: Any) -> dict[str, Any]:
     """Registers k3::KDA, k3::LatentMLA, k3::RoutedExperts and k3::RoutedExpertsMXFP4 with
     `tensorrt.plugin` (`trt` is full TensorRT's module; k3export.engine.flavours calls this for it).
-    Returns no creators: tensorrt.plugin keeps its own. UNEXECUTED (no full TensorRT here)."""
+    Returns no creators: tensorrt.plugin keeps its own.
+    Once per process (cached): every build and engine activation calls this, and `tensorrt.plugin`
+    refuses a second definition of an op ("already has a defintion", tensorrt/plugin/_lib.py)."""
     import tensorrt.plugin as trtp
 
     Desc = trtp.TensorDesc
+    # What tensorrt.plugin requires an aot_impl to declare it returns (tensorrt/plugin/_validate.py,
+    # `_validate_aot_impl`): kernel name, PTX, launch parameters, scalar arguments.
+    AotResult = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]
     names = _dtype_names(trt)
 
     @trtp.register("k3::KDA")
@@ -293,7 +307,7 @@ def register(trt: Any) -> dict[str, Any]:
         _run(KDA, (q, k, v, g, beta, initial_state), {}, outputs, stream)
 
     @trtp.aot_impl("k3::KDA")
-    def kda_aot(q, k, v, g, beta, initial_state, outputs, tactic: int):
+    def kda_aot(q, k, v, g, beta, initial_state, outputs, tactic: int) -> AotResult:
         head_dim = q.shape_expr[3].constant_value()  # the model's head dim: static
         grid, scalars = kda_aot_launch(list(q.shape_expr), list(v.shape_expr))
         return _aot_result(trtp, kda_aot_kernel(names[v.dtype], head_dim), grid, scalars)
@@ -312,14 +326,14 @@ def register(trt: Any) -> dict[str, Any]:
         _run(LATENT_MLA, (q, kv, cache_lengths), {"v_dim": v_dim, "scale": scale}, outputs, stream)
 
     @trtp.aot_impl("k3::LatentMLA")
-    def latent_mla_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs, tactic: int):
+    def latent_mla_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs, tactic: int) -> AotResult:
         head_dim = q.shape_expr[3].constant_value()  # the latent width: static
         variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale)
         grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr))
         return _aot_result(trtp, variant, grid, scalars)
 
     def routed_experts_result(z, experts, w1, packed: bool, situ_beta: float, situ_linear_beta: float,
-                              expert_offset: int) -> tuple[Any, ...]:
+                              expert_offset: int) -> AotResult:
         # Every width is static in the network: L (z's), I (w1's rows, or its words' count), E, k.
         L = z.shape_expr[1].constant_value()
         rows = w1.shape_expr[1].constant_value()
@@ -341,7 +355,7 @@ def register(trt: Any) -> dict[str, Any]:
 
     @trtp.aot_impl("k3::RoutedExperts")
     def routed_experts_aot(z, experts, weights, w1, w3, w2, situ_beta: float, situ_linear_beta: float,
-                           expert_offset: int, outputs, tactic: int):
+                           expert_offset: int, outputs, tactic: int) -> AotResult:
         return routed_experts_result(z, experts, w1, False, situ_beta, situ_linear_beta, expert_offset)
 
     @trtp.register("k3::RoutedExpertsMXFP4")
@@ -359,7 +373,7 @@ def register(trt: Any) -> dict[str, Any]:
     @trtp.aot_impl("k3::RoutedExpertsMXFP4")
     def routed_experts_mxfp4_aot(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
                                  w2_scale, situ_beta: float, situ_linear_beta: float, expert_offset: int,
-                                 outputs, tactic: int):
+                                 outputs, tactic: int) -> AotResult:
         return routed_experts_result(z, experts, w1_packed, True, situ_beta, situ_linear_beta, expert_offset)
 
     return {}
