@@ -17,8 +17,6 @@ from __future__ import annotations
 import enum
 import importlib.metadata
 import importlib.util
-import json
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -84,19 +82,69 @@ def load() -> types.ModuleType:
     return plugin
 
 
-def run(code: str, timeout: float = 600) -> Any:
-    """Runs `code` in a fresh Python process after `trt = tensorrt_module(); trtp = load()`; the code
-    sets `result` (JSON-serialisable), which is returned. A failure raises with the process's stderr."""
-    program = ("import json, sys\n"
-               f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-               "import trt_plugin_shim\n"
-               "trtp = trt_plugin_shim.load()\n"
-               "import tensorrt as trt\n"
-               f"{code}\n"
-               "print('RESULT ' + json.dumps(result))\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    if done.returncode != 0:
-        raise AssertionError(f"exit {done.returncode}:\n{done.stderr[-4000:]}")
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+# Stand-ins for what TensorRT's C++ builder hands a plugin while it builds: dimension expressions and their
+# builder, the launch-parameter and scalar-argument setters. No builder here can call a tensorrt.plugin
+# plugin (TensorRT-RTX's parser refuses it: "TensorRT-RTX imports IPluginV3 plugins registered with an
+# IPluginCreatorV3One creator only"), so tests call the plugin's methods themselves with these.
+
+class DimExpr:
+    """Stands for trt.IDimensionExpr: a constant, or a function of named sizes (a dynamic dimension)."""
+
+    def __init__(self, evaluate: Any, constant: int | None = None) -> None:
+        self.evaluate, self.constant = evaluate, constant
+
+    def is_constant(self) -> bool:
+        return self.constant is not None
+
+    def get_constant_value(self) -> int:
+        return self.constant
+
+
+def symbol(name: str) -> DimExpr:
+    """A dynamic dimension, its value the size `name` given to `DimExpr.evaluate`."""
+    return DimExpr(lambda sizes: sizes[name])
+
+
+def dim(value: int | str) -> DimExpr:
+    return symbol(value) if isinstance(value, str) else ExprBuilder().constant(value)
+
+
+_OPERATIONS = {"SUM": lambda a, b: a + b, "PROD": lambda a, b: a * b, "MAX": max, "MIN": min,
+               "SUB": lambda a, b: a - b, "EQUAL": lambda a, b: int(a == b), "LESS": lambda a, b: int(a < b),
+               "FLOOR_DIV": lambda a, b: a // b, "CEIL_DIV": lambda a, b: -(-a // b)}
+
+
+class ExprBuilder:
+    """Stands for trt.IExprBuilder (`constant`, `operation`), folding constants as TensorRT does."""
+
+    def constant(self, value: int) -> DimExpr:
+        return DimExpr(lambda sizes: value, value)
+
+    def operation(self, op: Any, a: DimExpr, b: DimExpr) -> DimExpr:
+        f = _OPERATIONS[op.name]
+        if a.is_constant() and b.is_constant():
+            return self.constant(f(a.constant, b.constant))
+        return DimExpr(lambda sizes: f(a.evaluate(sizes), b.evaluate(sizes)))
+
+
+class LaunchParams:
+    """Stands for the IKernelLaunchParams an AOT plugin fills (each field a SymExprImpl)."""
+
+    KEYS = ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "shared_mem")
+
+
+class SymExprSetter(list):
+    """Stands for the ISymExprs an AOT plugin fills with its scalar arguments."""
+
+    nbSymExprs = 0  # TensorRT's name
+
+    def __setitem__(self, index: int, value: Any) -> None:
+        self.extend([None] * (index + 1 - len(self)))
+        super().__setitem__(index, value)
+
+
+def use_stand_ins(trt: types.ModuleType) -> None:
+    """Makes tensorrt.plugin take the stand-ins' expressions: its `isinstance(value, trt.IDimensionExpr)`
+    (tensorrt/plugin/_tensor.py) and `trt.DimsExprs(n)` (_plugin_class.py, get_output_shapes)."""
+    trt.IDimensionExpr = DimExpr
+    trt.DimsExprs = lambda n: [None] * n

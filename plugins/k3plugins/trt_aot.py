@@ -60,6 +60,9 @@ _recurrent_kda_kernel = _RECURRENT.fn
 BLOCK_V = _RECURRENT.constexprs["BV"]
 
 _TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# The dynamic shared memory a CUDA kernel may take without cudaFuncSetAttribute(
+# cudaFuncAttributeMaxDynamicSharedMemorySize): 48 KB on every GPU since Volta.
+DEFAULT_SHARED_BYTES = 48 * 1024
 
 
 @triton.jit
@@ -227,6 +230,30 @@ def routed_experts_aot_launch(z_dims: Sequence[Any], L: int) -> tuple[tuple[Any,
 # else a trt.DataType member's name).
 _AUTOTUNE_CODES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int64": "INT64",
                    "int32": "INT32"}
+
+
+def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
+    """Every kernel the `aot_impl`s compile for a model `config` (a k3export.config.K3Config, read by
+    attribute) whose MoE nodes hold `experts_held` experts, in each float dtype: KDA, LatentMLA (its cache in
+    the model's dtype), and the routed experts as float tensors and as MXFP4 words."""
+    L, I = config.routed_expert_hidden_size, config.moe_intermediate_size
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    kernels = []
+    for dtype in _TRITON_DTYPES:
+        kernels += [kda_aot_kernel(dtype, config.linear_attn_config.head_dim),
+                    latent_mla_aot_kernel(dtype, dtype, config.latent_dim, config.kv_lora_rank, scale)]
+        kernels += [routed_experts_aot_kernel(dtype, packed, L, I, experts_held, config.num_experts_per_token,
+                                              0, config.activation_situ_beta,
+                                              config.activation_situ_linear_beta)
+                    for packed in (False, True)]
+    return kernels
+
+
+def shared_memory(config: Any, experts_held: int, target: str = "sm90") -> dict[str, int]:
+    """The dynamic shared memory (bytes) each of `aot_kernels(config, experts_held)` asks at launch on
+    `target`, by variant name: what an `aot_impl` puts in KernelLaunchParams.shared_mem. Compiles each (no GPU
+    needed). A CUDA launch over 48 KB (DEFAULT_SHARED_BYTES) fails unless the kernel's limit was raised."""
+    return {v.name: compile_variant(v, target).metadata.shared for v in aot_kernels(config, experts_held)}
 
 
 def _dtype_names(trt: Any) -> dict[Any, str]:
