@@ -64,9 +64,12 @@ def test_tensorrt_registers_every_op_once_per_process(through_tensorrt: dict) ->
 def test_descriptors_and_autotune_through_tensorrt(through_tensorrt: dict, definition) -> None:
     """In each model dtype, TensorRT's plugin gives the outputs the dtypes the network declares (u float32,
     o the model's, the KDA state float32) and aliases KDA's state; our autotune, parsed by TensorRT, offers
-    the network's types (the MXFP4 words int32); the output dims are the definition's at those sizes."""
+    the network's types (the MXFP4 words int32); the output dims are the definition's at those sizes; the
+    node's attributes reach the plugin as its fields."""
     config = K3Config.from_preset("kimi-k3")
     dims = [[worker.SIZES.get(d, d) for d in ds] for ds in worker.published_inputs(config)[definition.name]]
+    # The creator TensorRT made from our register function declares the fields the definition takes.
+    assert through_tensorrt[definition.name]["fields"] == [f.name for f in definition.fields]
     for dtype, seen in through_tensorrt[definition.name]["dtypes"].items():
         network = [TRT_NAMES[t] for t in worker.network_dtypes(definition, dtype)]
         assert seen["network"] == network

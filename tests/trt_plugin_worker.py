@@ -24,6 +24,7 @@ import trt_plugin_shim
 
 SIZES = {"B": 2, "T": 37, "C": 4096, "N": 9}  # the dynamic dimensions' values where expressions are read
 EXPERTS_HELD = 112  # kimi-k3's 896 routed experts over 8 ranks
+PARSER_TYPES = {int: np.int32, float: np.float32}  # an ONNX INT / FLOAT attribute as the parser passes it
 
 
 def published_inputs(config: Any) -> dict[str, list[list[int | str]]]:
@@ -77,15 +78,15 @@ def main() -> None:
     for definition in (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4):
         name = definition.name
         creator = registry.get_creator(name, "1", "k3")
-        # The parser converts each attribute to the type the creator declares for it.
-        declared = {f.name: f.type for f in creator.field_names}
-        numpy_types = {trt.PluginFieldType.FLOAT64: np.float64, trt.PluginFieldType.INT64: np.int64}
-        # The arrays stay referenced: a PluginField points into its array's buffer.
-        arrays = {key: np.array([value], dtype=numpy_types[declared[key]])
-                  for key, value in fields[name].items()}
-        collection = trt.PluginFieldCollection([trt.PluginField(key, array, declared[key])
-                                                for key, array in arrays.items()])
-        op: dict[str, Any] = {"fields": {key: str(t) for key, t in declared.items()}, "dtypes": {}}
+        # As the ONNX parser hands them over (onnx-tensorrt, onnxOpImporters.cpp `loadFields`): in the order
+        # of the creator's field names, an INT attribute as INT32, a FLOAT one as FLOAT32. The arrays stay
+        # referenced: a PluginField points into its array's buffer.
+        arrays = {f.name: np.array([fields[name][f.name]], PARSER_TYPES[type(fields[name][f.name])])
+                  for f in creator.field_names}
+        collection = trt.PluginFieldCollection([
+            trt.PluginField(key, array, getattr(trt.PluginFieldType, array.dtype.name.upper()))
+            for key, array in arrays.items()])
+        op: dict[str, Any] = {"fields": list(arrays), "dtypes": {}}
         for dtype in ("float32", "float16", "bfloat16"):
             plugin = creator.create_plugin(name, "k3", collection, trt.TensorRTPhase.BUILD,
                                            trt.QuickPluginCreationRequest.PREFER_AOT)

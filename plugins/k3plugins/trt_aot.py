@@ -1,10 +1,12 @@
 """Full TensorRT's `tensorrt.plugin` registration of the k3 ops, each compiled ahead of time.
 
-UNEXECUTED: full TensorRT cannot be installed on the machines this was written on (and TensorRT-RTX
-ships no working `tensorrt.plugin`), so `register(trt)` has never run; the plain parts it is built
-from (the `*_aot_kernel` and `*_aot_launch` functions, the definitions' shapes) are tested directly,
-the AOT kernels also for their PTX on sm_90a and sm_100a (tests/test_aot.py) and, in Triton's
-interpreter, their numerics (tests/kernels).
+Run here through full TensorRT's own `tensorrt.plugin` (TensorRT 11.4: the tensorrt-cu13-bindings wheel's
+plain Python, over TensorRT-RTX's module; tests/test_trt_plugin.py): its validation of every function, its
+registration (twice in a process), its creator and AOT plugin class calling the descriptors, autotune and
+`aot_impl`s at the published widths, the PTX for sm_90a. What only a GPU host runs: TensorRT's C++ builder
+(whose dimension expressions the tests stand in for), the engine, the kernels' launches. The kernels'
+numerics are tested in Triton's interpreter (tests/kernels), their PTX for sm_90a and sm_100a in
+tests/test_aot.py.
 
     k3export build --onnx DIR --backend tensorrt --target sm90   # calls register(tensorrt) itself
 
@@ -29,12 +31,16 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   top-k, the expert offset and the SiTU betas are compiled in.
 - KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
   IPluginV3 adapters declare it: the recurrent kernel is safe in place.
+- The LatentMLA kernels ask for more dynamic shared memory than a CUDA launch gets by default (48 KB):
+  55,808 B in float16/bfloat16, 111,680 B in float32 at the published widths (`shared_memory`). Whether
+  TensorRT's AOT launch raises the kernel's limit is not in its open sources: only a launch on a GPU
+  settles it.
 An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
 take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
 kernel also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
 
 `tensorrt.plugin` registers every plugin as version "1" (its plugin class sets plugin_version = "1":
-TensorRT's python/packaging/frontend_sdist/tensorrt/plugin/_plugin_class.py), so every k3 node names
+tensorrt_bindings/plugin/_plugin_class.py, which `tensorrt.plugin` re-exports), so every k3 node names
 version 1 (the routed experts' carry expert_offset there).
 """
 
