@@ -323,7 +323,9 @@ def register(trt: Any) -> dict[str, Any]:
 
     Desc = trtp.TensorDesc
     # What tensorrt.plugin requires an aot_impl to declare it returns (tensorrt/plugin/_validate.py,
-    # `_validate_aot_impl`): kernel name, PTX, launch parameters, scalar arguments.
+    # `_validate_aot_impl`): kernel name, PTX, launch parameters, scalar arguments. Each aot_impl takes every
+    # attribute, in the register function's order: the AOT plugin passes them all, positionally
+    # (tensorrt/plugin/_plugin_class.py, `get_launch_params`), though validation allows a subset.
     AotResult = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]
     names = _dtype_names(trt)
 
