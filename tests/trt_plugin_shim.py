@@ -9,7 +9,7 @@ TensorRT's code on our functions rather than a copy of its rules.
 
 `load()` installs `tensorrt` in `sys.modules`, and the plugins it registers go to TensorRT-RTX's
 process-wide plugin registry (where they would clash with `k3plugins.trt`'s creators of the same
-names): call it in a fresh process (`run`), never in a test process.
+names): call it in a fresh process (tests/trt_plugin_worker.py), never in a test process.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ BINDINGS = "tensorrt_cu13_bindings"
 # The shims: each is a name full TensorRT 11's tensorrt.so defines and TensorRT-RTX 1.7's does not.
 
 class QuickPluginCreationRequest(enum.Enum):
-    """nvinfer1::QuickPluginCreationRequest (NvInferRuntimePlugin.h): how a creator is asked for a
-    plugin's JIT or AOT form. Its presence is what `tensorrt.plugin._export.IS_AOT_ENABLED` tests, which
-    gates `aot_impl`'s validation of the return annotation and the AOT plugin class."""
+    """nvinfer1::QuickPluginCreationRequest (TensorRT's include/impl/NvInferPythonPlugin.h, these values):
+    how a creator is asked for a plugin's JIT or AOT form. Its presence is what
+    `tensorrt.plugin._export.IS_AOT_ENABLED` tests, which gates `aot_impl`'s validation of the return
+    annotation and the AOT plugin class."""
 
     UNKNOWN = 0
     PREFER_JIT = 1
@@ -55,6 +56,7 @@ def tensorrt_module() -> types.ModuleType:
 
     trt = types.ModuleType("tensorrt")
     trt.__dict__.update({k: v for k, v in vars(tensorrt_rtx).items() if not k.startswith("__")})
+    # Each missing from TensorRT-RTX 1.7 (the classes say what tensorrt.plugin does with it).
     trt.QuickPluginCreationRequest = QuickPluginCreationRequest
     trt.IPluginV3QuickAOTBuild = IPluginV3QuickAOTBuild
     trt.ISymExpr = ISymExpr
