@@ -23,7 +23,8 @@ import onnx
 import pytest
 
 import k3plugins.trt
-from k3export.config import K3Config
+from k3export.cli import main
+from k3export.config import PRESETS, K3Config
 from k3export.engine.flavours import load_tensorrt
 from k3export.onnx.moe import ROUTED_EXPERTS_MXFP4_SCHEMA, ROUTED_EXPERTS_SCHEMA
 from k3export.onnx.ops import KDA_SCHEMA, LATENT_MLA_SCHEMA
@@ -122,6 +123,11 @@ def test_tensorrt_rtx_registration_is_idempotent() -> None:
     assert sorted(keys) == sorted({(d.name, d.version, d.namespace) for d in DEFINITIONS})
 
 
+def dtype_name(elem_type: int) -> str:
+    """An ONNX element type's dtype name ("float32", "bfloat16", "int32", ...), definitions.py's names."""
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).name
+
+
 def carried_dtypes() -> set[str]:
     """Every dtype a k3 node's inputs and outputs can carry: the ONNX schemas' types (an export passes
     `onnx.checker.check_model(full_check=True)` against them, every preset and experts format alike) and
@@ -130,7 +136,7 @@ def carried_dtypes() -> set[str]:
     for schema in (KDA_SCHEMA, LATENT_MLA_SCHEMA, ROUTED_EXPERTS_SCHEMA, ROUTED_EXPERTS_MXFP4_SCHEMA):
         types |= {t for c in schema.type_constraints for t in c.allowed_type_strs}
         types |= {p.type_str for p in schema.inputs + schema.outputs if p.type_str.startswith("tensor(")}
-    names = {np.dtype(onnx.helper.tensor_dtype_to_np_dtype(getattr(onnx.TensorProto, t[7:-1].upper()))).name
+    names = {dtype_name(getattr(onnx.TensorProto, t.removeprefix("tensor(").removesuffix(")").upper()))
              for t in types}
     return names | {d for definition in DEFINITIONS for group in definition.groups.values() for d in group}
 
@@ -147,6 +153,32 @@ def test_dtype_tables_hold_every_carried_dtype() -> None:
         assert all(str(t) == TRT_NAMES[name] for t, name in table.items() if name in carried)
     for definition in OPS:
         assert trt_aot.type_combinations(definition, aot=True)  # every code known (KeyError otherwise)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True], ids=["as-stored", "mxfp4-packed"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_export_carries_types_the_aot_plugins_take(preset: str, dtype: str, packed: bool,
+                                                         tmp_path: Path) -> None:
+    """Layers 0:4 of each preset (dense, MoE, KDA and MLA layers) exported without weights in each dtype and
+    experts format: every k3 node's input and output dtypes are in trt_aot's tables, and together one of
+    its AOT autotune combinations (about 40 s an export: `-m slow`)."""
+    assert main(["export", "--preset", preset, "--no-weights", "--layers", "0:4", "--dtype", dtype, "--quiet",
+                 "--aot-plugins", "--out", str(tmp_path), *(["--packed-experts"] if packed else [])]) == 0
+    graph = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
+    types |= {t.name: t.data_type for t in graph.initializer}
+    definitions = {(d.name, d.version): d for d in DEFINITIONS}
+    ops = set()
+    for node in graph.node:
+        if node.domain == "k3":
+            version = next(a.s.decode() for a in node.attribute if a.name == "plugin_version")
+            tensors = [*node.input, *node.output]
+            codes = ", ".join(trt_aot._AUTOTUNE_CODES[dtype_name(types[n])] for n in tensors)
+            assert codes in trt_aot.type_combinations(definitions[node.op_type, version], aot=True), node.name
+            ops.add(node.op_type)
+    assert ops == {"KDA", "LatentMLA", "RoutedExpertsMXFP4" if packed else "RoutedExperts"}
 
 
 def test_aot_kernels_over_the_default_shared_memory() -> None:
