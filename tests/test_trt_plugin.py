@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import trt_plugin_worker as worker
 
 import k3plugins.trt
 from k3export.cli import main
@@ -31,9 +32,6 @@ from k3export.onnx.ops import KDA_SCHEMA, LATENT_MLA_SCHEMA
 from k3plugins import trt_aot
 from k3plugins.definitions import DEFINITIONS, KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
 from k3plugins.mla import PREFILL
-
-sys.path.insert(0, str(Path(__file__).parent))
-import trt_plugin_worker as worker
 
 OPS = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4)
 TRT_NAMES = {"float32": "DataType.FLOAT", "float16": "DataType.HALF", "bfloat16": "DataType.BF16",
