@@ -35,17 +35,7 @@ def published_aot_kernels() -> list[k3plugins.KernelVariant]:
     """The AOT kernels of a kimi-k3 engine (one rank of 8: 112 experts held) in each dtype: KDA,
     LatentMLA, and the routed experts as float tensors and as MXFP4 words."""
     c = K3Config.from_preset("kimi-k3")
-    L, I = c.routed_expert_hidden_size, c.moe_intermediate_size
-    scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
-    kernels = []
-    for dtype in ("float32", "float16", "bfloat16"):
-        kernels += [trt_aot.kda_aot_kernel(dtype, c.linear_attn_config.head_dim),
-                    trt_aot.latent_mla_aot_kernel(dtype, dtype, c.latent_dim, c.kv_lora_rank, scale)]
-        kernels += [trt_aot.routed_experts_aot_kernel(dtype, packed, L, I, c.num_experts // 8,
-                                                      c.num_experts_per_token, 0, c.activation_situ_beta,
-                                                      c.activation_situ_linear_beta)
-                    for packed in (False, True)]
-    return kernels
+    return trt_aot.aot_kernels(c, c.num_experts // 8)
 
 
 @pytest.mark.parametrize("target", ["sm90", "sm100"])

@@ -1,10 +1,10 @@
 """The plugin definitions and the pieces of the tensorrt.plugin AOT registration that run with no
 TensorRT: shapes, dtypes, fields, type combinations, launches, and the AOT kernels' compilation for
-sm_90 and PTX parameter order (their numerics: tests/kernels)."""
+sm_90 and PTX parameter order (their numerics: tests/kernels; the registration through TensorRT's own
+tensorrt.plugin: tests/test_trt_plugin.py)."""
 
 import os
 import re
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +23,6 @@ from k3plugins.trt_aot import (
     kda_aot_launch,
     latent_mla_aot_kernel,
     latent_mla_aot_launch,
-    output_descs,
     type_combinations,
 )
 
@@ -165,20 +164,3 @@ def test_aot_latent_mla_kernel_compiles(dtype: str, kv_dtype: str, head_dim: int
     assert stats.spill_stores == 0 and stats.spill_loads == 0, stats
     # q, kv, cache_lengths; T, C, H; o; then Triton's two scratch pointers.
     assert parameter_kinds(kernel.asm["ptx"]) == ["u64"] * 3 + ["u32"] * 3 + ["u64"] + ["u64"] * 2
-
-
-def test_aot_output_descs_alias_the_kda_state() -> None:
-    """tensorrt.plugin's descriptors, faked: KDA's final state is the initial state's `aliased()`
-    descriptor; other outputs are new descriptors of the definition's shape and dtype."""
-    trt = SimpleNamespace(float32="F32", float16="F16", bfloat16="BF16", int64="I64")
-
-    def desc(shape: list, dtype: str) -> SimpleNamespace:
-        return SimpleNamespace(shape_expr=shape, dtype=dtype, aliased=lambda: ("aliased", tuple(shape)))
-
-    trtp = SimpleNamespace(from_shape_expr=lambda shape, dtype: ("new", shape, dtype))
-    kda = [desc(d, "F32") for d in KDA_DIMS]
-    assert output_descs(trtp, trt, KDA, kda, {}) == (("new", (2, 5, 3, 32), "F32"),
-                                                     ("aliased", (2, 3, 32, 32)))
-    mla = [desc([2, 5, 4, 48], "F16"), desc([2, 1, 9, 48], "F16"), desc([2], "I64")]
-    assert output_descs(trtp, trt, LATENT_MLA, mla, {"v_dim": 32, "scale": 0.1}) == \
-        (("new", (2, 5, 4, 32), "F16"),)

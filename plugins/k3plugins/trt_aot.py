@@ -1,10 +1,12 @@
 """Full TensorRT's `tensorrt.plugin` registration of the k3 ops, each compiled ahead of time.
 
-UNEXECUTED: full TensorRT cannot be installed on the machines this was written on (and TensorRT-RTX
-ships no working `tensorrt.plugin`), so `register(trt)` has never run; the plain parts it is built
-from (the `*_aot_kernel` and `*_aot_launch` functions, the definitions' shapes) are tested directly,
-the AOT kernels also for their PTX on sm_90a and sm_100a (tests/test_aot.py) and, in Triton's
-interpreter, their numerics (tests/kernels).
+Run here through full TensorRT's own `tensorrt.plugin` (TensorRT 11.4: the tensorrt-cu13-bindings wheel's
+plain Python, over TensorRT-RTX's module; tests/test_trt_plugin.py): its validation of every function, its
+registration (twice in a process), its creator and AOT plugin class calling the descriptors, autotune and
+`aot_impl`s at the published widths, the PTX for sm_90a. What only a GPU host runs: TensorRT's C++ builder
+(whose dimension expressions the tests stand in for), the engine, the kernels' launches. The kernels'
+numerics are tested in Triton's interpreter (tests/kernels), their PTX for sm_90a and sm_100a in
+tests/test_aot.py.
 
     k3export build --onnx DIR --backend tensorrt --target sm90   # calls register(tensorrt) itself
 
@@ -29,15 +31,20 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   top-k, the expert offset and the SiTU betas are compiled in.
 - KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
   IPluginV3 adapters declare it: the recurrent kernel is safe in place.
+- The LatentMLA kernels ask for more dynamic shared memory than a CUDA launch gets by default (48 KB):
+  55,808 B in float16/bfloat16, 111,680 B in float32 at the published widths (`shared_memory`). Whether
+  TensorRT's AOT launch raises the kernel's limit is not in its open sources: only a launch on a GPU
+  settles it.
 An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
 take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
 kernel also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
 
 `tensorrt.plugin` registers every plugin as version "1" (its plugin class sets plugin_version = "1":
-TensorRT's python/packaging/frontend_sdist/tensorrt/plugin/_plugin_class.py), so every k3 node names
+tensorrt_bindings/plugin/_plugin_class.py, which `tensorrt.plugin` re-exports), so every k3 node names
 version 1 (the routed experts' carry expert_offset there).
 """
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +66,9 @@ _recurrent_kda_kernel = _RECURRENT.fn
 BLOCK_V = _RECURRENT.constexprs["BV"]
 
 _TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# The dynamic shared memory a CUDA kernel may take without cudaFuncSetAttribute(
+# cudaFuncAttributeMaxDynamicSharedMemorySize): 48 KB on every GPU since Volta.
+DEFAULT_SHARED_BYTES = 48 * 1024
 
 
 @triton.jit
@@ -221,8 +231,39 @@ def routed_experts_aot_launch(z_dims: Sequence[Any], L: int) -> tuple[tuple[Any,
     return (z_dims[0], (L + MOE_BLOCK_L - 1) // MOE_BLOCK_L), []
 
 
+# Every dtype a k3 node carries (definitions.py's names, which are also `tensorrt`'s names of the data
+# types) -> its AutoTuneCombination code (tensorrt/plugin/_utils.py, `_str_to_data_type`: "FP32", "FP16",
+# else a trt.DataType member's name).
+_AUTOTUNE_CODES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int64": "INT64",
+                   "int32": "INT32"}
+
+
+def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
+    """Every kernel the `aot_impl`s compile for a model `config` (a k3export.config.K3Config, read by
+    attribute) whose MoE nodes hold `experts_held` experts, in each float dtype: KDA, LatentMLA (its cache in
+    the model's dtype), and the routed experts as float tensors and as MXFP4 words."""
+    L, I = config.routed_expert_hidden_size, config.moe_intermediate_size
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    kernels = []
+    for dtype in _TRITON_DTYPES:
+        kernels += [kda_aot_kernel(dtype, config.linear_attn_config.head_dim),
+                    latent_mla_aot_kernel(dtype, dtype, config.latent_dim, config.kv_lora_rank, scale)]
+        kernels += [routed_experts_aot_kernel(dtype, packed, L, I, experts_held, config.num_experts_per_token,
+                                              0, config.activation_situ_beta,
+                                              config.activation_situ_linear_beta)
+                    for packed in (False, True)]
+    return kernels
+
+
+def shared_memory(config: Any, experts_held: int, target: str = "sm90") -> dict[str, int]:
+    """The dynamic shared memory (bytes) each of `aot_kernels(config, experts_held)` asks at launch on
+    `target`, by variant name: what an `aot_impl` puts in KernelLaunchParams.shared_mem. Compiles each (no GPU
+    needed). A CUDA launch over 48 KB (DEFAULT_SHARED_BYTES) fails unless the kernel's limit was raised."""
+    return {v.name: compile_variant(v, target).metadata.shared for v in aot_kernels(config, experts_held)}
+
+
 def _dtype_names(trt: Any) -> dict[Any, str]:
-    return {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16", trt.int64: "int64"}
+    return {getattr(trt, name): name for name in _AUTOTUNE_CODES}
 
 
 def output_descs(trtp: Any, trt: Any, definition: PluginDefinition, descs: Sequence[Any],
@@ -260,24 +301,32 @@ def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
     """The autotune type combinations, one per choice of dtype for each group, each naming one type
     per position (a string cannot mix tied and independent positions). The AOT KDA kernel takes g
     and beta in float32 only."""
-    codes = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int64": "INT64"}
     groups = dict(definition.groups)
     if aot and definition is KDA:
         groups["TG"] = ("float32",)
     combinations = []
     for choice in itertools.product(*groups.values()):
         dtype = dict(zip(groups, choice, strict=True))
-        combinations.append(", ".join(codes[dtype[a.group]] for a in definition.inputs + definition.outputs))
+        tensors = definition.inputs + definition.outputs
+        combinations.append(", ".join(_AUTOTUNE_CODES[dtype[a.group]] for a in tensors))
     return combinations
 
 
+@functools.cache
 def register(trt: Any) -> dict[str, Any]:
     """Registers k3::KDA, k3::LatentMLA, k3::RoutedExperts and k3::RoutedExpertsMXFP4 with
     `tensorrt.plugin` (`trt` is full TensorRT's module; k3export.engine.flavours calls this for it).
-    Returns no creators: tensorrt.plugin keeps its own. UNEXECUTED (no full TensorRT here)."""
+    Returns no creators: tensorrt.plugin keeps its own.
+    Once per process (cached): every build and engine activation calls this, and `tensorrt.plugin`
+    refuses a second definition of an op ("already has a defintion", tensorrt/plugin/_lib.py)."""
     import tensorrt.plugin as trtp
 
     Desc = trtp.TensorDesc
+    # What tensorrt.plugin requires an aot_impl to declare it returns (tensorrt/plugin/_validate.py,
+    # `_validate_aot_impl`): kernel name, PTX, launch parameters, scalar arguments. Each aot_impl takes every
+    # attribute, in the register function's order: the AOT plugin passes them all, positionally
+    # (tensorrt/plugin/_plugin_class.py, `get_launch_params`), though validation allows a subset.
+    AotResult = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]
     names = _dtype_names(trt)
 
     @trtp.register("k3::KDA")
@@ -293,7 +342,7 @@ def register(trt: Any) -> dict[str, Any]:
         _run(KDA, (q, k, v, g, beta, initial_state), {}, outputs, stream)
 
     @trtp.aot_impl("k3::KDA")
-    def kda_aot(q, k, v, g, beta, initial_state, outputs, tactic: int):
+    def kda_aot(q, k, v, g, beta, initial_state, outputs, tactic: int) -> AotResult:
         head_dim = q.shape_expr[3].constant_value()  # the model's head dim: static
         grid, scalars = kda_aot_launch(list(q.shape_expr), list(v.shape_expr))
         return _aot_result(trtp, kda_aot_kernel(names[v.dtype], head_dim), grid, scalars)
@@ -312,14 +361,14 @@ def register(trt: Any) -> dict[str, Any]:
         _run(LATENT_MLA, (q, kv, cache_lengths), {"v_dim": v_dim, "scale": scale}, outputs, stream)
 
     @trtp.aot_impl("k3::LatentMLA")
-    def latent_mla_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs, tactic: int):
+    def latent_mla_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs, tactic: int) -> AotResult:
         head_dim = q.shape_expr[3].constant_value()  # the latent width: static
         variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale)
         grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr))
         return _aot_result(trtp, variant, grid, scalars)
 
     def routed_experts_result(z, experts, w1, packed: bool, situ_beta: float, situ_linear_beta: float,
-                              expert_offset: int) -> tuple[Any, ...]:
+                              expert_offset: int) -> AotResult:
         # Every width is static in the network: L (z's), I (w1's rows, or its words' count), E, k.
         L = z.shape_expr[1].constant_value()
         rows = w1.shape_expr[1].constant_value()
@@ -341,7 +390,7 @@ def register(trt: Any) -> dict[str, Any]:
 
     @trtp.aot_impl("k3::RoutedExperts")
     def routed_experts_aot(z, experts, weights, w1, w3, w2, situ_beta: float, situ_linear_beta: float,
-                           expert_offset: int, outputs, tactic: int):
+                           expert_offset: int, outputs, tactic: int) -> AotResult:
         return routed_experts_result(z, experts, w1, False, situ_beta, situ_linear_beta, expert_offset)
 
     @trtp.register("k3::RoutedExpertsMXFP4")
@@ -359,7 +408,7 @@ def register(trt: Any) -> dict[str, Any]:
     @trtp.aot_impl("k3::RoutedExpertsMXFP4")
     def routed_experts_mxfp4_aot(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
                                  w2_scale, situ_beta: float, situ_linear_beta: float, expert_offset: int,
-                                 outputs, tactic: int):
+                                 outputs, tactic: int) -> AotResult:
         return routed_experts_result(z, experts, w1_packed, True, situ_beta, situ_linear_beta, expert_offset)
 
     return {}

@@ -1,0 +1,138 @@
+"""Run by tests/test_trt_plugin.py in a fresh process: `k3plugins.trt_aot.register` through full TensorRT's
+own `tensorrt.plugin` (tests/trt_plugin_shim.py), then each op's plugin as a build would meet it, at the
+published model's widths (kimi-k3, one rank of 8: 112 experts). Prints one JSON line: what TensorRT's code
+made of our functions.
+
+A build calls, in order: the creator's create_plugin (the ONNX node's fields), get_output_data_types,
+get_output_shapes, get_supported_format_combinations (our autotune), configure_plugin, set_tactic, then for
+the AOT form get_launch_params (our aot_impl) and get_kernel. Here they are called in that order on the
+plugin TensorRT's creator makes, with the shim's stand-ins for the C++ builder's expressions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import trt_plugin_shim
+
+SIZES = {"B": 2, "T": 37, "C": 4096, "N": 9}  # the dynamic dimensions' values where expressions are read
+EXPERTS_HELD = 112  # kimi-k3's 896 routed experts over 8 ranks
+PARSER_TYPES = {int: np.int32, float: np.float32}  # an ONNX INT / FLOAT attribute as the parser passes it
+
+
+def published_inputs(config: Any) -> dict[str, list[list[int | str]]]:
+    """Each op's input dims at the published widths (str: a dynamic dimension, SIZES)."""
+    K, H = config.linear_attn_config.head_dim, config.linear_attn_config.num_heads
+    D, L, I = config.latent_dim, config.routed_expert_hidden_size, config.moe_intermediate_size
+    E, k = EXPERTS_HELD, config.num_experts_per_token
+    routing = [["N", L], ["N", k], ["N", k]]
+    return {
+        "KDA": [["B", "T", H, K]] * 4 + [["B", "T", H], ["B", H, K, K]],
+        "LatentMLA": [["B", "T", config.num_attention_heads, D], ["B", 1, "C", D], ["B"]],
+        "RoutedExperts": [*routing, [E, I, L], [E, I, L], [E, L, I]],
+        # int32 words: codes [E, O*I/8], scales [E, O*I/128] (k3export/ops/mxfp4.py).
+        "RoutedExpertsMXFP4": [*routing, *[[E, I * L // 8], [E, I * L // 128]] * 2,
+                               [E, L * I // 8], [E, L * I // 128]],
+    }
+
+
+def node_fields(config: Any) -> dict[str, dict[str, float | int]]:
+    """The attributes each ONNX node carries (k3export/onnx): what the parser hands create_plugin."""
+    routed = {"situ_beta": config.activation_situ_beta,
+              "situ_linear_beta": config.activation_situ_linear_beta, "expert_offset": 0}
+    return {"KDA": {}, "LatentMLA": {"v_dim": config.kv_lora_rank, "scale": config.mla_scale},
+            "RoutedExperts": routed, "RoutedExpertsMXFP4": routed}
+
+
+def network_dtypes(definition: Any, dtype: str) -> list[str]:
+    """The dtype of each input and output in a `dtype` model: a group's one dtype, or the model's; KDA's
+    g and beta float32 (k3export/model/kda.py keeps them so)."""
+    chosen = {group: allowed[0] if len(allowed) == 1 or group == "TG" else dtype
+              for group, allowed in definition.groups.items()}
+    return [chosen[a.group] for a in definition.inputs + definition.outputs]
+
+
+def main() -> None:
+    trtp = trt_plugin_shim.load()
+    import tensorrt as trt
+
+    from k3export.config import K3Config
+    from k3plugins import trt_aot
+    from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
+
+    trt_aot.register(trt)
+    trt_aot.register(trt)  # a second build or engine in the process registers again
+    trt_plugin_shim.use_stand_ins(trt)
+    trt_aot.device_target = lambda: "sm90"  # the build GPU's target, which needs a GPU to query
+    config = K3Config.from_preset("kimi-k3")
+    inputs, fields = published_inputs(config), node_fields(config)
+    registry = trt.get_plugin_registry()
+    result: dict[str, Any] = {"ops": sorted(n for n in vars(trtp.op.k3) if not n.startswith("_"))}
+    for definition in (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4):
+        name = definition.name
+        creator = registry.get_creator(name, "1", "k3")
+        # As the ONNX parser hands them over (onnx-tensorrt, onnxOpImporters.cpp `loadFields`): in the order
+        # of the creator's field names, an INT attribute as INT32, a FLOAT one as FLOAT32. The arrays stay
+        # referenced: a PluginField points into its array's buffer.
+        arrays = {f.name: np.array([fields[name][f.name]], PARSER_TYPES[type(fields[name][f.name])])
+                  for f in creator.field_names}
+        collection = trt.PluginFieldCollection([
+            trt.PluginField(key, array, getattr(trt.PluginFieldType, array.dtype.name.upper()))
+            for key, array in arrays.items()])
+        op: dict[str, Any] = {"fields": list(arrays), "dtypes": {}}
+        for dtype in ("float32", "float16", "bfloat16"):
+            plugin = creator.create_plugin(name, "k3", collection, trt.TensorRTPhase.BUILD,
+                                           trt.QuickPluginCreationRequest.PREFER_AOT)
+            dims = inputs[name]
+            io = [getattr(trt, t) for t in network_dtypes(definition, dtype)]
+            n_in = len(dims)
+            out_types = plugin.get_output_data_types(io[:n_in], [len(d) for d in dims])
+            out_exprs = plugin.get_output_shapes([[trt_plugin_shim.dim(d) for d in ds] for ds in dims], [],
+                                                 trt_plugin_shim.ExprBuilder())
+            out_dims = [[e.evaluate(SIZES) for e in exprs] for exprs in out_exprs]
+
+            def described(i: int, *, io: list[Any] = io, dims: list[Any] = dims,
+                          out_dims: list[list[int]] = out_dims) -> Any:
+                desc = trt.DynamicPluginTensorDesc()
+                tensor = trt.PluginTensorDesc()
+                shape = dims[i] if i < len(dims) else out_dims[i - len(dims)]
+                tensor.dims = trt.Dims([SIZES[d] if isinstance(d, str) else d for d in shape])
+                tensor.type, tensor.format = io[i], trt.TensorFormat.LINEAR
+                desc.desc = tensor
+                return desc
+
+            in_out = [described(i) for i in range(len(io))]
+            offered = plugin.get_supported_format_combinations(in_out, n_in)
+            width = len(io)
+            combos = [[str(d.type) for d in offered[j:j + width]] for j in range(0, len(offered), width)]
+            entry = {"output_dtypes": [str(t) for t in out_types], "network": [str(t) for t in io],
+                     "aliases": [plugin.get_aliased_input(i) for i in range(len(out_types))],
+                     "output_dims": out_dims, "combinations": combos}
+            if dtype == "bfloat16":  # the published recipe's dtype: the AOT kernel compiled, its launch read
+                plugin.configure_plugin(in_out[:n_in], in_out[n_in:])
+                entry["tactics"] = plugin.get_valid_tactics()
+                plugin.set_tactic(0)
+                params, scalars = trt_plugin_shim.LaunchParams(), trt_plugin_shim.SymExprSetter()
+                plugin.get_launch_params(None, in_out, n_in, params, scalars, trt_plugin_shim.ExprBuilder())
+                kernel_name, ptx = plugin.get_kernel([d.desc for d in in_out[:n_in]],
+                                                     [d.desc for d in in_out[n_in:]])
+                entry["launch"] = {key: getattr(params, key).expr.evaluate(SIZES) for key in params.KEYS}
+                entry["scalars"] = [s.expr.evaluate(SIZES) for s in scalars]
+                entry["scalar_dtypes"] = [str(s.dtype) for s in scalars]
+                entry["kernel"] = kernel_name if isinstance(kernel_name, str) else kernel_name.decode()
+                entry["ptx_target"] = re.search(r"^\.target\s+(\w+)", ptx.decode(), re.M).group(1)
+                entry["ptx_entry"] = re.search(r"\.entry\s+(\w+)", ptx.decode()).group(1)
+            op["dtypes"][dtype] = entry
+        result[name] = op
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
