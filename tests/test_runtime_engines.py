@@ -23,8 +23,8 @@ from k3export.artifacts import file_record, write_json
 from k3export.cli import main
 from k3export.errors import UserError
 from k3export.runtime import __main__ as runtime
-from k3export.runtime.__main__ import engine_waits
 from k3export.runtime.engines import ENGINE, ONNX, choose_runner, device_of
+from k3export.runtime.faults import engine_waits
 from k3export.runtime.nccl import pointer_capsule
 from k3export.runtime.watchdog import Watchdog
 

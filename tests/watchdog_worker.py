@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from k3export.runtime.__main__ import process_name
+from k3export.runtime.faults import process_name
 from k3export.runtime.watchdog import Watchdog
 
 
