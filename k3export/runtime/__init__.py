@@ -38,12 +38,12 @@ from k3export.runtime.pipeline import Pipeline, Stage
 from k3export.runtime.request import (
     add_run_arguments,
     intra_op_threads,
+    micro_batches_of,
     prompts_of,
     random_prompts,
     report,
     stage_name,
 )
-from k3export.runtime.schedule import default_micro_batches
 
 # The names other packages, tests and tools import from k3export.runtime.
 __all__ = ["BUILD_MANIFEST", "Generation", "Pipeline", "Sampler", "Stage", "add_parser", "generate",
@@ -56,6 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(choice.line(), file=sys.stderr, flush=True)
     threads = intra_op_threads(args, 1) if choice.kind != ENGINE else None  # ONNX Runtime's
     prompts = prompts_of(args, exports)
+    batches = micro_batches_of(args, prompts, len(exports))
     engines = None
     if choice.kind == ENGINE:  # every stage on this process's GPU
         device = device_of(os.environ, torch.cuda.device_count())
@@ -64,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         result = generate(pipeline, prompts, args.max_new_tokens,
                           Sampler(args.temperature, args.top_k, args.top_p, args.seed), frozenset(args.stop),
-                          args.micro_batches or default_micro_batches(len(prompts), len(exports)))
+                          len(batches))
     finally:
         pipeline.close()
     result.threads = threads

@@ -21,8 +21,8 @@ from k3export.runtime.lane import Part, Peers, pipelined
 from k3export.runtime.links import CONTROL, Links, Plane
 from k3export.runtime.nccl import communicator_capsule
 from k3export.runtime.pipeline import Pipeline, Stage
-from k3export.runtime.request import intra_op_threads, prompts_of, report, stage_name
-from k3export.runtime.schedule import StageTimes, Tokens, default_micro_batches, split_prompts
+from k3export.runtime.request import intra_op_threads, micro_batches_of, prompts_of, report, stage_name
+from k3export.runtime.schedule import StageTimes, Tokens
 from k3export.runtime.watchdog import Watchdog
 
 
@@ -41,8 +41,8 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
     engine = choice.kind == ENGINE
     threads = None if engine else intra_op_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     prompts = prompts_of(args, lane)  # on every process, so that all refuse a bad request alike
-    count = args.micro_batches or default_micro_batches(len(prompts), stages)
-    batches = split_prompts(prompts, count)  # refuses a bad --micro-batches before any session loads
+    batches = micro_batches_of(args, prompts, stages)
+    count = len(batches)
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     tokens = Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
     # The ranks of each stage sum over a group of their own, which every process creates, in the same

@@ -27,6 +27,7 @@ from k3export.options import (
 from k3export.runtime.engines import RUNNERS
 from k3export.runtime.generation import Generation
 from k3export.runtime.pipeline import Stage
+from k3export.runtime.schedule import MicroBatch, default_micro_batches, split_prompts
 
 
 def intra_op_threads(args: argparse.Namespace, processes: int) -> int:
@@ -100,6 +101,12 @@ def prompts_of(args: argparse.Namespace, exports: list[Path]) -> list[list[int]]
     require_request_fits(f"{request} --max-new-tokens {args.max_new_tokens}", manifests, batch, prompt_len,
                          args.max_new_tokens - 1)
     return [args.prompt_ids] if args.prompt_ids else random_prompts(batch, prompt_len, vocab, args.seed)
+
+
+def micro_batches_of(args: argparse.Namespace, prompts: list[list[int]], stages: int) -> list[MicroBatch]:
+    """The prompts in --micro-batches groups (default: as many as `stages`, at most the batch), refused
+    before any session is made unless there are 1 up to the batch."""
+    return split_prompts(prompts, args.micro_batches or default_micro_batches(len(prompts), stages))
 
 
 def report(args: argparse.Namespace, result: Generation, names: list[str]) -> None:
