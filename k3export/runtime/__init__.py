@@ -19,6 +19,14 @@ here: a stage's feeds are the previous stage's outputs of the same name, or the 
 ids, cache and input lengths).
 A build with taps (`build RECIPE --taps`) has more outputs per stage; nothing here reads them.
 `check --build` runs this same chain as one check runner (k3export.check.runners.chain.ChainRunner).
+
+Here: the `k3export run` command. Its parts: builds.py (a build folder held to its manifest, its
+stages' folders), pipeline.py (`Stage`, `Pipeline`), generation.py (`Sampler`, `generate`),
+request.py (the arguments `run` and torchrun share, the prompts, the report), schedule.py
+(micro-batches), engines.py (the runner a build gets), segments.py (a rank's graph between its
+sums). The torchrun process: __main__.py (its entry), process.py, lane.py (its part of the
+schedule), links.py (messages and planes), faults.py, watchdog.py and nccl.py (what it waited for
+when another fails, and how it ends).
 """
 
 from __future__ import annotations
