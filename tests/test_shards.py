@@ -37,6 +37,7 @@ from k3export.runtime import (
     Generation,
     Pipeline,
     Sampler,
+    Stage,
     generate,
     random_prompts,
     stage_exports,
@@ -335,10 +336,18 @@ def test_split_rows() -> None:
             split_rows(3, count)
 
 
-def test_run_refuses_bad_micro_batches_and_threads(onnx_build, capsys) -> None:
+def test_run_refuses_bad_micro_batches_and_threads(onnx_build, capsys, monkeypatch) -> None:
+    """Refused before any stage is loaded (as under torchrun): loading one fails the test."""
     out, _ = onnx_build
-    assert main(["run", str(out), "--batch", "3", "--micro-batches", "4"]) == 2
-    assert "--micro-batches 4: expected 1 up to the batch's 3 sequences" in capsys.readouterr().err
+
+    def loading(stage: Stage, export_dir: Path, name: str, *_: Any, **__: Any) -> None:
+        raise AssertionError(f"{name} was loaded before the refusal")
+
+    monkeypatch.setattr(Stage, "__init__", loading)
+    code = main(["run", str(out), "--batch", "3", "--micro-batches", "4"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--micro-batches 4: expected 1 up to the batch's 3 sequences" in err
     assert main(["run", str(out), "--threads", "0"]) == 2
     assert "argument --threads: expected an integer >= 1, got 0" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""Every process of an engine run ends within --timeout when a peer dies or hangs.
+"""Every process of an engine run ends within --timeout (and the abort's wait) when a peer dies or hangs.
 
 gloo's waits (the control plane: headers, tokens, stop messages) have deadlines of their own and
 raise; NCCL's have none: a rank that dies leaves its partners blocked in an all-reduce of their
@@ -6,7 +6,8 @@ engines or in a receive of a boundary for ever. So each wait that may block in N
 `Watchdog.guard(what)`: a thread of ours, when the guarded wait outlasts the timeout, says what this
 process waited for, aborts the NCCL communicators (the `abort` hook, runtime.nccl.abort) and exits 1.
 A failure the control plane finds ends the process the same way (`stop`). The hook runs once,
-whichever comes first, and at most ABORT_SECONDS: an abort that hangs does not keep the process.
+whichever comes first, and is waited for at most `abort_wait` seconds: an NCCL abort can hang
+itself, and must not keep the process past its deadline (--timeout plus that wait).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ ABORT_SECONDS = 10.0
 
 class Watchdog:
     """Ends the process `name` (a stage and rank, as messages name it) when a `guard`ed wait lasts
-    `timeout` seconds, or on `stop`: its message, `abort()` once, exit 1."""
+    `timeout` seconds, or on `stop`: its message, `abort()` once (waited for at most `abort_wait`
+    seconds), exit 1."""
 
-    def __init__(self, name: str, timeout: float, abort: Callable[[], None]) -> None:
-        self.name, self.timeout, self.hook = name, timeout, abort
+    def __init__(self, name: str, timeout: float, abort: Callable[[], None],
+                 abort_wait: float = ABORT_SECONDS) -> None:
+        self.name, self.timeout, self.hook, self.abort_wait = name, timeout, abort, abort_wait
         self.waiting: tuple[float, str] | None = None  # the guarded wait's deadline and what it waits for
         self.changed = threading.Condition()
         self.aborted = threading.Lock()  # taken by the first abort
@@ -52,7 +55,13 @@ class Watchdog:
                 self.changed.wait(None if self.waiting is None else self.waiting[0] - time.monotonic())
             what = self.waiting[1]
         self.stop(f"waited {self.timeout:g} s (--timeout) for {what}: a process it waits for died or hangs; "
-                  "NCCL communicators aborted")
+                  "aborting the NCCL communicators")
+
+    def say(self, message: str) -> None:
+        # One write with its newline, so that processes failing together do not share a line.
+        sys.stderr.write(f"k3export.runtime: {self.name}: {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
 
     def abort(self) -> None:
         """The abort hook, if no one has called it yet."""
@@ -60,13 +69,14 @@ class Watchdog:
             self.hook()
 
     def stop(self, message: str) -> NoReturn:
-        """Says `message`, aborts the communicators (waiting at most ABORT_SECONDS) and exits 1."""
-        # One write with its newline, so that processes failing together do not share a line.
-        sys.stderr.write(f"k3export.runtime: {self.name}: {message}\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
+        """Says `message`, aborts the communicators (waiting at most `abort_wait`, saying so if the
+        abort is still running then) and exits 1."""
+        self.say(message)
         aborting = threading.Thread(target=self.abort, name="abort", daemon=True)
         aborting.start()
-        aborting.join(ABORT_SECONDS)
+        aborting.join(self.abort_wait)
+        if aborting.is_alive():
+            self.say(f"the abort of the NCCL communicators did not return within {self.abort_wait:g} s; "
+                     "exiting without it")
         # Not a normal exit: its teardown can wait on a peer that is gone, or on a blocked main thread.
         os._exit(1)
