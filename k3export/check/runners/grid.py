@@ -142,7 +142,8 @@ class RankWorker:
         dtypes = ["float32"] if manifest["dtype"] == "float32" else [manifest["dtype"], "float32"]
         self.models = [split_model(build_model(config, getattr(torch, dtype), manifest["weights"], layers),
                                    rank, ranks) for dtype in dtypes]
-        self.graph = rank_engine(folder, engine) if engine else SegmentedRunner(
+        checking = [*self.routing, *self.partial_outputs]
+        self.graph = rank_engine(folder, engine, checking) if engine else SegmentedRunner(
             folder / GRAPH_FILE, signature, None, "grid rank", threads=1,
             keep_partials=not self.partial_outputs)
         graphs = [ExportGraph(model, layers, manifest.get("last_logits", False), "taps" in manifest)
@@ -188,15 +189,18 @@ class RankWorker:
         return dict(outputs), partials
 
 
-def rank_engine(folder: Path, engine: EnginePlace) -> StatefulRunner:  # GPU only
-    """The rank's engine on its GPU, summing through an NCCL communicator of the stage's ranks (every
-    worker of this process group makes the group and hands its communicator over, collectively)."""
+def rank_engine(folder: Path, engine: EnginePlace, extra_outputs: list[str]) -> StatefulRunner:  # GPU only
+    """The rank's engine on its GPU, returning its checking outputs `extra_outputs` too (routing.*,
+    partial.*: an engine returns only the outputs it is asked for), summing through an NCCL communicator
+    of the stage's ranks (every worker of this process group makes the group and hands its communicator
+    over, collectively)."""
     from k3export.engine.runner import EngineRunner
     from k3export.runtime.nccl import communicator_capsule
 
     torch.cuda.set_device(engine.device)
-    return EngineRunner(engine.path, folder, name="grid rank", device=engine.device,
-                        communicator=communicator_capsule(dist.new_group(backend="nccl")))
+    communicator = communicator_capsule(dist.new_group(backend="nccl"))
+    return EngineRunner(engine.path, folder, name="grid rank", extra_outputs=extra_outputs,
+                        device=engine.device, communicator=communicator)
 
 
 def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str,
