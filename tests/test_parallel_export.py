@@ -36,9 +36,9 @@ GRID_WORKER = Path(__file__).with_name("parallel_grid_worker.py")
 def rank_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Ranks 0 and 1 of 2 of the whole k3-tiny (seed 0, float32): the one stage of the shipped 2 x 2
     recipe built in one stage with check's outputs (`build RECIPE --routing-outputs`, "build":
-    stage-0/rank-{r}, as `export --ranks 2 --rank R --routing-outputs` writes them); and layer 0 of rank
-    1 exported twice (attention and a dense MLP, each followed by its sum: enough for byte identity,
-    and cheap), the second in a process of its own with another PYTHONHASHSEED."""
+    stage-0/rank-{r}, what `export --ranks 2 --rank R --routing-outputs --capacity 256` writes); and
+    layer 0 of rank 1 exported twice (attention and a dense MLP, each followed by its sum: enough for
+    byte identity, and cheap), the second in a process of its own with another PYTHONHASHSEED."""
     from test_parallel_grid import grid_recipe
 
     folder = tmp_path_factory.mktemp("rank_exports")
