@@ -285,11 +285,20 @@ def cmd_build(args: argparse.Namespace) -> int:
     from k3export.engine.flavours import FLAVOURS, load_tensorrt, require_machine, target_problem
     from k3export.onnx.export import MANIFEST_FILE
 
+    if args.recipe and args.onnx:
+        raise UserError(f"build {args.recipe} --onnx {args.onnx}: expected --onnx DIR (one export) or a "
+                        "RECIPE (every pipeline stage), not both")
     if args.recipe:
         from k3export.shards.stages import cmd_build_recipe
         return cmd_build_recipe(args)
     if not args.onnx:
         raise UserError("build: expected --onnx DIR (one export) or a RECIPE (every pipeline stage)")
+    # What selects a recipe's stages and how they are exported means nothing to one export's engine.
+    recipe_only = [option for option, given in (("--no-weights", args.no_weights), ("--stage", args.stage),
+                                                ("--rank", args.rank is not None)) if given]
+    if recipe_only:
+        raise UserError(f"build {recipe_only[0]}: expected a RECIPE (it chooses what a recipe's build "
+                        "exports); --onnx DIR builds one engine from one export as it is")
     if args.taps:
         raise UserError("build --taps: expected a RECIPE (its stages are exported with taps); an engine "
                         "from --onnx DIR has the export's outputs: export it with `k3export export --taps`")

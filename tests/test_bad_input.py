@@ -3,8 +3,9 @@
 own would only add seconds of imports) and asserts the exit code (2), that the message names the
 culprit, that no traceback is printed, and that files already there (a user's file, a previous good
 artifact) are unchanged.
-Also: runs killed at chosen points and at seeded random moments leave no incomplete file at a final name,
-and the rerun completes and verifies."""
+Also: every combination of options the CLI refuses (tests/refusals.py, the table the fuzz's oracle
+reads too) is refused naming its option; runs killed at chosen points and at seeded random moments leave
+no incomplete file at a final name, and the rerun completes and verifies."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from refusals import REFUSALS, Refusal
 
 from k3export.artifacts import sha256
-from k3export.cli import main
+from k3export.cli import build_parser, main
 from k3export.weights.checkpoint import INDEX_NAME, save_checkpoint
 
 
@@ -50,6 +52,21 @@ def refused(result: subprocess.CompletedProcess, *culprits: str) -> None:
 
 def snapshot(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# -- combinations of options ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("refusal", [r for r in REFUSALS if "{build}" not in r.argv],
+                         ids=lambda r: " ".join(r.argv))
+def test_each_refused_combination_names_its_option(refusal: Refusal, tiny_export, tmp_path):
+    """Each example of tests/refusals.py that needs no build (the fuzz runs those too, on its build):
+    exit 2 naming the option, nothing written; and its own predicate says it applies."""
+    recipe = Path(__file__).resolve().parents[1] / "engines/k3-tiny.toml"
+    paths = {"{export}": str(tiny_export), "{recipe}": str(recipe), "{missing}": str(tmp_path / "missing")}
+    argv = [paths.get(a, a) for a in refusal.argv]
+    assert refusal.applies(argv[0], build_parser().parse_args(argv))
+    refused(k3export(*argv), refusal.culprit)
+    assert not (tmp_path / "missing").exists()
 
 
 # -- output folders ---------------------------------------------------------------------------------

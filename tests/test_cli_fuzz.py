@@ -5,10 +5,13 @@ negatives, huge), floats (nan, inf, negatives), strings, token ids past the voca
 do not exist, a file where a folder is expected and the reverse, a folder of someone else's files,
 and options repeated or in conflict. Every run must end with exit 0 or 2 (exit 1, a failed check,
 cannot happen: every artifact drawn is good) and print neither a traceback nor "internal error"; a
-value its option's own type refuses must end in exit 2 naming the option, and a `run` with a token
-id past the vocabulary in exit 2. Besides the generated examples, explicit ones add each option
-once with an edge value to a valid command (the sweep); the options the examples drew are recorded
-as they run, and every drawable one must have been drawn, and every program's work reached.
+value its option's own type refuses must end in exit 2 naming the option, two options of one
+exclusive group in exit 2, and a command that one of tests/refusals.py's refusals applies to (`build
+--onnx DIR --taps`, `check --runner` without `--build`, a token id past the vocabulary, ...) in exit
+2. Besides the generated examples, explicit ones add each option once with an edge value to a valid
+command (the sweep) and run each refusal's example, which must name its culprit; every program's work
+must have been reached by the examples. The generator itself must draw every drawable option: measured
+on its own draws (not on the sweep's, which hold every option by construction).
 
 Commands run in this process (`k3export.cli.main`, the runtime's `main`) against a k3-tiny build
 made once (one stage, whose folder is also an export). Some drawn commands would do real work far
@@ -23,6 +26,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import importlib
 import io
 import os
@@ -36,6 +40,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
+from refusals import REFUSALS, Refusal
 
 from k3export.cli import build_parser, main
 from k3export.config import K3Config
@@ -198,6 +203,7 @@ def drawable(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             and not set(a.option_strings) & set(NOT_DRAWN)]
 
 
+@functools.cache
 def programs() -> dict[str, argparse.ArgumentParser]:
     """Every subcommand's parser by name, and the runtime's as "runtime"."""
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -216,6 +222,7 @@ class Vector:
     argv: list[str]  # as main takes it (the subcommand first, but for the runtime)
     drawn: list[tuple[argparse.Action, str | None]]  # each option and positional drawn, with its value
     given: list[argparse.Action]  # every action in argv: those of the base command too
+    refusal: Refusal | None = None  # the refusal whose example it is
 
 
 @st.composite
@@ -230,8 +237,9 @@ def argument_vectors(draw: st.DrawFn) -> Vector:
     program = draw(st.sampled_from([p for p in sorted(parsers) for _ in range(weights[p])]))
     parser = parsers[program]
     actions = drawable(parser)
-    # The first of a shuffle: sampled_from's draws left some options undrawn in 1000 examples.
-    spotlight = draw(st.permutations(actions))[0]
+    # An index drawn as an integer: the first of a shuffle (st.permutations), biased to the first actions,
+    # needed 1000 draws to reach every option, an index 700 (measured 2026-12-02).
+    spotlight = actions[draw(st.integers(0, len(actions) - 1))]
     # A base command holds its positionals: a positional in the spotlight is drawn without one.
     based = program in BASES and bool(spotlight.option_strings) and draw(st.integers(0, 2)) > 0
     argv = list(draw(st.sampled_from(BASES[program]))) if based else []
@@ -272,11 +280,14 @@ def refused_by_its_type(action: argparse.Action, value: str | None) -> bool:
     return bool(action.choices) and parsed not in action.choices
 
 
-def past_the_vocabulary(action: argparse.Action, value: str | None) -> bool:
-    """A token id (--prompt-ids, --stop) the tiny build's vocabulary has no row for."""
-    if value is None or not {"--prompt-ids", "--stop"} & set(action.option_strings):
-        return False
-    return any(int(t) >= VOCABULARY for t in value.split(","))
+def refusals_for(vector: Vector, argv: list[str]) -> list[Refusal]:
+    """The refusals (tests/refusals.py) that apply to the command, once its parser takes it."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = vector.parser.parse_args(argv if vector.program == "runtime" else argv[1:])
+    except SystemExit:
+        return []
+    return [r for r in REFUSALS if r.applies(vector.program, args)]
 
 
 def run(program: str, argv: list[str]) -> tuple[int, str]:
@@ -325,6 +336,11 @@ def sweep() -> list[Vector]:
             given = [a for a in drawable(parser) if set(a.option_strings) & set(argv)]
             vectors.append(Vector(program, parser, argv if program == "runtime" else [program, *argv],
                                   [(action, value)], [*given, action]))
+    for refusal in REFUSALS:
+        program, *argv = refusal.argv
+        parser = programs()[program]
+        given = [a for a in drawable(parser) if set(a.option_strings) & set(argv)]
+        vectors.append(Vector(program, parser, list(refusal.argv), [], given, refusal=refusal))
     return vectors
 
 
@@ -334,10 +350,10 @@ def with_the_sweep(test: Callable[..., None]) -> Callable[..., None]:
     return test
 
 
-# The (program, option or positional) pairs the fuzz's examples drew, and the programs whose examples
-# reached their work (exit 0), as they ran.
-DRAWN: dict[str, set[str]] = collections.defaultdict(set)
+# The programs whose examples reached their work (exit 0), as they ran.
 REACHED: set[str] = set()
+# The generator's draws that test_the_generator_draws_every_option measures (drawn, not run: a few ms each).
+GENERATOR_DRAWS = 800
 
 
 @settings(max_examples=int(os.environ.get("K3EXPORT_FUZZ_EXAMPLES", 300)), derandomize=True,
@@ -348,12 +364,18 @@ REACHED: set[str] = set()
 def test_every_option_value_ends_in_exit_0_or_2(paths: dict[str, str], vector: Vector) -> None:
     argv = [paths.get(a, a) for a in vector.argv]
     drawn = [(action, paths.get(value, value) if value else value) for action, value in vector.drawn]
-    DRAWN[vector.program] |= {named(action) for action, _ in drawn}
     code, printed = run(vector.program, argv)
     event(f"{vector.program}: exit {code}")
     assert code in (0, 2), (code, printed[-3000:])
     assert "Traceback" not in printed and "internal error" not in printed, printed[-3000:]
     REACHED.update([vector.program] if code == 0 else [])
+    if vector.refusal:
+        assert code == 2 and vector.refusal.culprit in printed, (code, vector.refusal.argv, printed[-3000:])
+    refused = refusals_for(vector, argv)
+    assert code == 2 or not refused, ([r.argv for r in refused], printed[-3000:])
+    clash = any(len(set(g._group_actions) & set(vector.given)) > 1
+                for g in vector.parser._mutually_exclusive_groups)
+    assert code == 2 or not clash, printed[-3000:]
     culprits = [a for a, value in drawn if refused_by_its_type(a, value)]
     if culprits:
         assert code == 2, (code, [named(a) for a in culprits], printed[-3000:])
@@ -361,31 +383,37 @@ def test_every_option_value_ends_in_exit_0_or_2(paths: dict[str, str], vector: V
         # of an exclusive group came first. (A value that looks like an option, "-inf", is not taken
         # as a value at all: argparse's message then names what is missing or unrecognized.)
         if not any(value and value.startswith("-") for _, value in drawn):
-            clash = any(len(set(g._group_actions) & set(vector.given)) > 1
-                        for g in vector.parser._mutually_exclusive_groups)
             error = re.search(r"error: argument (\S+): ", printed)
             assert error and error.group(1) in {named(a) for a in (vector.given if clash else culprits)}, \
                 printed[-3000:]
-    elif vector.program == "run" and any(past_the_vocabulary(a, value) for a, value in drawn):
-        # Refused naming the token id, or for another of its values first (a folder that is no build).
-        # (The runtime checks its request once its process group is up: past where it stops here.)
-        assert code == 2, printed[-3000:]
 
 
-def test_the_fuzz_reaches_every_subcommand_and_option(paths: dict[str, str]) -> None:
-    """Every option and positional of every parser (but those in NOT_DRAWN) was drawn by the fuzz's
-    examples, as recorded while they ran; every program's examples reached its work (exit 0) at
-    least once; and no numeric option parses a plain int or float (it would take 0, negatives, nan
-    and inf)."""
-    if not DRAWN:  # run on its own (-k): the fuzz first, as the suite runs it
+def test_the_fuzz_reaches_every_subcommand(paths: dict[str, str]) -> None:
+    """Every program's examples reached its work (exit 0) at least once, and no numeric option parses
+    a plain int or float (it would take 0, negatives, nan and inf)."""
+    if not REACHED:  # run on its own (-k): the fuzz first, as the suite runs it
         test_every_option_value_ends_in_exit_0_or_2(paths=paths)
-    missed = {program: sorted({named(a) for a in drawable(parser)} - DRAWN[program])
-              for program, parser in programs().items()}
-    assert not any(missed.values()), f"never drawn: {missed}"
     assert set(programs()) == REACHED, f"never past their input checks: {set(programs()) - REACHED}"
     plain = [(name, a.dest) for name, parser in programs().items() for a in parser._actions
              if a.type in (int, float)]
     assert not plain, f"numeric options without a range (use k3export.options' types): {plain}"
+
+
+def test_the_generator_draws_every_option() -> None:
+    """Every option and positional of every parser (but those in NOT_DRAWN) is drawn by the generator
+    itself within GENERATOR_DRAWS derandomized draws, so that no option is left to the sweep alone."""
+    drawn: dict[str, set[str]] = collections.defaultdict(set)
+
+    @settings(max_examples=GENERATOR_DRAWS, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(vector=argument_vectors())
+    def record(vector: Vector) -> None:
+        drawn[vector.program] |= {named(action) for action, _ in vector.drawn}
+
+    record()
+    missed = {program: sorted({named(a) for a in drawable(parser)} - drawn[program])
+              for program, parser in programs().items()}
+    assert not any(missed.values()), f"never drawn: {missed}"
 
 
 # -- the defects found, each pinned ------------------------------------------------------------------

@@ -16,6 +16,8 @@ at load; they change nothing else the graph computes (the same numbers as the ex
 in the same process), and a perturbed export still fails.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -258,3 +260,52 @@ def test_a_routed_chain_runs_on_its_engines(float16_chain: Path, tmp_path: Path,
     for context in contexts:
         assert {n for n in context.addresses if n.startswith("routing.")} == \
             {n for n in context.engine.outputs if n.startswith("routing.")} != set()
+
+
+def printed(*argv: str) -> tuple[int, str]:
+    """`k3export ARGV` in this process: its exit code and stdout, as the GPU script's step reads it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+def test_the_gpu_scripts_readers_read_what_its_commands_print(float16_chain: Path, tmp_path: Path) -> None:
+    """tools/gpu_engines.py's key-number readers (which run only on a GPU there) on what the commands it
+    runs print and write here, for the float16 chain built with check's outputs (as the script builds
+    its recipes): `check --onnx --json` of stage 0 and `check --build --json` of the chain (passed,
+    the worst output's headroom under 1, the eager routers' flips), of a copy with a wrong weight in
+    stage 1 (failed outputs, first divergent stage), `run --json` (decode rate, prefill time), and the
+    export and build folders (MB as on disk, k3 nodes as in the graph, a routing output a MoE layer)."""
+    from test_gpu_check import gpu_engines
+    from test_parallel_grid import scale_weight
+
+    for argv in (["--onnx", str(float16_chain / "stage-0")], ["--build", str(float16_chain)]):
+        code, stdout = printed("check", *argv, "--steps", "1", "--prompt-len", "8", "--json")
+        numbers = gpu_engines.check_numbers(stdout)
+        assert code == 0 and numbers["passed"] is True and 0 < numbers["headroom"] <= 1, numbers
+        assert numbers["worst"] in {c["name"] for c in json.loads(stdout)["steps"][0]["outputs"]}
+        assert isinstance(numbers["routing flips"], int) and "failed outputs" not in numbers
+    bad = shutil.copytree(float16_chain, tmp_path / "bad")
+    layer = json.loads((bad / "stage-1/export.json").read_text())["layers"][0]
+    scale_weight(bad, 1, None, f"layers.{layer}.block_sparse_moe.routed_expert_up_proj.weight", 1.5)
+    code, stdout = printed("check", "--build", str(bad), "--steps", "1", "--prompt-len", "8", "--json")
+    numbers = gpu_engines.check_numbers(stdout)
+    assert code == 1 and numbers["passed"] is False and numbers["headroom"] > 1, numbers
+    assert "logits" in numbers["failed outputs"].split(",") and numbers["first divergent stage"] == 1
+    code, stdout = printed("run", str(float16_chain), "--prompt-len", "4", "--max-new-tokens", "3", "--json")
+    numbers = gpu_engines.runtime_numbers(stdout)
+    assert code == 0 and numbers["decode tokens/s"] > 0 and numbers["prefill s"] > 0, numbers
+    # Read after other lines too, as the runtime under torchrun prints them.
+    assert gpu_engines.runtime_numbers("stage 0: loaded\n{not json\n" + stdout) == numbers
+    stage = float16_chain / "stage-0"
+    manifest = json.loads((stage / "export.json").read_text())
+    graph = onnx.load(stage / "model.onnx", load_external_data=False).graph
+    config = K3Config.from_json(stage / "config.json")
+    assert gpu_engines.export_numbers(stage, "") == {
+        "MB": sum((stage / name).stat().st_size for name in manifest["files"]) / 1e6,
+        "k3 nodes": sum(n.domain == "k3" for n in graph.node),
+        "routing outputs": sum(not config.is_dense(i) for i in range(*manifest["layers"]))}
+    built = json.loads((float16_chain / "manifest.json").read_text())
+    assert gpu_engines.recipe_numbers(float16_chain, "") == {
+        "stages": 2, "MB": sum((float16_chain / name).stat().st_size for name in built["files"]) / 1e6}

@@ -1,9 +1,11 @@
-"""Rank exports (`k3export export --ranks N --rank R`): one graph per rank with a DistCollective node
-(domain trt, every attribute set) per sum the split needs, recorded in export.json; byte-identical
-when exported twice; the ranks' experts disjoint and together the unsplit model's; TensorRT-RTX's
-census and build of each rank; and the ranks' parsed networks evaluated together under torchrun
-against the unsplit eager model: greedy tokens and logits. (The ranks' ONNX graphs under torchrun:
-tests/test_parallel_grid.py, through the runtime and check --build.)"""
+"""Rank exports (`k3export export --ranks N --rank R`, and the ranks of a `build RECIPE` split over
+them): one graph per rank with a DistCollective node (domain trt, every attribute set) per sum the
+split needs, recorded in export.json; byte-identical when exported twice; the ranks' experts disjoint
+and together the unsplit model's; TensorRT-RTX's census and build of each rank; the ranks' parsed
+networks evaluated together under torchrun against the unsplit eager model: greedy tokens and logits;
+and `check --build` pairing each of a whole k3-tiny rank's 18 partial sums with its collective by
+index. (The ranks' ONNX graphs under torchrun: tests/test_parallel_grid.py, through the runtime and
+check --build.)"""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,16 +34,23 @@ GRID_WORKER = Path(__file__).with_name("parallel_grid_worker.py")
 
 @pytest.fixture(scope="module")
 def rank_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Ranks 0 and 1 of 2 (grid/rank-{r}); and layer 0 of rank 1 twice (attention and a dense MLP,
-    each followed by its sum: enough for byte identity, and cheap), the second in a process of its
-    own with another PYTHONHASHSEED."""
+    """Ranks 0 and 1 of 2 of the whole k3-tiny (seed 0, float32): the one stage of the shipped 2 x 2
+    recipe built in one stage with check's outputs (`build RECIPE --routing-outputs`, "build":
+    stage-0/rank-{r}, what `export --ranks 2 --rank R --routing-outputs --capacity 256` writes); and
+    layer 0 of rank 1 exported twice (attention and a dense MLP, each followed by its sum: enough for
+    byte identity, and cheap), the second in a process of its own with another PYTHONHASHSEED."""
+    from test_parallel_grid import grid_recipe
+
     folder = tmp_path_factory.mktemp("rank_exports")
-    exports = {}
-    exported = (("rank0", 0, ":"), ("rank1", 1, ":"), ("first", 1, "0:1"), ("again", 1, "0:1"))
-    for name, rank, layers in exported:
-        exports[name] = folder / (f"grid/rank-{rank}" if layers == ":" else name)
-        command = ["export", "--preset", "k3-tiny", "--seed", "0", "--layers", layers, "--ranks", "2",
-                   "--rank", str(rank), "--out", str(exports[name]), "--quiet"]
+    (folder / "grid.toml").write_text(grid_recipe(2).replace("count = 2", "count = 1"))
+    exports = {"build": folder / "build"}
+    assert main(["build", str(folder / "grid.toml"), "--routing-outputs", "--out", str(exports["build"]),
+                 "--quiet"]) == 0
+    exports.update({f"rank{r}": exports["build"] / f"stage-0/rank-{r}" for r in range(2)})
+    for name in ("first", "again"):
+        exports[name] = folder / name
+        command = ["export", "--preset", "k3-tiny", "--seed", "0", "--layers", "0:1", "--ranks", "2",
+                   "--rank", "1", "--out", str(exports[name]), "--quiet"]
         if name == "again":  # a process of its own, with another PYTHONHASHSEED than this one's
             seed = str(int(os.environ.get("PYTHONHASHSEED", "0") or 0) + 1)
             subprocess.run([sys.executable, "-m", "k3export.cli", *command], check=True, capture_output=True,
@@ -231,3 +241,26 @@ def test_rtx_builds_each_rank_with_its_dist_collective_layers(rank_exports, rank
     census = json.loads(proc.stdout.strip().splitlines()[-1])
     assert census["num_ranks"] == [2] * len(collective_nodes(rank_exports[rank])) == [2] * 18
     assert census["engine_bytes"] == (tmp_path / "e").stat().st_size > 0
+
+
+def test_check_build_pairs_each_partial_sum_with_its_collective_past_the_tenth(rank_exports, tmp_path,
+                                                                             capsys) -> None:
+    """A whole k3-tiny rank has 18 all-reduces, so its partial sums partial.0 .. partial.17 sort by name
+    in another order than the graph's (partial.10 before partial.2). Rank 1's layer 7 routed experts'
+    down projection scaled by 1.5 (its collective 15, after the tenth): check --build, reading the
+    partial sums from the ranks' outputs, names rank 1 and layer 7's FFN, collective 15 the first of
+    rank 1's out of bound and none of rank 0's before it (its sums after 15 read the wrong sum)."""
+    from test_shards import corrupt_stage
+
+    bad = shutil.copytree(rank_exports["build"], tmp_path / "bad")
+    corrupt_stage(bad, 0, "layers.7.block_sparse_moe.experts.w2", rank=1)
+    collectives = json.loads((bad / "stage-0/rank-1/export.json").read_text())["parallel"]["collectives"]
+    assert len(collectives) == 18 and (collectives[15]["layer"], collectives[15]["after"]) == (7, "ffn")
+    assert main(["check", "--build", str(bad), "--steps", "0", "--prompt-len", "4", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["partials_read_from"] == "graph outputs"
+    first = report["first_divergent_rank"]
+    assert (first["stage"], first["rank"], first["layer"], first["after"]) == (0, 1, 7, "ffn"), first
+    ranks = {entry["rank"]: entry for entry in report["steps"][0]["ranks"]}
+    assert ranks[1]["first_failed"]["collective"] == 15
+    assert ranks[0]["first_failed"] is None or ranks[0]["first_failed"]["collective"] > 15, ranks[0]
