@@ -7,7 +7,6 @@ test_half_precision's float16 chain.)"""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import subprocess
@@ -62,27 +61,6 @@ def planned_rows(stdout: str) -> list[dict[str, str]]:
     return [dict(zip(header, row, strict=True)) for row in rows]
 
 
-def options(parser: argparse.ArgumentParser) -> set[str]:
-    return {o for a in parser._actions for o in a.option_strings}
-
-
-def subparser(name: str) -> argparse.ArgumentParser:
-    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return action.choices[name]
-
-
-def without_pending(program: str, parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
-    """`args` less the flags of gpu_engines.PENDING_FLAGS (the one list of flags other agents are adding
-    to k3export now) that the installed `program` lacks, each with its value if one follows. Once a flag
-    lands, it stays in and must parse."""
-    for pending_program, flag in gpu_engines.PENDING_FLAGS:
-        if pending_program == program and flag not in options(parser) and flag in args:
-            at = args.index(flag)
-            takes_value = at + 1 < len(args) and not args[at + 1].startswith("-")
-            args = args[:at] + args[at + 1 + takes_value:]
-    return args
-
-
 def lay_out(argv: list[str], work: Path) -> None:
     """The paths a command names under the work folder, made (the parsers refuse missing inputs): a
     name with a suffix (an engine, a recipe) as a file, any other as a folder."""
@@ -101,15 +79,12 @@ def parse_planned(command: str, work: Path) -> None:
     argv = [t.replace("$WORK", str(work)) for t in command.split()]
     lay_out(argv, work)
     if argv[0] == "k3export":
-        program, parser, args = f"k3export {argv[1]}", build_parser(), argv[1:]
-        args = [argv[1], *without_pending(program, subparser(argv[1]), argv[2:])]
-        parser.parse_args(args)
+        build_parser().parse_args(argv[1:])
     elif argv[0] == "torchrun":
         launch = torch.distributed.run.parse_args(argv[1:])
         assert launch.module and launch.training_script == "k3export.runtime", command
         assert int(launch.nproc_per_node) >= 1
-        parser = runtime_parser()
-        parser.parse_args(without_pending("k3export.runtime", parser, launch.training_script_args))
+        runtime_parser().parse_args(launch.training_script_args)
     elif argv[:2] == ["python", "tools/gpu_check.py"]:
         tool("gpu_check").parse_args(argv[2:])
     elif argv[:2] == ["python", "tools/gpu_engines.py"]:

@@ -58,11 +58,10 @@ timeout (BUDGETS; they add up to 480, 8 minutes on one H200; --dry-run prints ea
     gpu_check.py's plugin rows in the published dtype (`tools/gpu_check` alone runs every dtype).
 
 A step is skipped, saying why, where this machine cannot run it (no GPU; no TensorRT or no build for the
-target; fewer GPUs than processes; a flag of PENDING_FLAGS this k3export lacks; no
-k3export.runtime.nccl), where a step it reads did not pass, or where its budget no longer fits in what
-is left of --budget. A step that runs past its budget is stopped (its whole process group) and fails.
-So on a machine with a GPU but no TensorRT it runs the exports, the device caches, the communicator and
-the plugins, and says that it skipped the rest.
+target; fewer GPUs than processes), where a step it reads did not pass, or where its budget no longer
+fits in what is left of --budget. A step that runs past its budget is stopped (its whole process group)
+and fails. So on a machine with a GPU but no TensorRT it runs the exports, the device caches, the
+communicator and the plugins, and says that it skipped the rest.
 
 The table: step, command ($WORK is the work folder), result (passed, failed: why, skipped: why),
 seconds, and the key numbers read from the step's output: check's --json report (passed; headroom, the
@@ -111,10 +110,6 @@ STAGE_RECIPE = "engines/k3-tiny.toml"
 GRID_SOURCE = "engines/k3-tiny-2x2.toml"
 PLANNED_TARGET = "sm90"  # where no GPU answers: an H200's, so that the plan shows the commands it runs
 PROBE_BATCH = 2  # check's default batch
-# Flags other agents are adding to k3export for issue 27 as this is written: where the installed
-# k3export lacks one, the step passing it is skipped, saying so. tests/test_gpu_check.py allows exactly
-# these to be missing from k3export's parsers (so it tightens once they land) and no other planned flag.
-PENDING_FLAGS = (("k3export build", "--routing-outputs"), ("k3export.runtime", "--runner"))
 PROBES = ("preflight", "caches", "communicator")
 
 
@@ -122,9 +117,7 @@ PROBES = ("preflight", "caches", "communicator")
 class Machine:
     gpus: list[str]  # each GPU's compute capability, from nvidia-smi
     backend: str | None  # tensorrt | tensorrt-rtx | None
-    missing_flags: frozenset[tuple[str, str]]  # PENDING_FLAGS this k3export lacks
     missing_modules: frozenset[str]  # of those the steps need (MODULES)
-    nccl_plumbing: bool  # k3export.runtime.nccl is there
 
     @property
     def target(self) -> str:
@@ -134,11 +127,8 @@ class Machine:
         gpus = f"{len(self.gpus)} GPUs ({', '.join(self.gpus)})" if self.gpus else \
             f"no GPU (nvidia-smi finds none; planned for {PLANNED_TARGET}, an H200's)"
         trt = self.backend or "none"
-        flags = ", ".join(f"{p} {f}" for p, f in sorted(self.missing_flags)) or "none"
         modules = ", ".join(sorted(self.missing_modules)) or "none"
-        return (f"machine: {gpus}; TensorRT backend: {trt}; k3export.runtime.nccl: "
-                f"{'present' if self.nccl_plumbing else 'absent'}; pending flags this k3export lacks: "
-                f"{flags}; modules missing: {modules}")
+        return f"machine: {gpus}; TensorRT backend: {trt}; modules missing: {modules}"
 
 
 # The Python modules a kind of step needs beyond torch and k3export, and k3export's extra that brings them.
@@ -147,9 +137,8 @@ MODULES = {"export": (("onnx", "onnxscript"), "onnx"), "plugins": (("triton",), 
 
 def survey() -> Machine:
     needed = [m for modules, _ in MODULES.values() for m in modules]
-    return Machine(gpus=gpu_targets(), backend=tensorrt_backend(), missing_flags=missing_pending_flags(),
-                   missing_modules=frozenset(m for m in needed if not has_module(m)),
-                   nccl_plumbing=has_module("k3export.runtime.nccl"))
+    return Machine(gpus=gpu_targets(), backend=tensorrt_backend(),
+                   missing_modules=frozenset(m for m in needed if not has_module(m)))
 
 
 def has_module(name: str) -> bool:
@@ -168,16 +157,6 @@ def tensorrt_backend() -> str | None:
             continue
         return backend
     return None
-
-
-def missing_pending_flags() -> frozenset[tuple[str, str]]:
-    from k3export.cli import build_parser
-    from k3export.runtime.__main__ import build_parser as runtime_parser
-
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    parsers = {"k3export.runtime": runtime_parser(), **{f"k3export {n}": p for n, p in sub.choices.items()}}
-    return frozenset((program, flag) for program, flag in PENDING_FLAGS
-                     if flag not in {o for a in parsers[program]._actions for o in a.option_strings})
 
 
 @dataclass
@@ -215,10 +194,6 @@ def plan(machine: Machine, work: Path) -> list[Step]:
         return f"{', '.join(names)} not installed (pip install -c constraints.txt -e '.[{extra}]')" \
             if names else ""
 
-    def lacks(program: str, flag: str) -> str:
-        shown = "build RECIPE" if program == "k3export build" else "runtime"
-        return f"this k3export has no {shown} {flag}" if (program, flag) in machine.missing_flags else ""
-
     backend_name = backend or "tensorrt"  # where neither flavour imports: what the skipped steps would use
     engine_args = ["--backend", backend_name, "--target", target]
     # First, in a minute, what would stop the first run on this host: every step that builds or loads an
@@ -238,10 +213,9 @@ def plan(machine: Machine, work: Path) -> list[Step]:
                                         str(work / "export-bfloat16")],
                       BUDGETS["caches"], "caches, MB, dtypes", last_json_object, needs=("export bfloat16",),
                       skip=no_gpu))
-    no_nccl = "k3export.runtime.nccl not present"
     steps.append(Step("communicator", ["python", "tools/gpu_engines.py", "--probe", "communicator"],
                       BUDGETS["communicator"], "capsule, NCCL version", last_json_object,
-                      skip=reasons(no_gpu, "" if machine.nccl_plumbing else no_nccl)))
+                      skip=no_gpu))
     for dtype in DTYPES:
         engine = work / f"{dtype}.engine"
         steps.append(Step(f"build {dtype}", ["k3export", "build", "--onnx", str(work / f"export-{dtype}"),
@@ -257,16 +231,16 @@ def plan(machine: Machine, work: Path) -> list[Step]:
     # grid's one stage) when its build starts (write_recipe), so that the built folder records them.
     # Both with check's outputs: a grid's engines are checked from their partial sums, which an engine
     # gives only as outputs (and a half-precision one from its expert choices).
-    recipes = (("stages", STAGE_RECIPE, "k3-tiny.toml", None, ["--routing-outputs"]),
-               ("grid", GRID_SOURCE, "k3-tiny-1x2.toml", 1, ["--routing-outputs"]))  # the 2 x 2 in one stage
-    for label, source, name, stages, extra in recipes:
+    recipes = (("stages", STAGE_RECIPE, "k3-tiny.toml", None),
+               ("grid", GRID_SOURCE, "k3-tiny-1x2.toml", 1))  # the 2 x 2 in one stage
+    for label, source, name, stages in recipes:
         shape = {**read_recipe(ROOT / source), **({"stages": stages} if stages else {})}
         processes = shape["stages"] * shape["ranks"]
         recipe, build = work / name, work / label
-        built_with = reasons(*(lacks("k3export build", f) for f in extra))
-        steps.append(Step(f"build {label}", ["k3export", "build", str(recipe), *extra, "--out", str(build)],
+        steps.append(Step(f"build {label}", ["k3export", "build", str(recipe), "--routing-outputs", "--out",
+                                             str(build)],
                           BUDGETS["build recipe"], "stages, MB", partial(recipe_numbers, build),
-                          needs=("preflight",), skip=reasons(no_gpu, no_engine, built_with),
+                          needs=("preflight",), skip=reasons(no_gpu, no_engine),
                           prepare=partial(write_recipe, source, recipe, backend_name, target, stages)))
         few = f"needs {processes} GPUs (one a process), this machine has {len(machine.gpus)}" \
             if machine.gpus and len(machine.gpus) < processes else ""
@@ -275,7 +249,7 @@ def plan(machine: Machine, work: Path) -> list[Step]:
                                            "--batch", str(shape["batch"]), "--max-new-tokens", "32",
                                            "--timeout", "10", "--json"],
                           BUDGETS["runtime"], "decode tokens/s", runtime_numbers, needs=(f"build {label}",),
-                          skip=reasons(no_gpu, no_engine, few, lacks("k3export.runtime", "--runner"))))
+                          skip=reasons(no_gpu, no_engine, few)))
         # A grid's check starts a process a rank; a chain of single-rank stages runs in one.
         steps.append(Step(f"check {label}", ["k3export", "check", "--build", str(build),
                                              "--prompt-len", "48", "--json"],  # within the recipes' 64
