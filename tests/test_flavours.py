@@ -78,7 +78,7 @@ def test_published_recipe_reaches_the_gpu_boundary(tmp_path: Path, capsys) -> No
     out = tmp_path / "k3"
     assert main(["build", str(ROOT / "engines/kimi-k3.toml"), "--out", str(out), "--stage", "0"]) == 2
     err = capsys.readouterr().err
-    assert "pip install -c constraints.txt -e '.[tensorrt]'" in err
+    assert "pip install -c constraints-gpu.txt -e '.[tensorrt]'" in err
     assert "no sm90 GPU (H100 / H200)" in err
     assert "checkpoint = '../checkpoints/Kimi-K3': no folder at" in err
     assert "run it on a host with sm90 GPUs and full TensorRT installed" in err

@@ -45,6 +45,7 @@ class Flavour:
     title: str
     module: str  # what to import
     extra: str  # the k3export install extra that brings it
+    constraints: str  # the constraints file it installs with (a GPU host's for full TensorRT)
     targets: tuple[str, ...] | None  # the compute capabilities it names; None: the machine's GPU only
     preview_features: tuple[str, ...]
     network_flags: tuple[str, ...]  # NetworkDefinitionCreationFlag names
@@ -57,10 +58,10 @@ class Flavour:
 
 
 FLAVOURS: dict[str, Flavour] = {f.backend: f for f in (
-    Flavour("tensorrt-rtx", "TensorRT-RTX", "tensorrt_rtx", "engine", RTX_TARGETS,
+    Flavour("tensorrt-rtx", "TensorRT-RTX", "tensorrt_rtx", "engine", "constraints.txt", RTX_TARGETS,
             ("ALIASED_PLUGIN_IO_10_03",), (), "k3plugins.trt", ensure_symlink),
     # PREFER_AOT_PYTHON_PLUGINS: KDA and LatentMLA have a JIT form too; the AOT one is built.
-    Flavour("tensorrt", "full TensorRT", "tensorrt", "tensorrt", None,
+    Flavour("tensorrt", "full TensorRT", "tensorrt", "tensorrt", "constraints-gpu.txt", None,
             ("ALIASED_PLUGIN_IO_10_03",), ("PREFER_AOT_PYTHON_PLUGINS",), "k3plugins.trt_aot"),
 )}
 
@@ -121,7 +122,7 @@ def module_problem(flavour: Flavour) -> str | None:
     if importlib.util.find_spec(flavour.module) is not None:
         return None
     return (f"{flavour.title} is not installed (`import {flavour.module}` fails): "
-            f"pip install -c constraints.txt -e '.[{flavour.extra}]'")
+            f"pip install -c {flavour.constraints} -e '.[{flavour.extra}]'")
 
 
 def machine_problems(flavour: Flavour, target: str, strip: bool = False) -> list[str]:

@@ -61,7 +61,7 @@ def require_engine_runtime(what: str, instead: str = "") -> None:
         missing.append("an NVIDIA GPU (torch.cuda.is_available() is False)")
     if not any(importlib.util.find_spec(m) for m in ("tensorrt", "tensorrt_rtx")):
         missing.append("TensorRT (neither tensorrt nor tensorrt_rtx is installed: pip install -c "
-                       "constraints.txt -e '.[tensorrt]' on a GPU host)")
+                       "constraints-gpu.txt -e '.[tensorrt]' on a GPU host)")
     if missing:
         raise UserError(f"{what} runs TensorRT engines and needs {' and '.join(missing)}"
                         + (f"; {instead}" if instead else ""))

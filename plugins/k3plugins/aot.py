@@ -22,7 +22,8 @@ from triton.compiler import ASTSource
 from k3plugins.variants import KernelVariant
 
 TARGETS = {name: GPUTarget("cuda", int(name[2:]), 32) for name in ("sm89", "sm90", "sm100", "sm120")}
-# The H200's driver (CUDA 13.0) takes PTX <= 9.0 and triton 3.6 emits at most 8.7 (enough for sm_100a).
+# The H200's driver (CUDA 13.0) takes PTX <= 9.0. Triton 3.6.0 and 3.7.1 (a GPU host's) assemble sm_90a
+# with their bundled ptxas 12.8, which takes PTX <= 8.7; for sm_100a 3.7.1 would emit 9.1 unless told.
 PTX_VERSION = 87
 # Shared memory one block may use (227 KB on H100/H200 and B200, 99 KB on the SM89 and SM120 GPUs).
 MAX_SHARED_BYTES = {"sm89": 101376, "sm90": 232448, "sm100": 232448, "sm120": 101376}
