@@ -10,7 +10,7 @@ the same feeds, stage s + 1 gets what stage s returned. `GridRunner` is one more
 driver (compare_with_eager) and returns the unsplit chain's outputs by the unsplit names: logits,
 boundaries and the MLA latent from rank 0 (every rank computes them; the others must be equal, or
 the check fails), each KDA state and conv tail put together from the ranks' heads. The eager side
-is the unsplit eager chain (EagerChain), so the verdict says "the grid computes the unsplit model".
+is the unsplit eager model over the same layers, so the verdict says "the grid computes the unsplit model".
 
 Naming the rank: an error on one rank is summed into every rank's result by the all-reduce, so the
 outputs cannot say which rank is wrong. Each worker also runs its rank's eager split model
@@ -270,15 +270,17 @@ class GridRunner(StatefulRunner):
 
     def __init__(self, folders: list[list[Path]], stage_manifests: list[dict[str, Any]],
                  signature: Signature, routing: list[list[str]] | None = None,
-                 engines: list[list[EnginePlace]] | None = None) -> None:
+                 engines: list[list[EnginePlace]] | None = None, numbers: list[int] | None = None) -> None:
         super().__init__(signature, "grid")
         self.folders, self.engines = folders, engines
+        self.numbers = numbers or list(range(len(folders)))  # the stages' indices in the build
         self.routing = routing or [[] for _ in folders]
         self.unsplit = [Signature(m) for m in stage_manifests]
         self.split = [Signature(verified_export(ranks[0])[0]) for ranks in folders]
         self.workers: list[list[Worker]] = []
         self.partials: list[list[list[dict[str, Any]]]] = []
         self.disagreements: list[dict[str, Any]] = []
+        self.entries: list[list[dict[str, Any]]] = []  # per call since the reset, rank_entries
 
     def activate_impl(self) -> None:
         context = multiprocessing.get_context("forkserver")  # not fork: torch and ONNX Runtime ran here
@@ -297,7 +299,7 @@ class GridRunner(StatefulRunner):
                                               name=f"k3export check stage {s} rank {r}", daemon=True)
                     process.start()
                     theirs.close()
-                    self.workers[-1].append(Worker(s, r, process, ours))
+                    self.workers[-1].append(Worker(self.numbers[s], r, process, ours))
             # READY, with where the worker reads its partial sums.
             self.partials_read_from = sorted({w.answer() for ranks in self.workers for w in ranks})
         except BaseException:
@@ -328,6 +330,8 @@ class GridRunner(StatefulRunner):
 
     def reset(self, batch: int, rows: list[int] | None = None) -> None:
         self._ask("reset", batch, rows)
+        if rows is None:
+            self.entries = []
 
     def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         produced = dict(feeds)
@@ -340,6 +344,7 @@ class GridRunner(StatefulRunner):
             produced.update({stage_output(s, name): outputs[0][name] for name in self.routing[s]})
         names = [spec.name for spec in self.signature.outputs]
         names += [stage_output(s, name) for s, stage in enumerate(self.routing) for name in stage]
+        self.entries.append(rank_entries(self))
         return OrderedDict((name, produced[name]) for name in names)
 
     def _unsplit_outputs(self, stage: int, unsplit: Signature, split: Signature,
@@ -357,7 +362,7 @@ class GridRunner(StatefulRunner):
             arrays = [ranks[name] for ranks in outputs]
             whole[name] = arrays[0]
             # Every rank computes it from the same summed tensors: it must be rank 0's, bit for bit.
-            self.disagreements += [{"stage": stage, "rank": r, "output": name,
+            self.disagreements += [{"stage": self.numbers[stage], "rank": r, "output": name,
                                     "max_abs": float(np.abs(a.astype(np.float64) - arrays[0]).max())}
                                    for r, a in enumerate(arrays) if not np.array_equal(a, arrays[0])]
         return whole
@@ -368,7 +373,7 @@ def rank_entries(runner: GridRunner) -> list[dict[str, Any]]:
     within the bound and its replicated outputs are rank 0's, its worst partial (relative to its
     bound), the first one out of bound and the replicated outputs that differ from rank 0's."""
     entries = []
-    for s, ranks in enumerate(runner.partials):
+    for s, ranks in zip(runner.numbers, runner.partials, strict=True):
         for r, partials in enumerate(ranks):
             differs = [d["output"] for d in runner.disagreements if (d["stage"], d["rank"]) == (s, r)]
             failed = [p for p in partials if not p["passed"]]
