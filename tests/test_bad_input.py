@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from k3export.artifacts import sha256
 from k3export.cli import main
@@ -333,6 +334,16 @@ def test_a_nan_weight_fails_the_check_naming_it(tiny_model, tmp_path):
     save_checkpoint(model, tmp_path / "ckpt")
     exported = k3export("export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x"))
     assert exported.returncode == 0, exported.stderr[-2000:]
+    # The checkpoint, once it lacks one tensor of layer 7, is refused naming it before the check
+    # starts, although the streamed eager side would read layer 7 only after the graph's every step.
+    file = tmp_path / "ckpt" / "model.safetensors"
+    whole = file.read_bytes()
+    missing = "model.layers.7.input_layernorm.weight"
+    save_file({k: v for k, v in load_file(file).items() if k != missing}, file)
+    refused(k3export("check", "--onnx", str(tmp_path / "x"), "--steps", "1", "--eager", "streamed"),
+            str(tmp_path / "ckpt"), "missing (1)", missing)
+    assert not [p for p in (tmp_path / "x" / "check").rglob("*") if p.is_file()]  # nothing written
+    file.write_bytes(whole)
     result = k3export("check", "--onnx", str(tmp_path / "x"), "--steps", "1")
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"NaN/Inf first in {name} at weights" in result.stdout

@@ -87,15 +87,22 @@ def legs(exports: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     for leg, (env, pairs) in LEGS.items():
         variants = VARIANTS if not env else [(False, False), (False, True)]
         checks = [(dtype, kind, routed, perturbed) for dtype, kind in pairs for routed, perturbed in variants]
+        # The default leg also runs each export as it is with the eager side streamed.
+        streamed = [] if env else [(dtype, kind) for dtype, kind in pairs]
         spec = root / f"{leg}.json"
         spec.write_text(json.dumps([{"kind": kind, "folder": str(exports[dtype, routed, perturbed]),
-                                     "steps": 0 if perturbed else 2}
-                                    for dtype, kind, routed, perturbed in checks]))
+                                     "steps": 0 if perturbed else 2, "eager": "in-memory"}
+                                    for dtype, kind, routed, perturbed in checks]
+                                   + [{"kind": kind, "folder": str(exports[dtype, False, False]), "steps": 2,
+                                       "eager": "streamed"} for dtype, kind in streamed]))
         clean = {k: v for k, v in os.environ.items() if k not in KNOBS}
         done = subprocess.run([sys.executable, str(HERE / "cpu_verdict_worker.py"), str(spec)],
                               env={**clean, **env}, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        results[leg] = dict(zip(checks, json.loads(done.stdout.splitlines()[-1]), strict=True))
+        reports = json.loads(done.stdout.splitlines()[-1])
+        results[leg] = dict(zip(checks, reports[:len(checks)], strict=True))
+        if streamed:
+            results["streamed"] = dict(zip(streamed, reports[len(checks):], strict=True))
     return results
 
 
@@ -142,6 +149,19 @@ def test_routing_outputs_are_read_and_change_nothing_else(legs: dict, dtype: str
     assert numbers(routed) == numbers(plain)
     failed = legs["default"][dtype, kind, True, True]
     assert not failed["passed"] and "logits" in failed["failed_outputs"]
+
+
+@pytest.mark.parametrize(("dtype", "kind"), LEGS["default"][1], ids=lambda value: value)
+def test_streamed_eager_side_gives_the_in_memory_numbers(legs: dict, dtype: str, kind: str) -> None:
+    """float16 (--onnx, --network) and bfloat16 (--network): the eager side streamed one layer at a time
+    (each layer's weights built when its turn comes, the AttnRes state passed on per step) reports
+    what the eager model held whole reports, every number bit for bit (the same ops on the same
+    inputs), held to the same expert choices."""
+    streamed, in_memory = legs["streamed"][dtype, kind], legs["default"][dtype, kind, False, False]
+    assert streamed["eager"]["mode"] == "streamed" and in_memory["eager"]["mode"] == "in-memory"
+    assert len(streamed["eager"]["spans"]) == K3Config.from_preset("k3-tiny").num_hidden_layers
+    assert streamed["steps"] == in_memory["steps"] and streamed["passed"]
+    assert streamed["routing_flips"] == in_memory["routing_flips"]
 
 
 def test_export_option_adds_each_moe_layers_choices(tmp_path: Path) -> None:

@@ -187,15 +187,23 @@ def float16_taps_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_half_precision_envelope_passes_the_export_and_names_a_corrupted_layer(float16_taps_export, tmp_path):
     """float16: the clean export has no divergent tap (each within half_precision_tolerance of the
-    eager float16-vs-float32 spread so far), and a MoE layer's corrupted weight is named."""
-    clean = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None)
+    eager float16-vs-float32 spread so far), and a MoE layer's corrupted weight is named. The eager
+    side streamed one layer at a time gives the in-memory side's numbers, taps and held expert
+    choices included, bit for bit, and names the corrupted layer too."""
+    clean = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None,
+                      eager="in-memory")
     assert clean["taps"]["first_divergent"] is None
     bounds = [t["bound"] for t in clean["taps"]["steps"][0]["taps"]]
     assert all(0.02 <= b <= 0.1 for b in bounds)  # float16's fixed bound .. HALF_REL_CAP
+    streamed = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None,
+                         eager="streamed")
+    assert streamed["eager"]["mode"] == "streamed" and clean["eager"]["mode"] == "in-memory"
+    assert streamed["held_routing"] and streamed["routing_flips"] == clean["routing_flips"] > 0
+    assert streamed["steps"] == clean["steps"] and streamed["taps"] == clean["taps"]
     broken = corrupt(float16_taps_export, tmp_path / "broken", CORRUPTIONS[2][0])
-    report = run_check(broken, steps=2, prompt_len=12, taps=True, log=lambda _: None)
+    report = run_check(broken, steps=2, prompt_len=12, taps=True, log=lambda _: None, eager="streamed")
     first = report["taps"]["first_divergent"]
-    assert (first["layer"], first["sublayer"]) == CORRUPTIONS[2][1:]
+    assert not report["passed"] and (first["layer"], first["sublayer"]) == CORRUPTIONS[2][1:]
 
 
 def test_half_precision_envelope_passes_the_clean_decode_steps(float16_taps_export):

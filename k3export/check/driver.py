@@ -459,6 +459,7 @@ def _run_artifact(runner: StatefulRunner, signature: Signature, recording: Recor
             if step < steps:
                 feed = feeds[step + 1] if feeds else \
                     request(signature, tokens, cache_lengths.tolist(), [1] * batch, vocab, gen)
+        runner.finish()
     return stream
 
 

@@ -209,10 +209,11 @@ class EagerSide:
         state = [[{} for _ in feeds] for _ in self.dtypes]  # per model and step: what the last span passed on
         batch = len(feeds[0]["input_lengths"])
         for k, span in enumerate(self.spans):
-            manifest = span_manifest(self.config, span, self.dtype, self.capacity, self.last_logits,
+            models = [self.model_for(d, span) for d in self.dtypes]
+            # The model's own config: a rank's split model has its share of the heads (and caches).
+            manifest = span_manifest(models[0].config, span, self.dtype, self.capacity, self.last_logits,
                                      self.taps)
             signature = Signature(carried(manifest))
-            models = [self.model_for(d, span) for d in self.dtypes]
             read = sum(weight_bytes(m, span, m.dtype) for m in models)
             self.bytes_read += read
             self.nonfinite_weights += nonfinite_tensors(models[0].named_parameters())
