@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from k3export.check.compare import nonfinite_tensors
+from k3export.check.machine import peak_memory, reset_peak_memory
 from k3export.check.routing import held_routing
 from k3export.config import K3Config
 from k3export.errors import UserError
@@ -193,6 +194,7 @@ class EagerSide:
         self.flips = {name: [] for name in self.names}  # per step, own choices that differed from the held
         self.bytes_read = 0
         self.seconds = 0.0
+        self.peak_memory = 0  # the process's peak resident bytes while the side last ran (0: unknown)
 
     def _graph(self, model: K3ForCausalLM, span: range, manifest: dict[str, Any]) -> Any:
         graph = ExportGraph(model, span, self.last_logits, self.taps)
@@ -205,6 +207,7 @@ class EagerSide:
         their own). Calls on_outputs(t, outputs of each model) per span and step. Returns per model
         and step what the last span passes on (the AttnRes state at its end, or the logits)."""
         steps, start = len(feeds), time.perf_counter()
+        reset_peak_memory()
         self.flips = {name: [0] * steps for name in self.names}
         state = [[{} for _ in feeds] for _ in self.dtypes]  # per model and step: what the last span passed on
         batch = len(feeds[0]["input_lengths"])
@@ -241,10 +244,12 @@ class EagerSide:
                 runner.deactivate()
             del runners, models  # this span's weights and caches go before the next span's come
             elapsed = time.perf_counter() - start
-            self.log(f"eager: layers {span.start}..{span.stop - 1} ({k + 1}/{len(self.spans)} spans) over "
+            where = f"layer {span.start}" if len(span) == 1 else f"layers {span.start}..{span.stop - 1}"
+            self.log(f"eager: {where} ({k + 1}/{len(self.spans)} spans) over "
                      f"{steps} steps, {read / 1e9:.2f} GB of weights; {elapsed:.1f} s so far, about "
                      f"{elapsed / (k + 1) * (len(self.spans) - k - 1):.0f} s left")
         self.seconds = time.perf_counter() - start
+        self.peak_memory = peak_memory()
         return state
 
 
