@@ -348,3 +348,29 @@ def test_a_nan_weight_fails_the_check_naming_it(tiny_model, tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"NaN/Inf first in {name} at weights" in result.stdout
     assert "NaN/Inf in" in result.stdout and "prefill" in result.stdout
+
+
+def test_an_eager_side_that_does_not_fit_is_refused_with_the_numbers(monkeypatch):
+    """check's eager side on a machine with too little memory: auto streams it when the stage does not
+    fit (k3-tiny float16: a few MB of weights with the float32 twin, under 1 MB a layer); a mode
+    that does not fit is refused before anything runs, naming both numbers."""
+    from k3export.check.runners import eager
+    from k3export.config import K3Config
+    from k3export.errors import UserError
+
+    config = K3Config.from_preset("k3-tiny")
+    monkeypatch.setattr(eager, "available_memory", lambda: 1_000_000)
+    plan = eager.plan_eager("auto", config, "float16", {"seed": 0}, [range(0, 9)])
+    assert plan.mode == "streamed" and "do not fit in the 0.001 GB available" in plan.why
+    assert plan.spans == [range(i, i + 1) for i in range(9)]
+    assert plan.streamed_bytes < 1e6 < plan.in_memory_bytes
+    with pytest.raises(UserError, match=r"--eager in-memory: the largest stage of the eager model and its "
+                       r"float32 twin holds 0\.00\d+ GB of weights and this machine has 0\.001 GB "
+                       "available; "
+                       "check with --eager streamed"):
+        eager.plan_eager("in-memory", config, "float16", {"seed": 0}, [range(0, 9)])
+    monkeypatch.setattr(eager, "available_memory", lambda: 100_000)
+    with pytest.raises(UserError, match=r"--eager streamed: one layer of the eager model and its float32 twin "
+                       r"holds 0\.000\d+ GB of weights and this machine has 0\.0001 GB available"):
+        eager.plan_eager("auto", config, "float16", {"seed": 0}, [range(0, 9)])
+

@@ -2,10 +2,13 @@
 step by step, and the verdict.
 
 `compare_with_eager` serves every artifact: it takes the artifact's runner (k3export.check.runners,
-on k3export.onnx.runner.StatefulRunner) and runs it beside `EagerRunner` (the PyTorch model), each
-holding its own caches, as a serving runtime does. The requests: a prefill of a right-padded batch
-of prompts of different lengths from empty caches, then greedy decode steps in which every side
-takes the reference's token, so that a near-tie cannot derail the comparison. Only the valid entries
+on k3export.onnx.runner.StatefulRunner) and the eager model (k3export.check.runners.eager.EagerSide),
+each holding its own caches, as a serving runtime does. The requests: a prefill of a right-padded
+batch of prompts of different lengths from empty caches, then greedy decode steps in which every
+side takes the artifact's token, so that a near-tie cannot derail the comparison. The artifact runs
+every step first, recorded (`Recording`); the eager side then follows on the same feeds a span of
+layers at a time (one layer streamed, one stage in memory), and each step is judged once its last
+output is in (`StepStats`). Only the valid entries
 are compared (k3export.check.compare): each row's first input_lengths[b] positions, the cache rows
 written so far, and the KDA states and conv tails. A request that does not fit the cache capacity is
 refused before any runner runs. `run_check` is `check --onnx DIR` (and, with an engine's runner,

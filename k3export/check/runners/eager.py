@@ -129,8 +129,8 @@ class EagerPlan:
 
     def line(self) -> str:
         return (f"eager side: {self.mode} ({self.why}), {len(self.spans)} span(s) of layers; weights held "
-                f"at once: streamed {self.streamed_bytes / 1e9:.2f} GB, in memory "
-                f"{self.in_memory_bytes / 1e9:.2f} GB")
+                f"at once: streamed {self.streamed_bytes / 1e9:.3g} GB, in memory "
+                f"{self.in_memory_bytes / 1e9:.3g} GB")
 
     def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "why": self.why, "spans": [[s.start, s.stop] for s in self.spans],
@@ -156,9 +156,9 @@ def plan_eager(choice: str, config: K3Config, dtype: str, weights: dict[str, Any
     fits = {mode: not available or n <= available for mode, n in need.items()}
     if choice == AUTO:
         mode = IN_MEMORY if fits[IN_MEMORY] else STREAMED
-        why = (f"auto: the in-memory side's {need[IN_MEMORY] / 1e9:.2f} GB of weights "
-               + (f"fit in the {available / 1e9:.1f} GB available" if fits[IN_MEMORY] else
-                  f"do not fit in the {available / 1e9:.1f} GB available")) if available else \
+        why = (f"auto: the in-memory side's {need[IN_MEMORY] / 1e9:.3g} GB of weights "
+               + (f"fit in the {available / 1e9:.3g} GB available" if fits[IN_MEMORY] else
+                  f"do not fit in the {available / 1e9:.3g} GB available")) if available else \
             "auto: this machine's available memory is unknown"
     else:
         mode, why = choice, f"--eager {choice}"
@@ -166,8 +166,8 @@ def plan_eager(choice: str, config: K3Config, dtype: str, weights: dict[str, Any
         models = " and its float32 twin" if dtype != "float32" else ""
         span = "one layer" if mode == STREAMED else "the largest stage"
         instead = "; check with --eager streamed (one layer at a time)" if mode == IN_MEMORY else ""
-        raise UserError(f"--eager {mode}: {span} of the eager model{models} holds {need[mode] / 1e9:.2f} GB "
-                        f"of weights and this machine has {available / 1e9:.1f} GB available{instead}")
+        raise UserError(f"--eager {mode}: {span} of the eager model{models} holds {need[mode] / 1e9:.3g} GB "
+                        f"of weights and this machine has {available / 1e9:.3g} GB available{instead}")
     return EagerPlan(mode, why, streamed if mode == STREAMED else in_memory, need[STREAMED], need[IN_MEMORY])
 
 
