@@ -370,7 +370,7 @@ def test_an_eager_side_that_does_not_fit_is_refused_with_the_numbers(monkeypatch
                        "check with --eager streamed"):
         eager.plan_eager("in-memory", config, "float16", {"seed": 0}, [range(0, 9)])
     monkeypatch.setattr(eager, "available_memory", lambda: 100_000)
-    with pytest.raises(UserError, match=r"--eager streamed: one layer of the eager model and its float32 twin "
-                       r"holds 0\.000\d+ GB of weights and this machine has 0\.0001 GB available"):
+    with pytest.raises(UserError, match=r"--eager streamed: one layer of the eager model and its float32 "
+                       r"twin holds 0\.000\d+ GB of weights and this machine has 0\.0001 GB available"):
         eager.plan_eager("auto", config, "float16", {"seed": 0}, [range(0, 9)])
 
