@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from k3export.artifacts import sha256
 from k3export.cli import main
-from k3export.weights.checkpoint import INDEX_NAME, save_checkpoint
+from k3export.check.driver import run_check
+from k3export.weights.checkpoint import INDEX_NAME, CheckpointError, save_checkpoint
 
 
 def k3export(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -343,6 +344,11 @@ def test_a_nan_weight_fails_the_check_naming_it(tiny_model, tmp_path):
     refused(k3export("check", "--onnx", str(tmp_path / "x"), "--steps", "1", "--eager", "streamed"),
             str(tmp_path / "ckpt"), "missing (1)", missing)
     assert not [p for p in (tmp_path / "x" / "check").rglob("*") if p.is_file()]  # nothing written
+    started = []  # the artifact's runner, had the check started
+    with pytest.raises(CheckpointError, match=missing):
+        run_check(tmp_path / "x", steps=1, eager="streamed", log=lambda _: None,
+                  graph_runner=lambda signature, extra: started.append(signature))
+    assert not started
     file.write_bytes(whole)
     result = k3export("check", "--onnx", str(tmp_path / "x"), "--steps", "1")
     assert result.returncode == 1, result.stderr[-2000:]
