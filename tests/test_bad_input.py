@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3export.artifacts import sha256
-from k3export.cli import main
 from k3export.check.driver import run_check
+from k3export.cli import main
 from k3export.weights.checkpoint import INDEX_NAME, CheckpointError, save_checkpoint
 
 
