@@ -185,7 +185,7 @@ class EagerSide:
                  capacity: int, last_logits: bool, taps: bool, log: Callable[[str], None],
                  float32_twin: bool = True,
                  model_for: Callable[[str, range], K3ForCausalLM] | None = None) -> None:
-        self.config, self.dtype, self.spans, self.log = config, dtype, spans, log
+        self.dtype, self.spans, self.log = dtype, spans, log
         self.capacity, self.last_logits, self.taps = capacity, last_logits, taps
         self.dtypes = eager_dtypes(dtype) if float32_twin else [dtype]
         self.model_for = model_for or (lambda d, span: build_model(config, getattr(torch, d), weights, span))
