@@ -13,12 +13,15 @@ the check fails), each KDA state and conv tail put together from the ranks' head
 is the unsplit eager model over the same layers, so the verdict says "the grid computes the unsplit model".
 
 Naming the rank: an error on one rank is summed into every rank's result by the all-reduce, so the
-outputs cannot say which rank is wrong. Each worker also runs its rank's eager split model
-(k3export.model.parallel.split_model, over the same gloo group) on the same feeds with caches of its
-own, and compares the inputs of the graph's sums, its partial sums, with the split model's, in
-graph order. Each stage's references are fed the grid's own inputs to that stage, so a stage is
-judged alone: the first divergent stage and rank is, in the first stage with a partial out of
-bound, the rank whose partial leaves the bound first (step, then collective; export.json's
+outputs cannot say which rank is wrong. Each worker records, at every step, its graph's feeds,
+partial sums (the inputs of its sums) and expert choices; once the request is done
+(GridRunner.finish) it runs its rank's eager split model (k3export.model.parallel.split_model, over
+the same gloo group) one layer at a time over the recorded steps (k3export.check.runners.eager.
+EagerSide: each layer's part read or drawn when its turn comes), with caches of its own, and
+compares the partial sums with the split model's, in graph order. Each stage's references are fed
+the grid's own inputs to that stage, so a stage is judged alone: the first divergent stage and rank
+is, in the first stage with a partial out of bound, the rank whose partial leaves the bound first
+(step, then collective; export.json's
 "parallel" names its layer and whether it follows the attention or the FFN).
 
 Checking outputs (`build RECIPE --routing-outputs`): each rank's graph also outputs its expert
