@@ -18,6 +18,7 @@ import torch
 from reference import without_headroom
 
 from k3export.artifacts import file_record
+from k3export.check import driver
 from k3export.check.compare import TOLERANCES
 from k3export.check.driver import run_check
 from k3export.check.taps import compare_taps, first_divergent
@@ -185,18 +186,22 @@ def float16_taps_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_half_precision_envelope_passes_the_export_and_names_a_corrupted_layer(float16_taps_export, tmp_path):
+def test_half_precision_envelope_passes_the_export_and_names_a_corrupted_layer(float16_taps_export, tmp_path,
+                                                                               monkeypatch):
     """float16: the clean export has no divergent tap (each within half_precision_tolerance of the
     eager float16-vs-float32 spread so far), and a MoE layer's corrupted weight is named. The eager
     side streamed one layer at a time gives the in-memory side's numbers, taps and held expert
-    choices included, bit for bit, and names the corrupted layer too."""
+    choices included, bit for bit (with every recorded array on disk, as large ones are), and names
+    the corrupted layer too."""
     clean = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None,
                       eager="in-memory")
     assert clean["taps"]["first_divergent"] is None
     bounds = [t["bound"] for t in clean["taps"]["steps"][0]["taps"]]
     assert all(0.02 <= b <= 0.1 for b in bounds)  # float16's fixed bound .. HALF_REL_CAP
+    monkeypatch.setattr(driver, "SPILL_BYTES", 0)
     streamed = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None,
                          eager="streamed")
+    assert streamed["recorded_bytes_on_disk"] > 0 == clean["recorded_bytes_on_disk"]
     assert streamed["eager"]["mode"] == "streamed" and clean["eager"]["mode"] == "in-memory"
     assert streamed["held_routing"] and streamed["routing_flips"] == clean["routing_flips"]
     assert streamed["steps"] == clean["steps"] and streamed["taps"] == clean["taps"]

@@ -244,7 +244,8 @@ class Recording:
         path = Path(self.folder.name) / f"{self.bytes_on_disk:x}.npy"
         np.save(path, array)
         self.bytes_on_disk += array.nbytes
-        return np.load(path, mmap_mode="r")
+        # Copy-on-write: torch takes only writable arrays; an ndarray on the mapping, not a np.memmap.
+        return np.asarray(np.load(path, mmap_mode="c"))
 
     def add(self, feed: Arrays, valid: Arrays, choices: dict[int, np.ndarray]) -> None:
         kept = ({k: self._kept(a) for k, a in d.items()} for d in (feed, valid, choices))

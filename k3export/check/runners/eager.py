@@ -200,6 +200,39 @@ class EagerSide:
         graph = ExportGraph(model, span, self.last_logits, self.taps)
         return Float32Boundary(graph, Signature(manifest).inputs) if model.dtype == torch.bfloat16 else graph
 
+    def _run_span(self, span: range, first: bool, feeds: list[Arrays],
+                  choices: list[dict[int, np.ndarray]] | None, state: list[list[Arrays]],
+                  on_outputs: OnOutputs) -> int:
+        """One span over every step (see run); its weights and caches are gone when it returns. Returns
+        the bytes of weights it read."""
+        models = [self.model_for(d, span) for d in self.dtypes]
+        # The model's own config: a rank's split model has its share of the heads (and caches).
+        manifest = span_manifest(models[0].config, span, self.dtype, self.capacity, self.last_logits,
+                                 self.taps)
+        signature = Signature(carried(manifest))
+        self.nonfinite_weights += nonfinite_tensors(models[0].named_parameters())
+        with contextlib.ExitStack() as running:
+            runners = [running.enter_context(EagerRunner(self._graph(m, span, manifest), name, signature))
+                       for m, name in zip(models, self.names, strict=True)]
+            for runner in runners:
+                runner.reset(len(feeds[0]["input_lengths"]))
+            for t, feed in enumerate(feeds):
+                outs = []
+                for i, (runner, model) in enumerate(zip(runners, models, strict=True)):
+                    step_feed = {n: feed[n] for n in ("cache_lengths", "input_lengths")}
+                    for spec in signature.feeds:
+                        if spec.name not in step_feed:
+                            step_feed[spec.name] = feed[spec.name] if first else state[i][t][spec.name]
+                    held = [choices[t][layer] for layer in span if layer in choices[t]] if choices else []
+                    with held_routing(model, held) if held else contextlib.nullcontext([]) as flipped:
+                        # The float32 model takes the half-precision feeds, unlike its metadata says.
+                        out = runner.infer(step_feed, check_inputs=False)
+                    self.flips[runner.name][t] += sum(flipped)
+                    state[i][t] = {n: a for n, a in out.items() if passed_on(n)}
+                    outs.append(out)
+                on_outputs(t, outs)
+        return sum(weight_bytes(m, span, m.dtype) for m in models)
+
     def run(self, feeds: list[Arrays], choices: list[dict[int, np.ndarray]] | None,
             on_outputs: OnOutputs) -> list[list[Arrays]]:
         """Every span over every step: `feeds[t]` is step t's request (the first span's inputs and the
@@ -210,39 +243,9 @@ class EagerSide:
         reset_peak_memory()
         self.flips = {name: [0] * steps for name in self.names}
         state = [[{} for _ in feeds] for _ in self.dtypes]  # per model and step: what the last span passed on
-        batch = len(feeds[0]["input_lengths"])
         for k, span in enumerate(self.spans):
-            models = [self.model_for(d, span) for d in self.dtypes]
-            # The model's own config: a rank's split model has its share of the heads (and caches).
-            manifest = span_manifest(models[0].config, span, self.dtype, self.capacity, self.last_logits,
-                                     self.taps)
-            signature = Signature(carried(manifest))
-            read = sum(weight_bytes(m, span, m.dtype) for m in models)
+            read = self._run_span(span, k == 0, feeds, choices, state, on_outputs)
             self.bytes_read += read
-            self.nonfinite_weights += nonfinite_tensors(models[0].named_parameters())
-            runners = [EagerRunner(self._graph(m, span, manifest), name, signature)
-                       for m, name in zip(models, self.names, strict=True)]
-            for runner in runners:
-                runner.activate()
-                runner.reset(batch)
-            for t, feed in enumerate(feeds):
-                outs = []
-                for i, (runner, model) in enumerate(zip(runners, models, strict=True)):
-                    step_feed = {n: feed[n] for n in ("cache_lengths", "input_lengths")}
-                    for spec in signature.feeds:
-                        if spec.name not in step_feed:
-                            step_feed[spec.name] = state[i][t][spec.name] if k else feed[spec.name]
-                    held = [choices[t][layer] for layer in span if layer in choices[t]] if choices else []
-                    with held_routing(model, held) if held else contextlib.nullcontext([]) as flipped:
-                        # The float32 model takes the half-precision feeds, unlike its metadata says.
-                        out = runner.infer(step_feed, check_inputs=False)
-                    self.flips[runner.name][t] += sum(flipped)
-                    state[i][t] = {n: a for n, a in out.items() if passed_on(n)}
-                    outs.append(out)
-                on_outputs(t, outs)
-            for runner in runners:
-                runner.deactivate()
-            del runners, models  # this span's weights and caches go before the next span's come
             elapsed = time.perf_counter() - start
             where = f"layer {span.start}" if len(span) == 1 else f"layers {span.start}..{span.stop - 1}"
             self.log(f"eager: {where} ({k + 1}/{len(self.spans)} spans) over "
