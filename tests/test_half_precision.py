@@ -235,7 +235,8 @@ def float16_chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_float16_chain_is_checked_held_to_its_stages_routing_outputs(float16_chain: Path, tmp_path: Path,
                                                                     capsys) -> None:
     """check --build of a float16 stage chain built with routing outputs: each stage's expert choices
-    read from its graph outputs (one routing.{layer} a MoE layer of the stage), the check passes; with
+    read from its graph outputs (one routing.{layer} a MoE layer of the stage), the check passes (its
+    eager side in memory, or streamed with the same numbers); with
     stage 1's routed experts' up projection (after their norm) scaled by 1.5 it fails, naming stage 1."""
     from test_parallel_grid import scale_weight
 
@@ -245,9 +246,14 @@ def test_float16_chain_is_checked_held_to_its_stages_routing_outputs(float16_cha
     config = K3Config.from_json(float16_chain / "stage-0/config.json")
     assert [[s["name"] for s in m["routing_outputs"]] for m in stages] == [
         [f"routing.{i}" for i in range(*m["layers"]) if not config.is_dense(i)] for m in stages]
-    assert main(["check", "--build", str(float16_chain), "--steps", "1", "--prompt-len", "8", "--json"]) == 0
+    check = ["check", "--build", str(float16_chain), "--steps", "1", "--prompt-len", "8", "--json"]
+    assert main([*check, "--eager", "in-memory"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["held_routing"] and report["routing_read_from"] == "graph outputs"
+    # The eager side streamed one layer at a time: the same numbers, held to the same choices.
+    assert main([*check, "--eager", "streamed"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert streamed["eager"]["mode"] == "streamed" and streamed["steps"] == report["steps"]
     bad = shutil.copytree(float16_chain, tmp_path / "bad")
     layer = stages[1]["layers"][0]
     scale_weight(bad, 1, None, f"layers.{layer}.block_sparse_moe.routed_expert_up_proj.weight", 1.5)
