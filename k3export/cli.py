@@ -182,6 +182,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from k3export.check.driver import run_check
 
     extra = {"taps": True} if args.taps else {}
+    if args.stage is not None and not args.build:
+        raise UserError("--stage: expected --build DIR (one stage of a sharded build, with all its ranks)")
     if args.runner and not args.build:
         raise UserError("--runner: expected --build DIR (a build's engines, or its ONNX graphs on CPU); "
                         "--engine FILE always runs the engine, --onnx DIR ONNX Runtime")
@@ -204,6 +206,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         from k3export.check.runners.chain import run_build_check
         run = run_build_check
         extra["runner"] = args.runner
+        extra["stage"] = args.stage
     else:
         run = run_check
     if args.report:
@@ -211,7 +214,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         out = report_dir(args.report)  # refused before the check runs, not after
     report = run(args.network or args.engine or args.build or args.onnx, steps=args.steps, seed=args.seed,
                  batch=args.batch, prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print,
-                 **extra)
+                 eager=args.eager, **extra)
     from k3export.check.machine import machine_line
 
     verdict = _check_verdict(report)
@@ -456,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(export)
     export.set_defaults(run=cmd_export)
 
+    from k3export.options import AUTO, EAGER_MODES
     from k3export.runtime.engines import RUNNERS
 
     check = sub.add_parser("check", help="an artifact (an export, its network, an engine, a build) against "
@@ -477,6 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(and rank)")
     check.add_argument("--runner", choices=RUNNERS, help="with --build: the build's TensorRT engines (on "
                        "GPUs; the default when it has them) or its ONNX graphs in ONNX Runtime (CPU)")
+    check.add_argument("--stage", metavar="I", type=non_negative_int,
+                       help="with --build: stage I alone (all its ranks, one a GPU), against the eager model "
+                       "of its layers, its input boundary computed by the eager model of the layers before")
+    check.add_argument("--eager", choices=EAGER_MODES, default=AUTO,
+                       help="how the eager side runs: streamed (one layer's weights at a time, over every "
+                       "step), in-memory (one stage's), or auto (in-memory when it fits in memory)")
     check.add_argument("--steps", type=non_negative_int, default=16,
                        help="greedy decode steps after the prefill")
     check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")

@@ -194,3 +194,8 @@ def require_request_fits(request: str, manifests: list[dict[str, Any]], batch: i
     holds = f"the caches and the prefill's inputs and outputs at batch {batch}, {prompt_len} tokens"
     require_memory(copies * call_bytes(manifests, batch, prompt_len), request,
                    holds + (f", {copies} copies" if copies > 1 else ""))
+
+
+# check --eager: how the eager side runs (k3export.check.runners.eager.plan_eager).
+STREAMED, IN_MEMORY, AUTO = "streamed", "in-memory", "auto"
+EAGER_MODES = (STREAMED, IN_MEMORY, AUTO)

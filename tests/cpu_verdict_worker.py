@@ -3,8 +3,8 @@ ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY are read once per process.
 
     python tests/cpu_verdict_worker.py SPEC.json
 
-SPEC: [{"kind": "onnx" | "network", "folder": DIR, "steps": N}, ...]. Prints the checks' reports, a
-JSON list.
+SPEC: [{"kind": "onnx" | "network", "folder": DIR, "steps": N, "eager": "in-memory" | "streamed"}, ...].
+Prints the checks' reports, a JSON list.
 """
 
 from __future__ import annotations
@@ -19,5 +19,5 @@ from k3export.check.runners.network import run_network_check
 if __name__ == "__main__":
     runs = {"onnx": run_check, "network": run_network_check}
     checks = json.loads(Path(sys.argv[1]).read_text())
-    print(json.dumps([runs[c["kind"]](c["folder"], steps=c["steps"], log=lambda line: None) for c in checks],
-                     default=str))
+    print(json.dumps([runs[c["kind"]](c["folder"], steps=c["steps"], eager=c["eager"], log=lambda line: None)
+                      for c in checks], default=str))

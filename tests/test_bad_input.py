@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 from refusals import REFUSALS, Refusal
+from safetensors.torch import load_file, save_file
 
 from k3export.artifacts import sha256
+from k3export.check.driver import run_check
 from k3export.cli import build_parser, main
-from k3export.weights.checkpoint import INDEX_NAME, save_checkpoint
+from k3export.weights.checkpoint import INDEX_NAME, CheckpointError, save_checkpoint
 
 
 def k3export(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -350,7 +352,48 @@ def test_a_nan_weight_fails_the_check_naming_it(tiny_model, tmp_path):
     save_checkpoint(model, tmp_path / "ckpt")
     exported = k3export("export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x"))
     assert exported.returncode == 0, exported.stderr[-2000:]
+    # The checkpoint, once it lacks one tensor of layer 7, is refused naming it before the check
+    # starts, although the streamed eager side would read layer 7 only after the graph's every step.
+    file = tmp_path / "ckpt" / "model.safetensors"
+    whole = file.read_bytes()
+    missing = "model.layers.7.input_layernorm.weight"
+    save_file({k: v for k, v in load_file(file).items() if k != missing}, file)
+    refused(k3export("check", "--onnx", str(tmp_path / "x"), "--steps", "1", "--eager", "streamed"),
+            str(tmp_path / "ckpt"), "missing (1)", missing)
+    assert not [p for p in (tmp_path / "x" / "check").rglob("*") if p.is_file()]  # nothing written
+    started = []  # the artifact's runner, had the check started
+    with pytest.raises(CheckpointError, match=missing):
+        run_check(tmp_path / "x", steps=1, eager="streamed", log=lambda _: None,
+                  graph_runner=lambda signature, extra: started.append(signature))
+    assert not started
+    file.write_bytes(whole)
     result = k3export("check", "--onnx", str(tmp_path / "x"), "--steps", "1")
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"NaN/Inf first in {name} at weights" in result.stdout
     assert "NaN/Inf in" in result.stdout and "prefill" in result.stdout
+
+
+def test_an_eager_side_that_does_not_fit_is_refused_with_the_numbers(monkeypatch):
+    """check's eager side on a machine with too little memory: auto streams it when the stage does not
+    fit (k3-tiny float16: a few MB of weights with the float32 twin, under 1 MB a layer); a mode
+    that does not fit is refused before anything runs, naming both numbers."""
+    from k3export.check.runners import eager
+    from k3export.config import K3Config
+    from k3export.errors import UserError
+
+    config = K3Config.from_preset("k3-tiny")
+    monkeypatch.setattr(eager, "available_memory", lambda: 1_000_000)
+    plan = eager.plan_eager("auto", config, "float16", {"seed": 0}, [range(0, 9)])
+    assert plan.mode == "streamed" and "do not fit in the 0.001 GB available" in plan.why
+    assert plan.spans == [range(i, i + 1) for i in range(9)]
+    assert plan.streamed_bytes < 1e6 < plan.in_memory_bytes
+    with pytest.raises(UserError, match=r"--eager in-memory: the largest stage of the eager model and its "
+                       r"float32 twin holds 0\.00\d+ GB of weights and this machine has 0\.001 GB "
+                       "available; "
+                       "check with --eager streamed"):
+        eager.plan_eager("in-memory", config, "float16", {"seed": 0}, [range(0, 9)])
+    monkeypatch.setattr(eager, "available_memory", lambda: 100_000)
+    with pytest.raises(UserError, match=r"--eager streamed: one layer of the eager model and its float32 "
+                       r"twin holds 0\.000\d+ GB of weights and this machine has 0\.0001 GB available"):
+        eager.plan_eager("auto", config, "float16", {"seed": 0}, [range(0, 9)])
+

@@ -32,6 +32,14 @@ def test_engine_arguments_are_refused_naming_the_culprit(tiny_export, tmp_path, 
     (build / "manifest.json").write_text(json.dumps({"stages": [{"folder": "stage-0"}]}))
     assert main(["check", "--engine", str(build)]) == 2
     assert "stages hold no engines" in capsys.readouterr().err
+    # A split build's ranks have engines that cannot run alone: named, with the command that can.
+    ranks = [{"stage": 0, "rank": r, "folder": f"stage-0/rank-{r}", "engine": f"stage-0/rank-{r}/r.engine"}
+             for r in range(2)]
+    (build / "manifest.json").write_text(json.dumps({"stages": [{"folder": "stage-0", "engine": None,
+                                                                 "ranks": ranks}]}))
+    assert main(["check", "--engine", str(build)]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "a build split over 2 ranks a stage" in err and f"check --build {build} --stage I" in err
 
 
 def test_no_gpu_is_refused_with_what_is_missing(tiny_export, tmp_path, capsys, monkeypatch):

@@ -89,15 +89,22 @@ def legs(exports: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     for leg, (env, pairs) in LEGS.items():
         variants = VARIANTS if not env else [(False, False), (False, True)]
         checks = [(dtype, kind, routed, perturbed) for dtype, kind in pairs for routed, perturbed in variants]
+        # The default leg also runs each export as it is with the eager side streamed.
+        streamed = [] if env else [(dtype, kind) for dtype, kind in pairs]
         spec = root / f"{leg}.json"
         spec.write_text(json.dumps([{"kind": kind, "folder": str(exports[dtype, routed, perturbed]),
-                                     "steps": 0 if perturbed else 2}
-                                    for dtype, kind, routed, perturbed in checks]))
+                                     "steps": 0 if perturbed else 2, "eager": "in-memory"}
+                                    for dtype, kind, routed, perturbed in checks]
+                                   + [{"kind": kind, "folder": str(exports[dtype, False, False]), "steps": 2,
+                                       "eager": "streamed"} for dtype, kind in streamed]))
         clean = {k: v for k, v in os.environ.items() if k not in KNOBS}
         done = subprocess.run([sys.executable, str(HERE / "cpu_verdict_worker.py"), str(spec)],
                               env={**clean, **env}, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        results[leg] = dict(zip(checks, json.loads(done.stdout.splitlines()[-1]), strict=True))
+        reports = json.loads(done.stdout.splitlines()[-1])
+        results[leg] = dict(zip(checks, reports[:len(checks)], strict=True))
+        if streamed:
+            results["streamed"] = dict(zip(streamed, reports[len(checks):], strict=True))
     return results
 
 
@@ -144,6 +151,19 @@ def test_routing_outputs_are_read_and_change_nothing_else(legs: dict, dtype: str
     assert numbers(routed) == numbers(plain)
     failed = legs["default"][dtype, kind, True, True]
     assert not failed["passed"] and "logits" in failed["failed_outputs"]
+
+
+@pytest.mark.parametrize(("dtype", "kind"), LEGS["default"][1], ids=lambda value: value)
+def test_streamed_eager_side_gives_the_in_memory_numbers(legs: dict, dtype: str, kind: str) -> None:
+    """float16 (--onnx, --network) and bfloat16 (--network): the eager side streamed one layer at a time
+    (each layer's weights built when its turn comes, the AttnRes state passed on per step) reports
+    what the eager model held whole reports, every number bit for bit (the same ops on the same
+    inputs), held to the same expert choices."""
+    streamed, in_memory = legs["streamed"][dtype, kind], legs["default"][dtype, kind, False, False]
+    assert streamed["eager"]["mode"] == "streamed" and in_memory["eager"]["mode"] == "in-memory"
+    assert len(streamed["eager"]["spans"]) == K3Config.from_preset("k3-tiny").num_hidden_layers
+    assert streamed["steps"] == in_memory["steps"] and streamed["passed"]
+    assert streamed["routing_flips"] == in_memory["routing_flips"]
 
 
 def test_export_option_adds_each_moe_layers_choices(tmp_path: Path) -> None:
@@ -216,7 +236,8 @@ def float16_chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_float16_chain_is_checked_held_to_its_stages_routing_outputs(float16_chain: Path, tmp_path: Path,
                                                                     capsys) -> None:
     """check --build of a float16 stage chain built with routing outputs: each stage's expert choices
-    read from its graph outputs (one routing.{layer} a MoE layer of the stage), the check passes; with
+    read from its graph outputs (one routing.{layer} a MoE layer of the stage), the check passes (its
+    eager side in memory, or streamed with the same numbers); with
     stage 1's routed experts' up projection (after their norm) scaled by 1.5 it fails, naming stage 1."""
     from test_parallel_grid import scale_weight
 
@@ -226,9 +247,14 @@ def test_float16_chain_is_checked_held_to_its_stages_routing_outputs(float16_cha
     config = K3Config.from_json(float16_chain / "stage-0/config.json")
     assert [[s["name"] for s in m["routing_outputs"]] for m in stages] == [
         [f"routing.{i}" for i in range(*m["layers"]) if not config.is_dense(i)] for m in stages]
-    assert main(["check", "--build", str(float16_chain), "--steps", "1", "--prompt-len", "8", "--json"]) == 0
+    check = ["check", "--build", str(float16_chain), "--steps", "1", "--prompt-len", "8", "--json"]
+    assert main([*check, "--eager", "in-memory"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["held_routing"] and report["routing_read_from"] == "graph outputs"
+    # The eager side streamed one layer at a time: the same numbers, held to the same choices.
+    assert main([*check, "--eager", "streamed"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert streamed["eager"]["mode"] == "streamed" and streamed["steps"] == report["steps"]
     bad = shutil.copytree(float16_chain, tmp_path / "bad")
     layer = stages[1]["layers"][0]
     scale_weight(bad, 1, None, f"layers.{layer}.block_sparse_moe.routed_expert_up_proj.weight", 1.5)

@@ -259,8 +259,10 @@ def bounded_check(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Path, capsys) -> None:
     """One command: the 4 ranks' workers started by check itself; the unsplit eager model's outputs,
     each KDA cache as the unsplit model holds it (both ranks' heads), and every rank's partial sums
-    within the bound."""
-    assert main(["check", "--build", str(grid_build), "--steps", "1", "--prompt-len", "8", "--json"]) == 0
+    within the bound. The unsplit eager side streamed one layer at a time gives the same numbers, bit
+    for bit; stage 1 alone (its 2 workers, its boundary from the eager layers before it) passes too."""
+    check = ["check", "--build", str(grid_build), "--steps", "1", "--prompt-len", "8", "--json"]
+    assert main([*check, "--eager", "in-memory"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["ranks"] == 2 and report["first_divergent_rank"] is None
     compared = {c["name"] for c in report["steps"][0]["outputs"]}
@@ -268,6 +270,13 @@ def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Pa
     for step in report["steps"]:
         assert [(e["stage"], e["rank"]) for e in step["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert all(e["passed"] and not e["differs_from_rank_0"] for e in step["ranks"])
+    assert main([*check, "--eager", "streamed"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert streamed["eager"]["mode"] == "streamed" and streamed["steps"] == report["steps"]
+    assert main([*check, "--eager", "streamed", "--stage", "1"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["passed"] and alone["stage_numbers"] == [1]
+    assert [(e["stage"], e["rank"]) for e in alone["steps"][0]["ranks"]] == [(1, 0), (1, 1)]
 
 
 @pytest.mark.usefixtures("bounded_check")

@@ -159,9 +159,22 @@ def test_host_memory_of_a_check(capsys, dtype: str) -> None:
     plan = json.loads(capsys.readouterr().out)
     config = K3Config.from_preset("k3-tiny")
     dtypes = [torch.float32] if dtype == "float32" else [getattr(torch, dtype), torch.float32]
-    expected = 0
+    expected, models = 0, []
     for torch_dtype in dtypes:
         with torch.device("meta"):
-            model = K3ForCausalLM(config, torch_dtype)
-        expected += sum(p.numel() * p.element_size() for p in model.parameters())
+            models.append(K3ForCausalLM(config, torch_dtype))
+        expected += sum(p.numel() * p.element_size() for p in models[-1].parameters())
     assert sum(s["memory"]["check_host"] for s in plan["stages"]) == expected
+
+    def held(layer: int, models: list[K3ForCausalLM]) -> int:
+        """What running one layer holds: its parts' weights in each model."""
+        return sum(p.numel() * p.element_size() for model in models
+                   for part in model.parts(range(layer, layer + 1)) for p in part.parameters())
+
+    # Streamed (check --eager streamed): the heaviest layer of the stage with its float32 twin, or of
+    # the layers before it (check --stage I computes its input with them, one model).
+    for stage in plan["stages"]:
+        start, stop = stage["layers"]
+        heaviest = max([held(i, models) for i in range(start, stop)]
+                       + [held(i, models[:1]) for i in range(start)])
+        assert stage["memory"]["check_host_streamed"] == heaviest < stage["memory"]["check_host"]

@@ -452,8 +452,15 @@ def perturb_stage_weights(build: Path, stage: int) -> None:
 
 
 def test_check_build_names_the_divergent_stage(onnx_build, tmp_path: Path) -> None:
+    """The chain passes, its eager side held whole a stage at a time or streamed one layer at a time
+    with the same numbers, taps included, bit for bit; a perturbed stage fails and is named."""
     out, _ = onnx_build
-    report = run_build_check(out, steps=4, batch=2, prompt_len=12, log=lambda _: None, taps=True)
+    report = run_build_check(out, steps=4, batch=2, prompt_len=12, log=lambda _: None, taps=True,
+                             eager="in-memory")
+    streamed = run_build_check(out, steps=4, batch=2, prompt_len=12, log=lambda _: None, taps=True,
+                               eager="streamed")
+    assert report["eager"]["spans"] == report["stages"] and len(streamed["eager"]["spans"]) == 9
+    assert streamed["steps"] == report["steps"] and streamed["taps"] == report["taps"]
     assert report["passed"] and report["first_divergent_stage"] is None
     assert report["taps"]["first_divergent"] is None
     assert all(s["rel"] <= 1e-4 for step in report["steps"] for s in step["stages"])
@@ -466,6 +473,33 @@ def test_check_build_names_the_divergent_stage(onnx_build, tmp_path: Path) -> No
     report = run_build_check(bad, steps=2, batch=2, prompt_len=12, log=lambda _: None)
     assert not report["passed"] and report["first_divergent_stage"] == 1
     assert report["steps"][0]["stages"][0]["passed"]
+
+
+def test_check_build_a_stage_at_a_time(onnx_build, tmp_path: Path) -> None:
+    """check --build --stage I: stage I's outputs alone, against the eager model of its layers, its
+    input boundary computed by the eager model of the layers before it (streamed). Stage 0's prefill
+    is the whole chain's, number for number (the same tokens into the same graph and model); a later
+    stage takes the eager boundary where the chain feeds its own stage's, so its numbers differ in the
+    last bits and it passes the same bound. A perturbed stage alone fails, and is named."""
+    out, _ = onnx_build
+    chain = run_build_check(out, steps=0, batch=2, prompt_len=12, log=lambda _: None)
+    for i in (0, 2):
+        alone = run_build_check(out, steps=0, batch=2, prompt_len=12, log=lambda _: None, stage=i,
+                                eager="streamed")
+        assert alone["passed"] and alone["stage_numbers"] == [i] and alone["first_divergent_stage"] is None
+        outputs = json.loads((out / stage_folder(i) / "export.json").read_text())["outputs"]
+        theirs = {c["name"]: c for c in alone["steps"][0]["outputs"]}
+        assert set(theirs) == {s["name"] for s in outputs if not s["name"].startswith("taps.")}
+        ours = {c["name"]: c for c in chain["steps"][0]["outputs"] if c["name"] in theirs}
+        assert set(ours) == set(theirs)
+        if i == 0:
+            assert ours == theirs
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    perturb_stage_weights(bad, 1)
+    report = run_build_check(bad, steps=0, batch=2, prompt_len=12, log=lambda _: None, stage=1,
+                             eager="streamed")
+    assert not report["passed"] and report["first_divergent_stage"] == 1
 
 
 def test_the_documented_build_check(onnx_build, capsys) -> None:

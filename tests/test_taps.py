@@ -18,6 +18,7 @@ import torch
 from reference import without_headroom
 
 from k3export.artifacts import file_record
+from k3export.check import driver
 from k3export.check.compare import TOLERANCES
 from k3export.check.driver import run_check
 from k3export.check.taps import compare_taps, first_divergent
@@ -150,7 +151,7 @@ def test_check_taps_names_the_corrupted_layer(taps_export, tmp_path, capsys, art
 
 def test_the_documented_failing_check(taps_export, tmp_path, capsys):
     """docs/check.md's run (layer 5's routed up-projection scaled by 1.5): its first divergent tap and
-    verdict lines, as the code printed them before the check moved into k3export/check."""
+    verdict lines (since 2026-12 every side takes the artifact's greedy tokens: 19 mismatches, 17 before)."""
     broken = corrupt(taps_export, tmp_path / "broken", CORRUPTIONS[2][0])
     assert main(["check", "--onnx", str(broken), "--taps", "--steps", "4", "--prompt-len", "24"]) == 1
     out = capsys.readouterr().out.splitlines()
@@ -158,8 +159,8 @@ def test_the_documented_failing_check(taps_export, tmp_path, capsys):
     for line in ["first divergent: layer 5 ffn (taps.5.ffn) at prefill: rel 4.35e-01 > bound 1.0e-04, "
                  "cos 0.985791",
                  "FAILED: logits, present.6.k_conv, present.6.kda_state, present.6.q_conv, present.6.v_conv, "
-                 "present.7.mla_latent, present.8.mla_latent; 17 greedy tokens differ past the tie margin "
-                 "(float32, relative error <= 0.0001; greedy streams identical: False; token mismatches 17, "
+                 "present.7.mla_latent, present.8.mla_latent; 19 greedy tokens differ past the tie margin "
+                 "(float32, relative error <= 0.0001; greedy streams identical: False; token mismatches 19, "
                  "ties 0 of 44 positions)"]:
         assert line in map(without_headroom, out) and f"    {line}" in map(without_headroom, documented)
 
@@ -185,17 +186,29 @@ def float16_taps_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_half_precision_envelope_passes_the_export_and_names_a_corrupted_layer(float16_taps_export, tmp_path):
+def test_half_precision_envelope_passes_the_export_and_names_a_corrupted_layer(float16_taps_export, tmp_path,
+                                                                               monkeypatch):
     """float16: the clean export has no divergent tap (each within half_precision_tolerance of the
-    eager float16-vs-float32 spread so far), and a MoE layer's corrupted weight is named."""
-    clean = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None)
+    eager float16-vs-float32 spread so far), and a MoE layer's corrupted weight is named. The eager
+    side streamed one layer at a time gives the in-memory side's numbers, taps and held expert
+    choices included, bit for bit (with every recorded array on disk, as large ones are), and names
+    the corrupted layer too."""
+    clean = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None,
+                      eager="in-memory")
     assert clean["taps"]["first_divergent"] is None
     bounds = [t["bound"] for t in clean["taps"]["steps"][0]["taps"]]
     assert all(0.02 <= b <= 0.1 for b in bounds)  # float16's fixed bound .. HALF_REL_CAP
+    monkeypatch.setattr(driver, "SPILL_BYTES", 0)
+    streamed = run_check(float16_taps_export, steps=2, prompt_len=12, taps=True, log=lambda _: None,
+                         eager="streamed")
+    assert streamed["recorded_bytes_on_disk"] > 0 == clean["recorded_bytes_on_disk"]
+    assert streamed["eager"]["mode"] == "streamed" and clean["eager"]["mode"] == "in-memory"
+    assert streamed["held_routing"] and streamed["routing_flips"] == clean["routing_flips"]
+    assert streamed["steps"] == clean["steps"] and streamed["taps"] == clean["taps"]
     broken = corrupt(float16_taps_export, tmp_path / "broken", CORRUPTIONS[2][0])
-    report = run_check(broken, steps=2, prompt_len=12, taps=True, log=lambda _: None)
+    report = run_check(broken, steps=2, prompt_len=12, taps=True, log=lambda _: None, eager="streamed")
     first = report["taps"]["first_divergent"]
-    assert (first["layer"], first["sublayer"]) == CORRUPTIONS[2][1:]
+    assert not report["passed"] and (first["layer"], first["sublayer"]) == CORRUPTIONS[2][1:]
 
 
 def test_half_precision_envelope_passes_the_clean_decode_steps(float16_taps_export):

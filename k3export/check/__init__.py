@@ -4,14 +4,17 @@ Shaped as Polygraphy shapes its own (a comparator that feeds every runner the sa
 runner per backend):
 
     driver.py      the requests (a prefill of right-padded prompts, then greedy decode steps), the
-                   comparison per step, the verdict; `run_check` for an export folder (--onnx)
+                   artifact's steps recorded, the eager side after them, the comparison per step,
+                   the verdict; `run_check` for an export folder (--onnx)
     compare.py     relative error, cosine, tolerances, token agreement with ties, the verdict's rules
     taps.py        per-layer taps compared, and the first divergent layer (export --taps)
     routing.py     holding the eager routers to the graph's expert choices (half precision)
     report.py      --report DIR: report.json, report.md and plots
     runners/       one runner per artifact, each on k3export.onnx.runner.StatefulRunner (which holds
                    the caches, reset, input metadata and the request check once): eager.py (the
-                   reference), network.py (--network), engine.py (--engine), chain.py (--build);
+                   reference, run a span of layers at a time: one layer streamed, one stage in
+                   memory), network.py (--network), engine.py (--engine), chain.py (--build, and
+                   --stage), grid.py (a build split over ranks);
                    ONNX Runtime's runner (--onnx) is k3export.onnx.runner.BoundOnnxrtRunner, which
                    the sharded runtime uses too
 

@@ -2,10 +2,13 @@
 step by step, and the verdict.
 
 `compare_with_eager` serves every artifact: it takes the artifact's runner (k3export.check.runners,
-on k3export.onnx.runner.StatefulRunner) and runs it beside `EagerRunner` (the PyTorch model), each
-holding its own caches, as a serving runtime does. The requests: a prefill of a right-padded batch
-of prompts of different lengths from empty caches, then greedy decode steps in which every side
-takes the reference's token, so that a near-tie cannot derail the comparison. Only the valid entries
+on k3export.onnx.runner.StatefulRunner) and the eager model (k3export.check.runners.eager.EagerSide),
+each holding its own caches, as a serving runtime does. The requests: a prefill of a right-padded
+batch of prompts of different lengths from empty caches, then greedy decode steps in which every
+side takes the artifact's token, so that a near-tie cannot derail the comparison. The artifact runs
+every step first, recorded (`Recording`); the eager side then follows on the same feeds a span of
+layers at a time (one layer streamed, one stage in memory), and each step is judged once its last
+output is in (`StepStats`). Only the valid entries
 are compared (k3export.check.compare): each row's first input_lengths[b] positions, the cache rows
 written so far, and the KDA states and conv tails. A request that does not fit the cache capacity is
 refused before any runner runs. `run_check` is `check --onnx DIR` (and, with an engine's runner,
@@ -31,9 +34,11 @@ repeats the prefill comparison from the command line (the report prints the exac
 
 from __future__ import annotations
 
-import contextlib
+import math
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,24 +51,26 @@ from polygraphy.logger import G_LOGGER
 from k3export.artifacts import OutputDir, require, verify, write_json
 from k3export.check.compare import (
     TOLERANCES,
+    Comparison,
+    TokenAgreement,
     Tolerance,
     compare,
     half_precision_tolerance,
-    nonfinite_tensors,
     top1_agreement,
     verdict,
 )
 from k3export.check.machine import machine
-from k3export.check.routing import held_routing, routing_outputs
-from k3export.check.runners.eager import EagerRunner, Float32Boundary
+from k3export.check.routing import routing_outputs
+from k3export.check.runners.eager import EagerSide, carried, plan_eager, require_fits_disk
 from k3export.check.taps import compare_taps, first_divergent
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, TensorSpec, resolve_shape
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, TensorSpec, resolve_shape
 from k3export.onnx.runner import BoundOnnxrtRunner, Signature, StatefulRunner, numpy_dtype
-from k3export.options import require_request_fits
+from k3export.onnx.taps import parse_tap
+from k3export.options import AUTO, require_request_fits
 from k3export.progress import track
-from k3export.weights.checkpoint import build_model
+from k3export.weights.checkpoint import check_weights
 
 CHECK_DIR, CHECK_MANIFEST = "check", "check.json"
 # Elementwise tolerances for the `polygraphy run` replay: |a - b| <= atol + rtol |b|.
@@ -153,13 +160,14 @@ def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
 
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
               prompt_len: int = 70, log: Any = print, taps: bool = False,
-              graph_runner: Callable[[Signature, list[str]], StatefulRunner] | None = None) -> dict[str, Any]:
+              graph_runner: Callable[[Signature, list[str]], StatefulRunner] | None = None,
+              eager: str = AUTO) -> dict[str, Any]:
     """A prefill of `batch` prompts of different lengths (the longest `prompt_len`), right-padded,
     then `steps` decode steps, ONNX Runtime against eager; returns the report (see "passed"). The
     replay files and the report go to DIR/check (a folder of check's own, replaced each run).
     `taps`: also compare the export's taps (export --taps) and name the first divergent layer.
     `graph_runner(signature, extra outputs)`: the artifact's runner in place of ONNX Runtime
-    (check --engine)."""
+    (check --engine). `eager`: how the eager side runs (k3export.check.runners.eager.plan_eager)."""
     onnx_dir = Path(onnx_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
     manifest, config, lengths = planned(onnx_dir, taps, batch, prompt_len, steps)
@@ -178,7 +186,7 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
             graph_runner or (lambda sig, extra: BoundOnnxrtRunner(graph, sig, extra_outputs=extra)),
             steps, seed, lengths, log, taps,
             on_prefill=(lambda feed, golden: _save_replay(stage, signature, feed, golden, len(lengths)))
-            if replayable else None)
+            if replayable else None, eager=eager)
         report["aliased"] = dict(session.aliased)
         if replayable:
             report["polygraphy_command"] = _replay_command(onnx_dir, manifest["dtype"], report)
@@ -206,124 +214,258 @@ def require_taps(manifest: dict[str, Any], folder: Path) -> None:
                         f"written with `k3export export --taps`")
 
 
-def tap_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]], lengths_after: np.ndarray,
-             input_lengths: np.ndarray, tolerance: Tolerance) -> dict[str, Any]:
-    """One step's taps compared (k3export.check.taps.compare_taps): outs as _compare_step's."""
-    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.taps}
-             for out in outs]
-    return {"step": label, "taps": compare_taps(valid[0], valid[1], valid[2] if len(outs) > 2 else None,
-                                                tolerance)}
+SPILL_BYTES = 16 << 20  # a recorded array past this is written to disk
 
 
-def carried(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The manifest with bfloat16 tensors declared float32, as they cross numpy."""
-    def widen(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{**s, "dtype": "float32" if s["dtype"] == "bfloat16" else s["dtype"]} for s in specs]
+@dataclass
+class Recorded:
+    """One step of the artifact, as the eager side follows it: its feeds, its compared outputs and
+    taps (valid entries only), its expert choices by layer."""
 
-    return {**manifest, "inputs": widen(manifest["inputs"]), "outputs": widen(manifest["outputs"])}
+    feed: Arrays
+    valid: Arrays
+    choices: dict[int, np.ndarray]
+
+
+class Recording:
+    """The artifact's steps, recorded before the eager side runs. An array past SPILL_BYTES is
+    written to a temporary folder and read back memory-mapped (at kimi-k3 widths a KDA state is
+    6.3 MB a row and the MLA cache 131,072 rows); the folder goes when the recording closes."""
+
+    def __init__(self) -> None:
+        self.steps: list[Recorded] = []
+        self.folder = tempfile.TemporaryDirectory(prefix="k3export-check-")
+        self.bytes_on_disk = 0
+
+    def _kept(self, array: np.ndarray) -> np.ndarray:
+        array = np.asarray(array)
+        if array.nbytes <= SPILL_BYTES:
+            return np.copy(array)  # a runner's buffers are reused by its next call
+        path = Path(self.folder.name) / f"{self.bytes_on_disk:x}.npy"
+        np.save(path, array)
+        self.bytes_on_disk += array.nbytes
+        # Copy-on-write: torch takes only writable arrays; an ndarray on the mapping, not a np.memmap.
+        return np.asarray(np.load(path, mmap_mode="c"))
+
+    def add(self, feed: Arrays, valid: Arrays, choices: dict[int, np.ndarray]) -> None:
+        kept = ({k: self._kept(a) for k, a in d.items()} for d in (feed, valid, choices))
+        self.steps.append(Recorded(*kept))
+
+    def close(self) -> None:
+        self.folder.cleanup()
+
+
+def recording_bytes(signature: Signature, lengths: list[int], steps: int, taps: bool) -> int:
+    """An upper bound of what the artifact's recorded outputs take: every compared output (and tap)
+    at every step, its "seq" the prompt's length at the prefill and 1 after, its "capacity" the
+    rows written by the last step."""
+    sizes = {"batch": len(lengths), "capacity": max(lengths) + steps}
+    specs = signature.compared + (signature.taps if taps else [])
+    return sum(math.prod(resolve_shape(s, {**sizes, "seq": seq})) * numpy_dtype(s.dtype).itemsize
+               for seq in [max(lengths)] + [1] * steps for s in specs)
+
+
+class StepStats:
+    """One step's comparisons, gathered as the eager side's spans give its outputs, and judged once
+    the step's last output is in: in half precision its bound and tie margin grow with the eager
+    half-vs-float32 spread over every output of the step (half_precision_tolerance)."""
+
+    def __init__(self, tolerance: Tolerance) -> None:
+        self.tolerance = tolerance
+        self.comparisons: dict[str, Comparison] = {}
+        self.half, self.spread, self.logit_spread = False, 0.0, 0.0
+        self.tokens: TokenAgreement | None = None
+
+    def add(self, name: str, actual: np.ndarray, reference: np.ndarray, float32: np.ndarray | None) -> None:
+        self.comparisons[name] = compare(name, actual, reference, self.tolerance)
+        if float32 is not None:
+            self.half = True
+            self.spread = max(self.spread, compare(name, reference, float32, self.tolerance).rel)
+            if name == "logits":
+                self.logit_spread = float(np.abs(reference.astype(np.float64) - float32).max())
+
+    def bound(self) -> Tolerance:
+        return half_precision_tolerance(self.tolerance, self.spread, self.logit_spread) if self.half \
+            else self.tolerance
+
+    def add_tokens(self, actual: np.ndarray, reference: np.ndarray, vocab: int) -> None:
+        """The greedy tokens, once every other output of the step is in (the margin needs the spread)."""
+        self.tokens = top1_agreement(actual.reshape(-1, vocab), reference.reshape(-1, vocab),
+                                     self.bound().margin)
+
+    def judged(self, label: str, signature: Signature, log: Any) -> dict[str, Any]:
+        """The step's report entry: each compared output (in signature order) against the step's bound."""
+        bound = self.bound().rel
+        comparisons = [replace(c, bound=bound, passed=c.finite and c.rel <= bound)
+                       for c in (self.comparisons[s.name] for s in signature.compared)]
+        step: dict[str, Any] = {"step": label, "outputs": [c.as_dict() for c in comparisons]}
+        worst = max(comparisons, key=lambda c: c.rel / c.bound)
+        line = f"{label:>10}: worst {worst.name} rel {worst.rel:.2e} (bound {worst.bound:.1e})"
+        if self.tokens:
+            tokens, logits = self.tokens, next(c for c in comparisons if c.name == "logits")
+            step["tokens"] = tokens.as_dict()
+            line += (f"; logits rel {logits.rel:.2e} cos {logits.cosine:.6f}; top-1 {tokens.agree}/"
+                     f"{tokens.positions} (ties {tokens.ties}, mismatches {tokens.mismatches})")
+        failed = [c.name for c in comparisons if not c.passed]
+        nonfinite = [c.name for c in comparisons if not c.finite]
+        if nonfinite:
+            step["nonfinite"] = nonfinite
+            line += f"; NaN/Inf in {', '.join(nonfinite)}"
+        log(line + (f"  FAILED: {', '.join(failed)}" if failed else ""))
+        return step
+
+
+def first_request(signature: Signature, lengths: list[int], vocab: int, gen: torch.Generator) -> Arrays:
+    """The prefill's feeds: right-padded prompts of `lengths` random tokens (or random AttnRes boundary
+    tensors for a range) from empty caches."""
+    feed = request(signature, None, [0] * len(lengths), lengths, vocab, gen)
+    # Pad with token 0, as a server would: any value works, none is read.
+    if "input_ids" in feed:
+        feed["input_ids"][np.arange(max(lengths)) >= np.array(lengths)[:, None]] = 0
+    return feed
 
 
 def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path | None,
                        graph_runner: Callable[[Signature, list[str]], StatefulRunner], steps: int, seed: int,
                        lengths: list[int], log: Any, taps: bool = False,
                        on_prefill: Callable[[Arrays, Arrays], None] | None = None,
-                       eager_graph: Callable[[torch.nn.Module, bool], Any] | None = None,
                        routing: list[str] | None = None,
-                       on_step: Callable[[dict[str, Any]], None] | None = None,
-                       ) -> tuple[dict[str, Any], StatefulRunner]:
+                       on_step: Callable[[int, dict[str, Any]], None] | None = None,
+                       stages: list[dict[str, Any]] | None = None, eager: str = AUTO,
+                       feeds: list[Arrays] | None = None) -> tuple[dict[str, Any], StatefulRunner]:
     """The one check driver, for every backend: `graph_runner(signature, extra_outputs)` (ONNX
-    Runtime, the parsed TensorRT network) against the eager model, and for half precision the eager
-    float32 model, all fed the same requests: a prefill of right-padded prompts of `lengths` from
-    empty caches, then `steps` greedy decode steps in which each side keeps its own caches and all
-    take the eager model's token. Half precision holds the eager routers to the graph's expert
-    choices (k3export.check.routing; `extra_outputs` are those tensors). Valid entries only are compared.
-    Returns the report, verdict included, and the graph's runner.
+    Runtime, the parsed TensorRT network, a chain of stages) against the eager model, and for half
+    precision the eager float32 model, on the same requests: a prefill of right-padded prompts of
+    `lengths` from empty caches, then `steps` greedy decode steps, each side with its own caches.
 
-    For an artifact that is not one graph (check --build: a chain of stage sessions) the caller
-    gives `eager_graph(model, taps)`, the eager model run the artifact's way with flat tensors in
-    and out in the manifest's order (default: ExportGraph over the manifest's layers), `routing`,
-    the graph runner's routing outputs in layer order (default: read from `graph`), and
-    `on_step(step)`, called with each step's report entry as it is made (to add its own columns)."""
+    The artifact runs every step first, taking its own greedy tokens (a graph without logits takes
+    random tokens or AttnRes tensors; `feeds`, when given, are every step's); its feeds, compared
+    outputs and taps (valid entries only) and expert choices are recorded (k3export.check.driver.
+    Recording). The eager side then follows on the same feeds, span of layers after span
+    (k3export.check.runners.eager.EagerSide: one layer a span streamed, one stage a span in memory,
+    `eager` says which or auto), held in half precision to the artifact's expert choices (extra
+    outputs `routing`, default: read from `graph`) step by step; each output is compared as its span
+    gives it, and each step judged once its last output is in. Returns the report, verdict
+    included, and the graph's runner.
+
+    For a chain of stages (check --build) `stages` are its stages' export.json (the in-memory spans)
+    and `on_step(index, step)` is called with each step's report entry once judged (to add columns)."""
     dtype = manifest["dtype"]
     tolerance = TOLERANCES[dtype]
     layers = range(*manifest["layers"])
-    last_logits = manifest.get("last_logits", False)
     signature = Signature(carried(manifest))
     tapped = "taps" in manifest  # the graph gives them, compared or not
-    log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {manifest['weights']}; "
+    weights = manifest["weights"]
+    log(f"eager reference: {config.num_hidden_layers} layers, {dtype}, weights {weights}; "
         f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
-    models = [build_model(config, getattr(torch, dtype), manifest["weights"], layers)]
-    nonfinite_weights = nonfinite_tensors(models[0].named_parameters())
-    if dtype != "float32":
-        models.append(build_model(config, torch.float32, manifest["weights"], layers))
+    plan = plan_eager(eager, config, dtype, weights, [range(*m["layers"]) for m in stages or [manifest]])
+    log(plan.line())
+    require_fits_disk(recording_bytes(signature, lengths, steps, taps), tempfile.gettempdir(), "check")
+    check_weights(config, getattr(torch, dtype), weights, layers)  # every layer's tensors, before any runs
     # Where the graph's expert choices are read: its own outputs (export --routing-outputs), or
     # intermediates the runner exposes.
     source = "graph outputs" if "routing_outputs" in manifest else "intermediates"
     if routing is None:
         routing = ([] if dtype == "float32" else [s["name"] for s in manifest["routing_outputs"]]
                    if source == "graph outputs" else routing_outputs(graph))
-    eager_graph = eager_graph or (lambda model, tapped: ExportGraph(model, layers, last_logits, tapped))
-    eager = eager_graph(models[0], tapped)
-    if dtype == "bfloat16":
-        eager = Float32Boundary(eager, Signature(manifest).inputs)
-    eager_runners = [EagerRunner(eager, "eager", signature)]
-    if dtype != "float32":
-        eager_runners.append(EagerRunner(eager_graph(models[1], tapped), "eager-float32", signature))
+    held = dict(zip(routing, (i for i in layers if not config.is_dense(i)), strict=True)) if routing else {}
     graph_side = graph_runner(signature, routing)
-    gen = torch.Generator().manual_seed(seed)
-    batch, prompt_len = len(lengths), max(lengths)
-    feed = request(signature, None, [0] * batch, lengths, config.vocab_size, gen)
-    # Pad with token 0, as a server would: any value works, none is read.
-    if "input_ids" in feed:
-        feed["input_ids"][np.arange(prompt_len) >= np.array(lengths)[:, None]] = 0
     report: dict[str, Any] = {"dtype": dtype, "tolerance": tolerance.__dict__, "prompt_lengths": lengths,
                               "capacity": signature.capacity, "held_routing": bool(routing),
                               "routing_read_from": source if routing else None, "steps": []}
-    tap_steps: list[dict[str, Any]] = []
-    streams: list[list[list[int]]] = [[], []]
-    cache_lengths = np.zeros(batch, np.int64)
-    with contextlib.ExitStack() as running:
-        for runner in [graph_side, *eager_runners]:
-            running.enter_context(runner)
-            runner.reset(batch)
-        for step in track(range(steps + 1), "check: prefill and decode steps"):
-            label = "prefill" if step == 0 else f"decode {step}"
-            graph_out = graph_side.infer(feed, check_inputs=False)
-            choices = [graph_out[name] for name in routing]
-            eager_outs, flips = [], {}
-            for runner, model in zip(eager_runners, models, strict=True):
-                with held_routing(model, choices) if routing else contextlib.nullcontext([]) as flipped:
-                    # The float32 model takes the graph's half-precision feeds, unlike its metadata says.
-                    eager_outs.append(runner.infer(feed, check_inputs=False))
-                flips[runner.name] = sum(flipped)
-            outs = [eager_outs[0], graph_out, *eager_outs[1:]]
-            if step == 0 and on_prefill:
-                on_prefill(feed, outs[0])
-            input_lengths = feed["input_lengths"]
-            cache_lengths = cache_lengths + input_lengths
-            report["steps"].append(_compare_step(label, signature, outs, cache_lengths, input_lengths,
-                                                 tolerance, log))
+    recording = Recording()
+    try:
+        streams = [_run_artifact(graph_side, signature, recording, held, steps, seed, lengths,
+                                 config.vocab_size, taps, feeds), []]
+        stats = [StepStats(tolerance) for _ in recording.steps]
+        tap_values: list[list[Arrays]] = [[r.valid] for r in recording.steps]  # per step: artifact, eager..
+        golden: Arrays = {}
+        outputs = {s.name: s for s in signature.outputs}
+        compared = {s.name for s in signature.compared}
+
+        def on_outputs(t: int, outs: list[Arrays]) -> None:
+            """One span's outputs at step t: compared with the artifact's as they come."""
+            recorded = recording.steps[t]
+            input_lengths = recorded.feed["input_lengths"]
+            after = recorded.feed["cache_lengths"] + input_lengths
+            if t == 0 and on_prefill:
+                golden.update({n: np.copy(a) for n, a in outs[0].items() if n in outputs})
+            valid = [{n: valid_entries(outputs[n], a, after, input_lengths) for n, a in out.items()
+                      if n in outputs} for out in outs]
+            for name in (n for n in valid[0] if n in compared):
+                stats[t].add(name, recorded.valid[name], valid[0][name],
+                             valid[1][name] if len(valid) > 1 else None)
+            if "logits" in valid[0]:
+                stats[t].add_tokens(recorded.valid["logits"], valid[0]["logits"], config.vocab_size)
+                streams[1].append(last_tokens(outs[0]["logits"], input_lengths.tolist())[:, 0].tolist())
             if taps:
-                tap_steps.append(tap_step(label, signature, outs, cache_lengths, input_lengths, tolerance))
+                for i, v in enumerate(valid, 1):
+                    if len(tap_values[t]) <= i:
+                        tap_values[t].append({})
+                    tap_values[t][i].update({n: a for n, a in v.items() if parse_tap(n)})
+
+        side = EagerSide(config, dtype, weights, plan.spans, signature.capacity,
+                         manifest.get("last_logits", False), tapped, log)
+        side.run([r.feed for r in recording.steps], [r.choices for r in recording.steps] if held else None,
+                 on_outputs)
+        if on_prefill:
+            on_prefill(recording.steps[0].feed, {s.name: golden[s.name] for s in signature.outputs})
+        tap_steps = []
+        for t, step_stats in enumerate(stats):
+            label = "prefill" if t == 0 else f"decode {t}"
+            report["steps"].append(step_stats.judged(label, signature, log))
             if routing:
                 # Token-layer choices where each eager model would have picked other experts.
-                report["steps"][-1]["routing_flips"] = flips
+                report["steps"][-1]["routing_flips"] = {name: flips[t] for name, flips in side.flips.items()}
             if on_step:
-                on_step(report["steps"][-1])
-            tokens = None
-            if "logits" in outs[0]:
-                for stream, out in zip(streams, outs, strict=False):
-                    stream.append(last_tokens(out["logits"], input_lengths.tolist())[:, 0].tolist())
-                # Every side takes the reference's greedy token: a near-tie cannot derail the rest.
-                tokens = last_tokens(outs[0]["logits"], input_lengths.tolist())
-            feed = request(signature, tokens, cache_lengths.tolist(), [1] * batch, config.vocab_size, gen)
-    report.update(verdict(report["steps"], nonfinite_weights))
+                on_step(t, report["steps"][-1])
+            if taps:
+                actual, *eager_taps = ({s.name: values[s.name] for s in signature.taps}
+                                       for values in tap_values[t])
+                float32 = eager_taps[1] if len(eager_taps) > 1 else None
+                rows = compare_taps(eager_taps[0], actual, float32, tolerance)
+                tap_steps.append({"step": label, "taps": rows})
+        report["recorded_bytes_on_disk"] = recording.bytes_on_disk
+    finally:
+        recording.close()
+    report.update(verdict(report["steps"], side.nonfinite_weights))
     report["machine"] = machine()
-    report["routing_flips"] = sum(s.get("routing_flips", {}).get("eager", 0) for s in report["steps"])
+    report["eager"] = {**plan.as_dict(), "seconds": side.seconds, "bytes_read": side.bytes_read,
+                       "peak_memory": side.peak_memory}
+    report["tokens_from"] = "the artifact's greedy tokens" if streams[0] and not feeds else "drawn at random"
+    report["routing_flips"] = sum(side.flips.get("eager", [])) if routing else 0
     report["greedy_streams_identical"] = streams[0] == streams[1]
     if taps:
         report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
     return report, graph_side
+
+
+def _run_artifact(runner: StatefulRunner, signature: Signature, recording: Recording, held: dict[str, int],
+                  steps: int, seed: int, lengths: list[int], vocab: int, taps: bool,
+                  feeds: list[Arrays] | None) -> list[list[int]]:
+    """The artifact over every step, recorded; returns its greedy tokens per step (none without logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    feed = feeds[0] if feeds else first_request(signature, lengths, vocab, gen)
+    kept = signature.compared + (signature.taps if taps else [])
+    stream = []
+    with runner:
+        runner.reset(batch)
+        for step in track(range(steps + 1), "check: the artifact's prefill and decode steps"):
+            out = runner.infer(feed, check_inputs=False)
+            input_lengths = feed["input_lengths"]
+            cache_lengths = feed["cache_lengths"] + input_lengths
+            valid = {s.name: valid_entries(s, out[s.name], cache_lengths, input_lengths) for s in kept}
+            recording.add(feed, valid, {layer: out[name] for name, layer in held.items()})
+            tokens = None
+            if "logits" in out:
+                tokens = last_tokens(out["logits"], input_lengths.tolist())
+                stream.append(tokens[:, 0].tolist())
+            if step < steps:
+                feed = feeds[step + 1] if feeds else \
+                    request(signature, tokens, cache_lengths.tolist(), [1] * batch, vocab, gen)
+        runner.finish()
+    return stream
 
 
 def _save_replay(stage: Path, signature: Signature, feed: dict[str, np.ndarray],
@@ -337,40 +479,3 @@ def _save_replay(stage: Path, signature: Signature, feed: dict[str, np.ndarray],
     outputs = {name: np.copy(value) for name, value in golden.items()}
     results.append(("eager", [IterationResult(outputs, runner_name="eager")]))
     results.save(str(stage / "golden.json"))
-
-
-def _compare_step(label: str, signature: Signature, outs: list[dict[str, np.ndarray]],
-                  lengths_after: np.ndarray, input_lengths: np.ndarray, tolerance: Tolerance,
-                  log: Any) -> dict[str, Any]:
-    """outs: the eager reference, the graph's runner, and for half precision the eager float32
-    model; compared on their valid entries only."""
-    valid = [{s.name: valid_entries(s, out[s.name], lengths_after, input_lengths) for s in signature.compared}
-             for out in outs]
-    reference, actual = valid[0], valid[1]
-    bound, margin = tolerance, tolerance.margin
-    if len(outs) > 2:
-        spread = max(compare(name, ref, valid[2][name], tolerance).rel for name, ref in reference.items())
-        logit_spread = 0.0
-        if "logits" in reference:
-            logit_spread = float(np.abs(reference["logits"].astype(np.float64) - valid[2]["logits"]).max())
-        bound = half_precision_tolerance(tolerance, spread, logit_spread)
-        margin = bound.margin
-    comparisons = [compare(name, actual[name], ref, bound) for name, ref in reference.items()]
-    step: dict[str, Any] = {"step": label, "outputs": [c.as_dict() for c in comparisons]}
-    worst = max(comparisons, key=lambda c: c.rel / c.bound)
-    line = f"{label:>10}: worst {worst.name} rel {worst.rel:.2e} (bound {worst.bound:.1e})"
-    if "logits" in reference:
-        vocab = outs[0]["logits"].shape[-1]
-        logits = next(c for c in comparisons if c.name == "logits")
-        tokens = top1_agreement(actual["logits"].reshape(-1, vocab), reference["logits"].reshape(-1, vocab),
-                                margin)
-        step["tokens"] = tokens.as_dict()
-        line += (f"; logits rel {logits.rel:.2e} cos {logits.cosine:.6f}; top-1 {tokens.agree}/"
-                 f"{tokens.positions} (ties {tokens.ties}, mismatches {tokens.mismatches})")
-    failed = [c.name for c in comparisons if not c.passed]
-    nonfinite = [c.name for c in comparisons if not c.finite]
-    if nonfinite:
-        step["nonfinite"] = nonfinite
-        line += f"; NaN/Inf in {', '.join(nonfinite)}"
-    log(line + (f"  FAILED: {', '.join(failed)}" if failed else ""))
-    return step

@@ -12,6 +12,7 @@ header.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -85,3 +86,19 @@ def _onednn() -> dict:
     isa = re.search(r"cpu,isa:(.+)", header)
     return {"version": version.group(1) if version else "unknown",
             "isa": isa.group(1).strip() if isa else "none (torch's own bfloat16 kernel)"}
+
+
+def reset_peak_memory() -> None:
+    """Starts the process's resident-memory high-water mark afresh (Linux: 5 > /proc/self/clear_refs),
+    so that peak_memory() gives the peak of what runs from now on; elsewhere a no-op."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory() -> int:
+    """The process's resident-memory high-water mark in bytes (VmHWM), or 0 where it is not known."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0

@@ -189,8 +189,9 @@ def markdown(report: dict[str, Any], verdict: str, artifact: str) -> str:
             label, worst = max(((s["step"], s["stages"][i]) for s in report["steps"]),
                                key=lambda e: e[1]["rel"] / max(e[1]["bound"], FLOOR))
             passed = all(s["stages"][i]["passed"] for s in report["steps"])
-            lines.append(f"| {i} | {start}..{stop - 1} | {worst['worst']} | {label} | {worst['rel']:.3g} | "
-                         f"{worst['bound']:.3g} | {'yes' if passed else 'no'} |")
+            lines.append(f"| {report['stage_numbers'][i]} | {start}..{stop - 1} | {worst['worst']} | "
+                         f"{label} | {worst['rel']:.3g} | {worst['bound']:.3g} | "
+                         f"{'yes' if passed else 'no'} |")
         first = report["first_divergent_stage"]
         lines += ["", "First divergent stage: " + ("none." if first is None else
                                                    f"{first} (at {report['first_divergent_stage_step']}).")]

@@ -132,6 +132,10 @@ class StatefulRunner(BaseRunner):
         """One call with the runner's caches, which it leaves as the next call's past."""
         raise NotImplementedError
 
+    def finish(self) -> None:
+        """Called once after a request's last call, while the runner is active: a runner that compares
+        something of its own after the calls (check's grid of ranks, its partial sums) does it here."""
+
     def keep_caches(self, outputs: dict[str, Any]) -> None:
         """The call's present caches become the next call's past ones."""
         for name, value in outputs.items():

@@ -157,8 +157,10 @@ class Stage(GpuMemory):
     decode_activation_bytes: int  # the same estimate at the decode profile's batch x 1 tokens
     # check --build / --engine: the eager reference runs on the host's CPU, never beside the engine on
     # its GPU: the stage's weights, and for half precision its float32 model's too (MXFP4 experts stay
-    # packed in both).
+    # packed in both); streamed (check --eager streamed), one layer's at a time, the heaviest of its
+    # own layers (with the float32 twin) and of the layers before it (check --stage: its input).
     check_host_bytes: int
+    check_streamed_host_bytes: int
 
     @property
     def bytes_received_per_token(self) -> int:
@@ -202,6 +204,7 @@ class Plan:
                            "activations": s.activation_bytes, "total": s.total_bytes,
                            "fits_h200": s.fits_h200, "build_host": s.build_host_bytes,
                            "check_host": s.check_host_bytes,
+                           "check_host_streamed": s.check_streamed_host_bytes,
                            "activations_by_profile": {"prefill": s.activation_bytes,
                                                       "decode": s.decode_activation_bytes}},
             } for s in self.stages],
@@ -258,6 +261,7 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
     load = layer_loads(config, torch_dtype, packed_experts)
     reference = layer_loads(config, torch.float32, packed_experts).weight_bytes if elem < 4 else None
     ranges = partition(load.weight_bytes, stages) if isinstance(stages, int) else list(stages)
+    checked = [w + (reference[i] if reference else 0) for i, w in enumerate(load.weight_bytes)]
     result = []
     for index, layers in enumerate(ranges):
         inputs, outputs = graph_signature(config, layers, torch_dtype)
@@ -279,7 +283,8 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
             seconds_per_token_sent=sent / (link_gb_per_s * 1e9),
             activation_bytes=prefill_tokens * (in_out + working), cache_bytes=per_sequence * batch,
             decode_activation_bytes=decode_tokens * (in_out + working),
-            check_host_bytes=sum(load.weight_bytes[i] + (reference[i] if reference else 0) for i in layers)))
+            check_host_bytes=sum(checked[i] for i in layers),
+            check_streamed_host_bytes=max([checked[i] for i in layers] + load.weight_bytes[:layers.start])))
     return Plan(model, config, dtype, packed_experts, context, batch, prefill_tokens, decode_tokens,
                 link_gb_per_s, result, max(load.weight_bytes))
 
@@ -342,8 +347,12 @@ def format_plan(plan: Plan) -> str:
         + f" (measured fit: {BUILD_FIXED_BYTES / 1e9:.2f} GB + {BUILD_BYTES_PER_WEIGHT_BYTE} x its weights)",
         "host memory to check a stage (check --build / --engine: the eager reference runs on the host's CPU, "
         "never on the engine's GPU; its weights" + (", and its float32 model's" if plan.dtype != "float32"
-                                                    else "") + "): " + ", ".join(
-            f"stage {s.index} {_gb(s.check_host_bytes)} GB" for s in plan.stages),
+                                                    else "") + "): in memory " + ", ".join(
+            f"stage {s.index} {_gb(s.check_host_bytes)} GB" for s in plan.stages)
+        + "; streamed (check --eager streamed: one layer at a time, the layers before a stage for its input, "
+        "check --build --stage I) " + ", ".join(
+            f"stage {s.index} {_gb(s.check_streamed_host_bytes)} GB" for s in plan.stages)
+        + " (weights only: caches and per-step activations come on top, as the check's request sizes them)",
     ]
     return "\n".join(lines)
 

@@ -500,16 +500,13 @@ class LoadReport:
                 f"{len(self.files_read)} of those {total} files")
 
 
-@torch.no_grad()
-def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | None = None) -> LoadReport:
-    """Copies the checkpoint's tensors into the model (cast to each slot's dtype), one file at a
-    time; with `layers`, only those layers' tensors (and the globals they need), opening only
-    the files that hold them. Reads either layout (see read_layout); MXFP4 experts are decoded
-    to the model dtype, or copied as they are into a model whose experts are kept packed. A rank
-    of a split model reads only its part (see checkpoint_slots), and only the files that hold it.
-
-    Raises CheckpointError naming every missing, unexpected and mis-shaped tensor; the model
-    may then be partly loaded and should be discarded."""
+def checked_files(model: nn.Module, directory: str | Path,
+                  layers: range | None = None) -> tuple[CheckpointLayout, dict[Path, list[str]]]:
+    """The checkpoint's layout and, per file, the tensors (our names) that `model` takes from it (with
+    `layers`, only those layers' and the globals they need), every name, shape and dtype checked
+    against the model from the files' headers alone: a bad checkpoint is refused (CheckpointError
+    naming every missing, unexpected and mis-shaped tensor) before any weight is read. A meta
+    model's shapes will do."""
     layout = read_layout(directory)
     slots = checkpoint_slots(model)
 
@@ -525,8 +522,6 @@ def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | Non
                 unexpected.append(name)
         elif needed(ours):
             files.setdefault(path, []).append(ours)
-    # First every name, shape and dtype against the model, from the headers alone: a bad
-    # checkpoint is refused before any weight is read, with all its problems listed together.
     headers = read_headers(files)
     for path, names in files.items():
         for ours in names:
@@ -535,13 +530,36 @@ def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | Non
                 shape, dtype = header
                 dry.add(ours, torch.empty(shape, dtype=SAFETENSORS_DTYPES.get(dtype, torch.int8),
                                           device="meta"), path)
-    _refuse_mismatch(directory, dry, [n for n in slots if needed(n)], unexpected)
+    _refuse_mismatch(Path(directory), dry, [n for n in slots if needed(n)], unexpected)
+    return layout, files
+
+
+@torch.no_grad()
+def load_checkpoint(model: nn.Module, directory: str | Path, layers: range | None = None) -> LoadReport:
+    """Copies the checkpoint's tensors into the model (cast to each slot's dtype), one file at a
+    time; with `layers`, only those layers' tensors (and the globals they need), opening only
+    the files that hold them. Reads either layout (see read_layout); MXFP4 experts are decoded
+    to the model dtype, or copied as they are into a model whose experts are kept packed. A rank
+    of a split model reads only its part (see checkpoint_slots), and only the files that hold it.
+
+    Raises CheckpointError naming every missing, unexpected and mis-shaped tensor (checked_files),
+    before any weight is read."""
+    layout, files = checked_files(model, directory, layers)
     loader = _Loader(model, layout)
     for path, names in files.items():
         with safe_open(path, framework="pt") as f:
             for ours in names:
                 loader.add(ours, _read(f, layout.tensors[ours][0], loader.slots.get(ours), path), path)
     return LoadReport(layout, list(files), len(loader.loaded))
+
+
+def check_weights(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], layers: range) -> None:
+    """Refuses (CheckpointError) a checkpoint that does not hold every tensor of `layers` as the model
+    takes it, from its headers alone: what a check that reads the layers one at a time verifies
+    before it starts. Seeded weights need nothing."""
+    if "checkpoint" in weights:
+        shapes = build_model(config, dtype, {**weights, "stripped": True})  # meta: no memory
+        checked_files(shapes, weights["checkpoint"], layers)
 
 
 def _refuse_mismatch(directory: Path, loader: _Loader, wanted: list[str], unexpected: list[str]) -> None:

@@ -37,24 +37,27 @@ import numpy as np
 import torch
 from polygraphy.logger import G_LOGGER
 
-from k3export.check.driver import compare_with_eager, fitting_lengths, read_export
+from k3export.check.driver import compare_with_eager, first_request, fitting_lengths, read_export, request
 from k3export.check.routing import routing_outputs
+from k3export.check.runners.eager import EagerSide, carried, plan_eager
 from k3export.check.runners.grid import (
     GridRunner,
     first_divergent_rank,
     grid_stages,
     held_routing_names,
-    rank_entries,
     rank_lines,
     stage_output,
+    verified_export,
 )
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.onnx.export import GRAPH_FILE, ExportGraph
+from k3export.onnx.export import GRAPH_FILE
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.onnx.taps import parse_tap
+from k3export.options import AUTO
 from k3export.runtime import Pipeline, stage_ranks
 from k3export.runtime.engines import ENGINE, EnginePlace, RunnerChoice, choose_runner
+from k3export.weights.checkpoint import check_weights
 
 
 def _boundary_or_result(name: str) -> bool:
@@ -90,26 +93,6 @@ def chain_manifest(build_dir: Path, stages: list[tuple[dict[str, Any], K3Config]
     if "routing_outputs" in first:
         manifest["routing_outputs"] = [s for m in manifests for s in m["routing_outputs"]]
     return manifest, stages[0][1], manifests
-
-
-class EagerChain:
-    """The eager model run as the build runs it: one ExportGraph per stage over the same model, each
-    fed the outputs of the ones before, with flat tensors in and out in the chain's order (the graph
-    of check's EagerRunner)."""
-
-    def __init__(self, model: torch.nn.Module, stages: list[dict[str, Any]], signature: Signature,
-                 taps: bool) -> None:
-        self.model = model
-        self.stages = [(ExportGraph(model, range(*m["layers"]), m.get("last_logits", False), taps),
-                        [s["name"] for s in m["inputs"]], [s["name"] for s in m["outputs"]]) for m in stages]
-        self.inputs = [s.name for s in signature.inputs]
-        self.outputs = [s.name for s in signature.outputs]
-
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        named = dict(zip(self.inputs, inputs, strict=True))
-        for graph, names_in, names_out in self.stages:
-            named.update(zip(names_out, graph(*(named[n] for n in names_in)), strict=True))
-        return tuple(named[n] for n in self.outputs)
 
 
 class ChainRunner(StatefulRunner):
@@ -154,32 +137,69 @@ def require_build_taps(build_dir: Path, manifest: dict[str, Any]) -> None:
                         "(or taps = true under the recipe's [build])")
 
 
-def engine_places(choice: RunnerChoice, gpus: int) -> list[list[EnginePlace]]:
-    """Per stage, per rank, where check runs its engine: one GPU each of the `gpus` in turn (stage by
-    stage, rank by rank), every output read back to the host (check compares them all)."""
+def engine_places(choice: RunnerChoice, stages: list[int], gpus: int) -> list[list[EnginePlace]]:
+    """Per stage of `stages`, per rank, where check runs its engine: one GPU each of the `gpus` in turn
+    (stage by stage, rank by rank; a stage's ranks one a GPU), every output read back to the host
+    (check compares them all)."""
     ranks = len(choice.engines[0])
-    return [[EnginePlace(path, (s * ranks + r) % gpus) for r, path in enumerate(paths)]
-            for s, paths in enumerate(choice.engines)]
+    return [[EnginePlace(path, (k * ranks + r) % gpus) for r, path in enumerate(choice.engines[s])]
+            for k, s in enumerate(stages)]
+
+
+def prefix_feeds(build_dir: Path, folders: list[list[Path]], stage: int, signature: Signature, steps: int,
+                 seed: int, lengths: list[int], eager: str, log: Any) -> list[dict[str, np.ndarray]]:
+    """Every step's feeds of stage `stage` alone: the AttnRes boundary the eager model of the layers
+    before it computes (streamed or in memory, as `eager` says) on random prompts and then random
+    tokens (no artifact runs before the stage, so none of its greedy tokens are known)."""
+    earlier = grid_stages(folders[:stage]) if len(folders[0]) > 1 else \
+        [read_export(ranks[0]) for ranks in folders[:stage]]
+    manifest, config, _ = chain_manifest(build_dir, earlier)
+    dtype, prefix = manifest["dtype"], range(*manifest["layers"])
+    plan = plan_eager(eager, config, dtype, manifest["weights"], [range(*m["layers"]) for m, _ in earlier])
+    check_weights(config, getattr(torch, dtype), manifest["weights"], prefix)
+    log(f"stage {stage}'s input: the eager model of layers {prefix.start}..{prefix.stop - 1}; {plan.line()}")
+    gen = torch.Generator().manual_seed(seed)
+    prefix_signature = Signature(carried(manifest))
+    feeds = [first_request(prefix_signature, lengths, config.vocab_size, gen)]
+    cache_lengths = np.zeros(len(lengths), np.int64)
+    for _ in range(steps):
+        cache_lengths = cache_lengths + feeds[-1]["input_lengths"]
+        tokens = torch.randint(0, config.vocab_size, (len(lengths), 1), generator=gen).numpy()
+        feeds.append(request(prefix_signature, tokens, cache_lengths.tolist(), [1] * len(lengths),
+                             config.vocab_size, gen))
+    side = EagerSide(config, dtype, manifest["weights"], plan.spans, manifest["capacity"], False, False, log,
+                     float32_twin=False)
+    boundaries = side.run(feeds, None, lambda t, outs: None)[0]
+    wanted = [s.name for s in signature.feeds]
+    return [{n: (boundary | feed)[n] for n in wanted}
+            for boundary, feed in zip(boundaries, feeds, strict=True)]
 
 
 def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
                     prompt_len: int = 70, log: Any = print, taps: bool = False,
-                    runner: str | None = None) -> dict[str, Any]:
-    """The chain of the build's stages against the eager chain through check's driver; returns the
-    driver's report (steps, verdict, and with `taps` the taps and first divergent layer, its "stage"
-    added) with "stages" (layer ranges), per step "stages" (each stage's worst output and whether
-    all of its outputs are within the bound) and "first_divergent_stage" (None if none). A build
-    split over ranks adds "ranks", per step "ranks" (grid.rank_entries), "first_divergent_rank"
-    (None if none) and "ranks_differ" (replicated outputs that differ from rank 0's: a failure)."""
+                    runner: str | None = None, stage: int | None = None, eager: str = AUTO) -> dict[str, Any]:
+    """The chain of the build's stages (`stage`: that stage alone) against the eager model run
+    as the same chain, through check's driver; returns the driver's report (steps, verdict, and
+    with `taps` the taps and first divergent layer, its "stage" added) with "stages" (layer ranges),
+    "stage_numbers" (their indices in the build), per step "stages" (each stage's worst output and
+    whether all of its outputs are within the bound) and "first_divergent_stage" (None if none). A
+    build split over ranks adds "ranks", per step "ranks" (grid.rank_entries), "first_divergent_rank"
+    (None if none) and "ranks_differ" (replicated outputs that differ from rank 0's: a failure).
+    A stage alone (not the first) takes the boundary the eager model of the layers before it computes
+    (prefix_feeds), and random tokens at every step."""
     build_dir = Path(build_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
     folders = stage_ranks(build_dir)
+    if stage is not None and stage >= len(folders):
+        raise UserError(f"--stage {stage}: {build_dir} has {len(folders)} stages (0..{len(folders) - 1})")
+    numbers = [stage] if stage is not None else list(range(len(folders)))
     ranks = len(folders[0])
     choice = choose_runner(build_dir, runner, "check --build")
-    engines = engine_places(choice, max(1, torch.cuda.device_count())) if choice.kind == ENGINE else None
-    exports = [stage[0] for stage in folders]
+    gpus = max(1, torch.cuda.device_count())
+    engines = engine_places(choice, numbers, gpus) if choice.kind == ENGINE else None
+    exports = [folders[s][0] for s in numbers]
     # A grid's stages as the unsplit stages they compute together (its ranks' files verified).
-    stages = grid_stages(folders) if ranks > 1 else [read_export(folder) for folder in exports]
+    stages = grid_stages([folders[s] for s in numbers]) if ranks > 1 else [read_export(f) for f in exports]
     manifest, config, stage_manifests = chain_manifest(build_dir, stages)
     if taps:
         require_build_taps(build_dir, manifest)
@@ -197,31 +217,36 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
                         "routing_outputs = true under the recipe's [build])")
     lengths = fitting_lengths(stage_manifests, batch, prompt_len, steps)
     ranges = [range(*m["layers"]) for m in stage_manifests]
-    owner = {s["name"]: i for i, m in enumerate(stage_manifests) for s in m["outputs"]}
+    owner = {s["name"]: numbers[i] for i, m in enumerate(stage_manifests) for s in m["outputs"]}
     # Each stage's routing tensors: its outputs (build --routing-outputs), else intermediates.
     routing = [held_routing_names(m) if "routing_outputs" in m else
                routing_outputs(folder / GRAPH_FILE) if dtype != "float32" else []
                for m, folder in zip(stage_manifests, exports, strict=True)]
     log(choice.line())
-    log(f"build {build_dir}: {len(exports)} stages, layers "
-        + ", ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
+    spans = [verified_export(ranks[0])[0]["layers"] for ranks in folders]
+    log(f"build {build_dir}: {len(folders)} stages, layers " + ", ".join(f"{a}..{b - 1}" for a, b in spans)
+        + (f"; stage {stage} checked alone" if stage is not None else "")
         + (f"; each split over {ranks} ranks, one worker process a rank" if ranks > 1 else ""))
-    grid = GridRunner(folders, stage_manifests, Signature(manifest), routing, engines) if ranks > 1 else None
+    signature = Signature(carried(manifest))
+    feeds = prefix_feeds(build_dir, folders, stage, signature, steps, seed, lengths, eager, log) \
+        if stage else None
+    grid = GridRunner([folders[s] for s in numbers], stage_manifests, Signature(manifest), routing, engines,
+                      numbers) if ranks > 1 else None
 
-    def on_step(step: dict[str, Any]) -> None:
+    def on_step(index: int, step: dict[str, Any]) -> None:
         """Each stage's worst output (relative to its bound) and whether all of them passed; on a
         grid, each rank's partial sums."""
         step["stages"] = []
-        for i in range(len(exports)):
-            mine = [c for c in step["outputs"] if owner[c["name"]] == i]
+        for number in numbers:
+            mine = [c for c in step["outputs"] if owner[c["name"]] == number]
             worst = max(mine, key=lambda c: c["rel"] / max(c["bound"], 1e-30))
-            step["stages"].append({"stage": i, "passed": all(c["passed"] for c in mine),
+            step["stages"].append({"stage": number, "passed": all(c["passed"] for c in mine),
                                    "worst": worst["name"], "rel": worst["rel"], "bound": worst["bound"]})
         log(" " * 12 + "stages: " + ", ".join(
             f"{s['stage']} rel {s['rel']:.1e} ({s['worst']}){'' if s['passed'] else ' FAILED'}"
             for s in step["stages"]))
         if grid:
-            step["ranks"] = rank_entries(grid)
+            step["ranks"] = grid.entries[index]
             log(" " * 12 + "ranks' partial sums: " + ", ".join(
                 f"{e['stage']}.{e['rank']} rel {e['worst']['rel']:.1e}{'' if e['passed'] else ' FAILED'}"
                 for e in step["ranks"]))
@@ -232,8 +257,8 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
 
     report, runner = compare_with_eager(
         manifest, config, None, graph_runner, steps, seed, lengths, log, taps,
-        eager_graph=lambda model, tapped: EagerChain(model, stage_manifests, Signature(manifest), tapped),
-        routing=[stage_output(i, name) for i, names in enumerate(routing) for name in names], on_step=on_step)
+        routing=[stage_output(i, name) for i, names in enumerate(routing) for name in names], on_step=on_step,
+        stages=stage_manifests, eager=eager, feeds=feeds)
     report["aliased"] = dict(runner.aliased)
     held = {name for names in routing for name in names}
     if held:  # where the tensors held were read, by their names
@@ -243,6 +268,7 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     report["runner"] = choice.kind
     report["stage_folders"] = [str(folder) for folder in exports]
     report["stages"] = [[r.start, r.stop] for r in ranges]
+    report["stage_numbers"] = numbers
     failing = [(s["stage"], step["step"]) for step in report["steps"] for s in step["stages"]
                if not s["passed"]]
     first = min(failing, key=lambda f: f[0]) if failing else None  # stage order; its earliest step
@@ -264,27 +290,28 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
 
 def stage_lines(report: dict[str, Any]) -> list[str]:
     """For the terminal: each stage's worst output over the steps, and the first divergent stage."""
-    lines = []
+    lines, numbers = [], report["stage_numbers"]
     for i, (start, stop) in enumerate(report["stages"]):
         worst = max((s["stages"][i] for s in report["steps"]),
                     key=lambda s: s["rel"] / max(s["bound"], 1e-30))
-        lines.append(f"stage {i} (layers {start}..{stop - 1}): worst {worst['worst']} rel {worst['rel']:.2e} "
-                     f"(bound {worst['bound']:.1e})")
+        lines.append(f"stage {numbers[i]} (layers {start}..{stop - 1}): worst {worst['worst']} "
+                     f"rel {worst['rel']:.2e} (bound {worst['bound']:.1e})")
     first = report["first_divergent_stage"]
     if first is None:
         lines.append("first divergent stage: none (every stage's outputs within the bound at every step)")
     else:
-        start, stop = report["stages"][first]
+        start, stop = report["stages"][numbers.index(first)]
         step = next(s for s in report["steps"] if s["step"] == report["first_divergent_stage_step"])
-        worst = step["stages"][first]
+        worst = step["stages"][numbers.index(first)]
         lines.append(f"first divergent stage: stage {first} (layers {start}..{stop - 1}) at {step['step']}: "
                      f"{worst['worst']} rel {worst['rel']:.2e} > bound {worst['bound']:.1e}")
     if "first_divergent_rank" in report:
         lines += rank_lines(report)
     tap = (report.get("taps") or {}).get("first_divergent")
     if tap:
-        start, stop = report["stages"][tap["stage"]]
+        i = numbers.index(tap["stage"])
+        start, stop = report["stages"][i]
         lines.append(f"layer {tap['layer']} is in stage {tap['stage']} (layers {start}..{stop - 1}: "
-                     f"{report['stage_folders'][tap['stage']]})")
+                     f"{report['stage_folders'][i]})")
     return lines
 

@@ -37,12 +37,18 @@ def engine_targets(path: str | Path) -> list[tuple[Path, Path]]:
                             "a `k3export build RECIPE` folder")
         try:
             stages = json.loads((path / BUILD_MANIFEST).read_text()).get("stages") or []
+            split = next((len(s["ranks"]) for s in stages if s.get("ranks")), None)
             # The engines its manifest records (what the runtime and the engine runner read too).
             targets = [(path / s["engine"], path / s["folder"]) for s in stages if s.get("engine")]
         except (ValueError, AttributeError, TypeError, KeyError):
             raise UserError(f"--engine {path / BUILD_MANIFEST}: not a `k3export build RECIPE` manifest (not "
                             "JSON, or stages without folders); the folder is damaged, build it "
                             "again") from None
+        if split:
+            raise UserError(f"--engine {path}: a build split over {split} ranks a stage; a rank's engine "
+                            "computes only its share and sums it with the other ranks' through NCCL, so it "
+                            "cannot run alone: check the stage's ranks together, k3export check --build "
+                            f"{path} --stage I (one GPU a rank)")
         if not targets:
             raise UserError(f"--engine {path}: its stages hold no engines (built with --backend onnx?); "
                             "build them with --backend tensorrt-rtx, or check the stage graphs with --build")

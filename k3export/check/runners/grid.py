@@ -10,15 +10,18 @@ the same feeds, stage s + 1 gets what stage s returned. `GridRunner` is one more
 driver (compare_with_eager) and returns the unsplit chain's outputs by the unsplit names: logits,
 boundaries and the MLA latent from rank 0 (every rank computes them; the others must be equal, or
 the check fails), each KDA state and conv tail put together from the ranks' heads. The eager side
-is the unsplit eager chain (EagerChain), so the verdict says "the grid computes the unsplit model".
+is the unsplit eager model over the same layers, so the verdict says "the grid computes the unsplit model".
 
 Naming the rank: an error on one rank is summed into every rank's result by the all-reduce, so the
-outputs cannot say which rank is wrong. Each worker also runs its rank's eager split model
-(k3export.model.parallel.split_model, over the same gloo group) on the same feeds with caches of its
-own, and compares the inputs of the graph's sums, its partial sums, with the split model's, in
-graph order. Each stage's references are fed the grid's own inputs to that stage, so a stage is
-judged alone: the first divergent stage and rank is, in the first stage with a partial out of
-bound, the rank whose partial leaves the bound first (step, then collective; export.json's
+outputs cannot say which rank is wrong. Each worker records, at every step, its graph's feeds,
+partial sums (the inputs of its sums) and expert choices; once the request is done
+(GridRunner.finish) it runs its rank's eager split model (k3export.model.parallel.split_model, over
+the same gloo group) one layer at a time over the recorded steps (k3export.check.runners.eager.
+EagerSide: each layer's part read or drawn when its turn comes), with caches of its own, and
+compares the partial sums with the split model's, in graph order. Each stage's references are fed
+the grid's own inputs to that stage, so a stage is judged alone: the first divergent stage and rank
+is, in the first stage with a partial out of bound, the rank whose partial leaves the bound first
+(step, then collective; export.json's
 "parallel" names its layer and whether it follows the attention or the FFN).
 
 Checking outputs (`build RECIPE --routing-outputs`): each rank's graph also outputs its expert
@@ -63,12 +66,10 @@ import torch.distributed as dist
 
 from k3export.check.compare import TOLERANCES, compare, half_precision_tolerance
 from k3export.check.driver import read_export
-from k3export.check.routing import held_routing
-from k3export.check.runners.eager import EagerRunner
+from k3export.check.runners.eager import EagerSide
 from k3export.config import K3Config
 from k3export.errors import UserError
-from k3export.model.parallel import split_model
-from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, ExportGraph, graph_signature
+from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, graph_signature
 from k3export.onnx.runner import Signature, StatefulRunner
 from k3export.ops.collectives import recording_partials
 from k3export.runtime.engines import EnginePlace
@@ -124,68 +125,94 @@ def valid_tokens(partial: np.ndarray, input_lengths: np.ndarray) -> np.ndarray:
 
 
 class RankWorker:
-    """In a worker process: a rank's graph and its eager split model, each with its own caches. The
-    graph's partial sums are its outputs partial.{n} where it has them, else kept from its pieces'
-    sums. Half precision, as the driver for the whole model: the split model's routers take the
-    graph's choices (routing.{layer}), and the split model in float32 (held to them too) sets the
-    bound, twice the half-vs-float32 spread of the partial sums (half_precision_tolerance)."""
+    """In a worker process: a rank's graph with its caches, and after the request its eager split model
+    one layer at a time (k3export.check.runners.eager.EagerSide over split_model, each layer's part
+    read when its turn comes). `call` runs the graph and records the step's feeds, the graph's partial
+    sums (its outputs partial.{n} where it has them, else kept from its pieces' sums) and expert
+    choices; `compare` then runs the split model over every recorded step, fed the graph's own
+    inputs, and compares its partial sums with the graph's. Half precision, as the driver for the
+    whole model: the split model's routers take the graph's choices (routing.{layer}), and the split
+    model in float32 (held to them too) sets each step's bound, twice the half-vs-float32 spread of
+    its partial sums (half_precision_tolerance)."""
 
     def __init__(self, folder: Path, rank: int, ranks: int, engine: EnginePlace | None = None) -> None:
         manifest, config = verified_export(folder)
-        layers = range(*manifest["layers"])
+        self.manifest, self.config, self.rank, self.ranks = manifest, config, rank, ranks
         self.collectives = manifest["parallel"]["collectives"]
         self.tolerance = TOLERANCES[manifest["dtype"]]
         self.partial_outputs = [s["name"] for s in manifest.get("partial_outputs", [])]
         self.partials_read_from = "graph outputs" if self.partial_outputs else "segments"
         self.routing = held_routing_names(manifest)
-        signature = Signature(manifest)
-        dtypes = ["float32"] if manifest["dtype"] == "float32" else [manifest["dtype"], "float32"]
-        self.models = [split_model(build_model(config, getattr(torch, dtype), manifest["weights"], layers),
-                                   rank, ranks) for dtype in dtypes]
+        moe = [i for i in range(*manifest["layers"]) if not config.is_dense(i)]
+        self.routed_layers = dict(zip(self.routing, moe, strict=True)) if self.routing else {}
         self.graph = rank_engine(folder, engine) if engine else SegmentedRunner(
-            folder / GRAPH_FILE, signature, None, "grid rank", threads=1,
+            folder / GRAPH_FILE, Signature(manifest), None, "grid rank", threads=1,
             keep_partials=not self.partial_outputs)
-        graphs = [ExportGraph(model, layers, manifest.get("last_logits", False), "taps" in manifest)
-                  for model in self.models]
-        self.runners = [self.graph, *(EagerRunner(graph, f"eager split {dtype}", signature)
-                                      for graph, dtype in zip(graphs, dtypes, strict=True))]
-        for runner in self.runners:
-            runner.activate()
+        self.graph.activate()
+        self.steps: list[tuple[dict[str, np.ndarray], list[np.ndarray], dict[int, np.ndarray]]] = []
 
     def reset(self, batch: int, rows: list[int] | None) -> None:
-        for runner in self.runners:
-            runner.reset(batch, rows)
+        self.graph.reset(batch, rows)
+        if rows is None:
+            self.steps = []
 
     def close(self) -> None:
-        for runner in self.runners:
-            runner.deactivate()
+        self.graph.deactivate()
 
-    def call(self, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
-        """The graph's outputs (its routing ones included, its partial sums not), and each of its
-        partial sums compared with the eager split model's (valid tokens only), in graph order."""
+    def call(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The graph's outputs (its routing ones included, its partial sums not); the step recorded."""
         outputs = self.graph.infer(feeds, check_inputs=False)
-        choices = [outputs[name] for name in self.routing]
-        eager = []  # per eager model, its partial sums (valid tokens)
-        for runner, model in zip(self.runners[1:], self.models, strict=True):
-            with recording_partials() as recorded, \
-                    held_routing(model, choices) if choices else contextlib.nullcontext():
-                runner.infer(feeds, check_inputs=False)  # the float32 model takes half-precision feeds
-            eager.append([valid_tokens(p.numpy(), feeds["input_lengths"]) for p in recorded])
         actual = [outputs.pop(name) for name in self.partial_outputs] or self.graph.graph.partials
-        if len(eager[0]) != len(actual):
-            raise UserError(f"the graph sums {len(actual)} times, the eager split model {len(eager[0])} "
+        lengths = feeds["input_lengths"]
+        self.steps.append(({n: np.copy(a) for n, a in feeds.items()},
+                           [valid_tokens(p, lengths) for p in actual],
+                           {layer: np.copy(outputs[name]) for name, layer in self.routed_layers.items()}))
+        return dict(outputs)
+
+    def compare(self) -> list[list[dict[str, Any]]]:
+        """Per recorded step, each of the graph's partial sums compared with the eager split model's
+        (valid tokens only), in graph order."""
+        manifest, config = self.manifest, self.config
+        layers = range(*manifest["layers"])
+        counts = {len(partials) for _, partials, _ in self.steps}
+        eager: list[list[list[np.ndarray]]] = [[] for _ in self.steps]  # per step, per model: its sums
+
+        def model_for(dtype: str, span: range) -> torch.nn.Module:
+            return build_model(config, getattr(torch, dtype), manifest["weights"], span, rank=self.rank,
+                               ranks=self.ranks)
+
+        side = EagerSide(config, manifest["dtype"], manifest["weights"], [range(i, i + 1) for i in layers],
+                         manifest["capacity"], manifest.get("last_logits", False), "taps" in manifest,
+                         lambda _: None, model_for=model_for)
+        with recording_partials() as recorded:
+            def on_outputs(t: int, outs: list[dict[str, np.ndarray]]) -> None:
+                """The span's sums at step t, each model's in turn (the same count each)."""
+                sums = [valid_tokens(p.numpy(), self.steps[t][0]["input_lengths"]) for p in recorded]
+                recorded.clear()
+                if not eager[t]:
+                    eager[t] = [[] for _ in outs]
+                for i, mine in enumerate(eager[t]):
+                    mine += sums[i * len(sums) // len(outs):(i + 1) * len(sums) // len(outs)]
+
+            side.run([feeds for feeds, _, _ in self.steps],
+                     [choices for _, _, choices in self.steps] if self.routing else None, on_outputs)
+        if counts != {len(eager[0][0])}:
+            raise UserError(f"the graph sums {counts.pop()} times, the eager split model {len(eager[0][0])} "
                             "times: the rank's graph is not its split model's")
+        return [self._compared(actual, sums) for (_, actual, _), sums in zip(self.steps, eager, strict=True)]
+
+    def _compared(self, actual: list[np.ndarray], eager: list[list[np.ndarray]]) -> list[dict[str, Any]]:
+        """One step's partial sums against the eager split model's (and its float32 twin's spread)."""
         tolerance = self.tolerance
         if len(eager) > 1:
             spread = max(compare("", half, full, tolerance).rel for half, full in zip(*eager, strict=True))
             tolerance = half_precision_tolerance(tolerance, spread, 0.0)
         partials = []
         for k, (where, mine, reference) in enumerate(zip(self.collectives, actual, eager[0], strict=True)):
-            comparison = compare(f"layer {where['layer']} {where['after']}",
-                                 valid_tokens(mine, feeds["input_lengths"]), reference, tolerance)
+            comparison = compare(f"layer {where['layer']} {where['after']}", mine, reference, tolerance)
             partials.append({"collective": k, "layer": where["layer"], "after": where["after"],
                              "rel": comparison.rel, "bound": comparison.bound, "passed": comparison.passed})
-        return dict(outputs), partials
+        return partials
 
 
 def rank_engine(folder: Path, engine: EnginePlace) -> StatefulRunner:  # GPU only
@@ -270,15 +297,16 @@ class GridRunner(StatefulRunner):
 
     def __init__(self, folders: list[list[Path]], stage_manifests: list[dict[str, Any]],
                  signature: Signature, routing: list[list[str]] | None = None,
-                 engines: list[list[EnginePlace]] | None = None) -> None:
+                 engines: list[list[EnginePlace]] | None = None, numbers: list[int] | None = None) -> None:
         super().__init__(signature, "grid")
         self.folders, self.engines = folders, engines
+        self.numbers = numbers or list(range(len(folders)))  # the stages' indices in the build
         self.routing = routing or [[] for _ in folders]
         self.unsplit = [Signature(m) for m in stage_manifests]
         self.split = [Signature(verified_export(ranks[0])[0]) for ranks in folders]
         self.workers: list[list[Worker]] = []
-        self.partials: list[list[list[dict[str, Any]]]] = []
-        self.disagreements: list[dict[str, Any]] = []
+        self.disagreements: list[list[dict[str, Any]]] = []  # per call since the reset
+        self.entries: list[list[dict[str, Any]]] = []  # per call since the reset, once finished
 
     def activate_impl(self) -> None:
         context = multiprocessing.get_context("forkserver")  # not fork: torch and ONNX Runtime ran here
@@ -297,7 +325,7 @@ class GridRunner(StatefulRunner):
                                               name=f"k3export check stage {s} rank {r}", daemon=True)
                     process.start()
                     theirs.close()
-                    self.workers[-1].append(Worker(s, r, process, ours))
+                    self.workers[-1].append(Worker(self.numbers[s], r, process, ours))
             # READY, with where the worker reads its partial sums.
             self.partials_read_from = sorted({w.answer() for ranks in self.workers for w in ranks})
         except BaseException:
@@ -328,19 +356,28 @@ class GridRunner(StatefulRunner):
 
     def reset(self, batch: int, rows: list[int] | None = None) -> None:
         self._ask("reset", batch, rows)
+        if rows is None:
+            self.disagreements, self.entries = [], []
 
     def call(self, feeds: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         produced = dict(feeds)
-        self.partials, self.disagreements = [], []
+        self.disagreements.append([])
         for s, (unsplit, split) in enumerate(zip(self.unsplit, self.split, strict=True)):
-            answers = self._ask("call", {spec.name: produced[spec.name] for spec in split.feeds}, stage=s)
-            self.partials.append([partials for _, partials in answers])
-            outputs = [outputs for outputs, _ in answers]
+            outputs = self._ask("call", {spec.name: produced[spec.name] for spec in split.feeds}, stage=s)
             produced.update(self._unsplit_outputs(s, unsplit, split, outputs))
             produced.update({stage_output(s, name): outputs[0][name] for name in self.routing[s]})
         names = [spec.name for spec in self.signature.outputs]
         names += [stage_output(s, name) for s, stage in enumerate(self.routing) for name in stage]
         return OrderedDict((name, produced[name]) for name in names)
+
+    def finish(self) -> None:
+        """Every worker compares its rank's partial sums over the recorded steps (RankWorker.compare),
+        all at once (the split models sum together); `entries` then holds each step's rank_entries."""
+        answers = self._ask("compare")
+        partials = [[[answers[s * len(self.workers[0]) + r][t] for r in range(len(ranks))]
+                     for s, ranks in enumerate(self.workers)] for t in range(len(self.disagreements))]
+        self.entries = [rank_entries(self.numbers, step, disagreements)
+                        for step, disagreements in zip(partials, self.disagreements, strict=True)]
 
     def _unsplit_outputs(self, stage: int, unsplit: Signature, split: Signature,
                          outputs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -357,23 +394,25 @@ class GridRunner(StatefulRunner):
             arrays = [ranks[name] for ranks in outputs]
             whole[name] = arrays[0]
             # Every rank computes it from the same summed tensors: it must be rank 0's, bit for bit.
-            self.disagreements += [{"stage": stage, "rank": r, "output": name,
+            self.disagreements[-1] += [{"stage": self.numbers[stage], "rank": r, "output": name,
                                     "max_abs": float(np.abs(a.astype(np.float64) - arrays[0]).max())}
                                    for r, a in enumerate(arrays) if not np.array_equal(a, arrays[0])]
         return whole
 
 
-def rank_entries(runner: GridRunner) -> list[dict[str, Any]]:
-    """The last call's per (stage, rank) entries of a check step: whether all its partial sums are
+def rank_entries(numbers: list[int], partials: list[list[list[dict[str, Any]]]],
+                 disagreements: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One step's per (stage, rank) entries: whether all its partial sums (partials[stage][rank]) are
     within the bound and its replicated outputs are rank 0's, its worst partial (relative to its
-    bound), the first one out of bound and the replicated outputs that differ from rank 0's."""
+    bound), the first one out of bound and the replicated outputs that differ from rank 0's
+    (`disagreements`: the step's, by stage number)."""
     entries = []
-    for s, ranks in enumerate(runner.partials):
-        for r, partials in enumerate(ranks):
-            differs = [d["output"] for d in runner.disagreements if (d["stage"], d["rank"]) == (s, r)]
-            failed = [p for p in partials if not p["passed"]]
+    for s, ranks in zip(numbers, partials, strict=True):
+        for r, mine in enumerate(ranks):
+            differs = [d["output"] for d in disagreements if (d["stage"], d["rank"]) == (s, r)]
+            failed = [p for p in mine if not p["passed"]]
             entries.append({"stage": s, "rank": r, "passed": not failed and not differs,
-                            "worst": max(partials, key=lambda p: p["rel"] / max(p["bound"], 1e-30)),
+                            "worst": max(mine, key=lambda p: p["rel"] / max(p["bound"], 1e-30)),
                             "first_failed": failed[0] if failed else None, "differs_from_rank_0": differs})
     return entries
 

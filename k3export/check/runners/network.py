@@ -16,6 +16,7 @@ from k3export.check.driver import compare_with_eager, planned
 from k3export.engine.network import NetworkEvaluator, ParsedNetwork, parse_network, to_numpy
 from k3export.onnx.export import GRAPH_FILE
 from k3export.onnx.runner import Signature, StatefulRunner
+from k3export.options import AUTO
 
 
 class NetworkRunner(StatefulRunner):
@@ -41,13 +42,13 @@ class NetworkRunner(StatefulRunner):
 def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, batch: int = 2,
                       prompt_len: int = 70, log: Any = print,
                       net: ParsedNetwork | None = None, taps: bool = False,
-                      kernels: bool = False) -> dict[str, Any]:
+                      kernels: bool = False, eager: str = AUTO) -> dict[str, Any]:
     """The parsed network against the eager model through check's one driver (the same requests,
     bounds, held routing and verdict as `check --onnx`). Returns the report (see "passed"). `net`:
     an already parsed network (tests alter one after parsing). `taps`: also compare the export's
     taps and name the first divergent layer (report["taps"]). `kernels`: plugin layers launch their
     Triton kernels (TRITON_INTERPRET=1 must be set before triton is first imported; the cli does it)
-    instead of the reference ops."""
+    instead of the reference ops. `eager`: how the eager side runs (check.runners.eager.plan_eager)."""
     export_dir = Path(export_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
     manifest, config, lengths = planned(export_dir, taps, batch, prompt_len, steps)
@@ -58,7 +59,7 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     report, runner = compare_with_eager(
         manifest, config, export_dir / GRAPH_FILE,
         lambda signature, extra: NetworkRunner(net, signature, extra_outputs=extra),
-        steps, seed, lengths, log, taps)
+        steps, seed, lengths, log, taps, eager=eager)
     report["network"] = {"layers": net.network.num_layers, "seconds": runner.seconds,
                          "seconds_by_layer_type": runner.evaluator.layer_seconds,
                          "plugins": "triton kernels" if net.kernels else "reference ops",
