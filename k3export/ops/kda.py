@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 CHUNK_SIZE = 16
+BLOCK_ROWS = 4096
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -44,10 +45,12 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         T = (I + A_kk)^-1 diag(beta);  W = T (exp(G) * K);  U = T V
     and across chunks, carrying S:
         V' = U - W S;  O = (Q * exp(G)) S + tril(A_qk) V';  S <- exp(G_C) S + (K exp(G_C - G))^T V'
-    Everything but the state pass runs for all chunks and heads at once: only three matmuls per
-    chunk are sequential. The state pass costs the same per token whatever C is; the rest grows
-    with C, so chunks are short: 16 tokens, few enough that exp(G_i - G_j) factors as
-    exp(G_i) exp(-G_j) at the published gate bound (see below).
+    The state pass costs the same per token whatever C is; the rest grows with C, so chunks are
+    short: 16 tokens, few enough that exp(G_i - G_j) factors as exp(G_i) exp(-G_j) at the published
+    gate bound (_chunk_terms). Chunks go in blocks of BLOCK_TOKENS: the terms of a block's chunks
+    are formed at once (all heads too), then the state passes through them, three matmuls a chunk.
+    Blocks keep the temporaries small, so that memory is reused instead of mapped afresh
+    (measured: a fifth of the time went to page faults with the whole sequence at once).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -57,9 +60,9 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     N, BH = (T + pad) // C, B * H
 
     def chunked(x: Tensor) -> Tensor:
-        """[B, T, H, ...] -> [N, B * H, C, ...], chunk-major so that the state pass reads each chunk
-        in one piece: a view of the input where the layout allows, so never written. Padding tokens
-        have k = 0, beta = 0 and g = 0: they leave the state untouched."""
+        """[B, T, H, ...] -> [N, B * H, C, ...], chunk-major: a view of the input where the layout
+        allows (so never written; _chunk_terms copies a block at a time). Padding tokens have
+        k = 0, beta = 0 and g = 0: they leave the state untouched."""
         x = x.to(dtype)
         if pad:
             x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
@@ -68,42 +71,51 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
     q, k, v, g = (chunked(t) for t in (q, k, v, g))
     beta = chunked(beta)[..., None]
-    G = g.cumsum(dim=2)
+    o = torch.empty(N, BH, C, V, dtype=dtype)
+    # The pass carries S transposed ([V, K]) so that the decayed keys enter the update as they lie
+    # (measured: a transposed [K, C] operand, or transposing them first, costs more than this).
+    state = initial_state.to(dtype).flatten(0, 1).mT.contiguous()  # [BH, V, K], updated in place
+    chunks_per_block = max(1, BLOCK_ROWS // (BH * C))
+    for first in range(0, N, chunks_per_block):
+        block = slice(first, first + chunks_per_block)
+        terms = _chunk_terms(q[block], k[block], v[block], g[block], beta[block])
+        QG, W, U, K_tail, decay_last, A_qk = (x.unflatten(0, (-1, BH)) for x in terms)
+        V_new = torch.empty_like(U)
+        for n in range(U.shape[0]):
+            torch.baddbmm(U[n], W[n], state.mT, alpha=-1, out=V_new[n])
+            torch.bmm(QG[n], state.mT, out=o[first + n])
+            state.mul_(decay_last[n]).baddbmm_(V_new[n].mT, K_tail[n])
+        o[block].flatten(0, 1).baddbmm_(A_qk.flatten(0, 1), V_new.flatten(0, 1))
+    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), state.mT.reshape(B, H, K, V).contiguous().to(initial_state.dtype)
+
+
+def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
+    """What the state pass reads of chunks [.., BH, C, K] (beta [.., BH, C, 1]; views of the
+    inputs), as [M = .. x BH, ...]: Q exp(G), W, U, the keys decayed to the chunk's end, exp(G_C)
+    [M, 1, K] and tril(A_qk). Three-dimensional, so that matmuls take transposed operands as they
+    lie (with a fourth dimension torch copies them); the first op on each input makes the copy."""
+    C = q.shape[-2]
+    G = g.cumsum(dim=-2).flatten(0, 1)
     decay = G.exp()  # exp(G_i): decay since the chunk's start, <= 1
-    decay_last = decay[:, :, -1:]
-    QKG = torch.empty(N, BH, 2, C, K, dtype=dtype)  # [Q exp(G); K exp(G)]
-    QG, KG = QKG.unbind(2)
-    torch.mul(q, decay, out=QG)
-    torch.mul(k, decay, out=KG)
+    QKG = torch.stack([q, k], -3).flatten(0, 1)  # [M, 2, C, K]
     # exp(G_i - G_j) = exp(G_i) exp(-G_j) in the scores, and exp(G_C) exp(-G_j) in the keys decayed
     # to the chunk's end. exp(-G_j) grows along the chunk, up to e^80 in 16 steps at the published
     # bound of -5 (e^88 overflows float32); a chunk that decays further is formed from differences.
-    K_grown = k / decay
-    scores = QKG.flatten(2, 3) @ K_grown.mT  # [N, BH, 2C, C]: sum_d x_i k_j exp(G_i - G_j), x = q, k
+    K_grown = QKG[:, 1] / decay
+    QKG.mul_(decay[:, None])  # [Q exp(G); K exp(G)]
+    scores = QKG.flatten(1, 2) @ K_grown.mT  # [M, 2C, C]: sum_d x_i k_j exp(G_i - G_j), x = q, k
+    decay_last = decay[:, -1:]
     K_tail = K_grown.mul_(decay_last)  # k_j exp(G_C - G_j)
-    steep = G.amin((-2, -1)) < -(math.log(torch.finfo(dtype).max) - 8)
+    steep = G.amin((1, 2)) < -(math.log(torch.finfo(G.dtype).max) - 8)
     if steep.any():
-        scores[steep], K_tail[steep] = _from_differences(q[steep], k[steep], G[steep])
-    A_qk, A_kk = scores[..., :C, :].tril(), scores[..., C:, :].tril(-1)
-    # UT transform, W and U together: [W | U] = (I + diag(beta) A_kk)^-1 diag(beta) [exp(G) K | V].
-    rhs = torch.empty(N, BH, C, K + V, dtype=dtype)
-    torch.mul(KG, beta, out=rhs[..., :K])
-    torch.mul(v, beta, out=rhs[..., K:])
-    WU = _unit_lower_inverse(A_kk.mul_(beta)) @ rhs
-    W, U = WU[..., :K], WU[..., K:]
-
-    # The pass carries S transposed ([V, K]) so that the decayed keys enter the update as they lie
-    # (measured: a transposed [K, C] operand, or transposing them first, costs more than this).
-    state = initial_state.to(dtype).flatten(0, 1).mT
-    V_new = torch.empty_like(U)
-    O = torch.empty_like(U)
-    for n in range(N):
-        torch.sub(U[n], W[n] @ state.mT, out=V_new[n])
-        torch.bmm(QG[n], state.mT, out=O[n])
-        state = torch.baddbmm(state * decay_last[n], V_new[n].mT, K_tail[n])
-    o = torch.baddbmm(O.flatten(0, 1), A_qk.flatten(0, 1), V_new.flatten(0, 1))
-    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-    return o.to(out_dtype), state.mT.reshape(B, H, K, V).contiguous().to(initial_state.dtype)
+        scores[steep], K_tail[steep] = _from_differences(*(x.flatten(0, 1)[steep] for x in (q, k)), G[steep])
+    A_qk, A_kk = scores[:, :C].tril(), scores[:, C:].tril(-1)
+    # UT transform: T = (I + diag(beta) A_kk)^-1 diag(beta);  W = T (exp(G) K);  U = T V.
+    beta = beta.flatten(0, 1)
+    T = _unit_lower_inverse(A_kk.mul_(beta)).mul_(beta.mT)
+    QG, KG = QKG.unbind(1)
+    return QG, T @ KG, T @ v.flatten(0, 1), K_tail, decay_last, A_qk
 
 
 def _diagonal_blocks(x: Tensor, size: int) -> Tensor:
