@@ -45,14 +45,16 @@ def test_chunk_matches_recurrent_at_boundaries_and_decays(T, decay):
     assert o.isfinite().all() and s.isfinite().all()
 
 
-def test_chunk_kda_leaves_its_inputs_and_returns_a_contiguous_state():
-    """The chunked layout is a view of the inputs where it can be (B = 1, whole chunks): they must
-    come back unchanged; the final state is carried transposed and must come back [B, H, K, V]."""
-    inputs = kda_inputs(1, 2 * CHUNK_SIZE, 2, 16, 8, torch.float32)
+@pytest.mark.parametrize(("K", "V"), [(16, 8), (1, 8), (16, 1)])
+def test_chunk_kda_leaves_its_inputs_and_returns_a_contiguous_state(K, V):
+    """The chunked layout is a view of the inputs where it can be (B = 1, whole chunks), and the
+    state is updated in place, transposed (with K or V = 1 its transpose is already contiguous):
+    the inputs must come back unchanged, the final state as [B, H, K, V]."""
+    inputs = kda_inputs(1, 2 * CHUNK_SIZE, 2, K, V, torch.float32)
     copies = [t.clone() for t in inputs]
     _, s = chunk_kda(*inputs)
     assert all(torch.equal(t, c) for t, c in zip(inputs, copies, strict=True))
-    assert s.shape == (1, 2, 16, 8) and s.is_contiguous()
+    assert s.shape == (1, 2, K, V) and s.is_contiguous()
 
 
 def test_recurrent_matches_written_out_delta_rule():

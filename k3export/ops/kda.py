@@ -73,8 +73,9 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     beta = chunked(beta)[..., None]
     o = torch.empty(N, BH, C, V, dtype=dtype)
     # The pass carries S transposed ([V, K]) so that the decayed keys enter the update as they lie
-    # (measured: a transposed [K, C] operand, or transposing them first, costs more than this).
-    state = initial_state.to(dtype).flatten(0, 1).mT.contiguous()  # [BH, V, K], updated in place
+    # (measured: a transposed [K, C] operand, or transposing them first, costs more than this); a
+    # copy always, as it is updated in place.
+    state = initial_state.to(dtype).flatten(0, 1).mT.clone(memory_format=torch.contiguous_format)
     chunks_per_block = max(1, BLOCK_ROWS // (BH * C))
     for first in range(0, N, chunks_per_block):
         block = slice(first, first + chunks_per_block)
