@@ -87,9 +87,9 @@ def test_chunk_kda_float64_matches_token_recurrence(case: dict) -> None:
 
 # float32 throughout (the state too), against float64 on the same float32-rounded inputs. The
 # chunked form's float32 error is dominated by G, the within-chunk cumulative sum of g: its
-# absolute error grows with |G| (up to 64 x 5 at the lower bound), and exp(G_i - G_j) turns it
-# into a relative error of the decays. Measured up to 1.1e-5 relative over 600 draws (the float32
-# recurrence: below 2e-7); 5e-5 leaves a 4x margin.
+# absolute error grows with |G| (up to C x 5 at the lower bound), and exp(G_i - G_j) turns it
+# into a relative error of the decays. Measured up to 1.1e-5 relative over 600 draws with 64-token
+# chunks (now 16; the float32 recurrence: below 2e-7); 5e-5 leaves a 4x margin.
 FLOAT32_BOUND = 5e-5
 
 
