@@ -139,13 +139,13 @@ def test_cli_json(capsys) -> None:
 
 def test_host_memory_of_a_build(capsys) -> None:
     """Each stage's (and each rank's) build host memory from the measured fit; kimi-k3's ranks (about
-    105 GB of weights each) peak near 240 GB, of it about 135 GB anonymous, so that all 8 of a 2 TB
-    host's rank builds fit in 80% of it (by the peaks' total, only 6 would)."""
+    105 GB of weights each) peak near 275 GB, of it about 170 GB anonymous, so that all 8 of a 2 TB
+    host's rank builds fit in 80% of it (by the peaks' total, only 5 would)."""
     assert main(["plan", str(Path(__file__).resolve().parents[1] / "engines/kimi-k3.toml"), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     for stage in plan["stages"]:
         weights = stage["memory"]["weights"]
-        assert stage["memory"]["build_anon"] == round(0.66e9 + 1.29 * weights)
+        assert stage["memory"]["build_anon"] == round(0.66e9 + 1.62 * weights)
         assert stage["memory"]["build_host"] == stage["memory"]["build_anon"] + round(0.26e9 + weights)
         # Each profile's activations at its own tokens: prefill 1 x 8192, decode 8 x 1.
         by_profile = stage["memory"]["activations_by_profile"]
@@ -153,8 +153,8 @@ def test_host_memory_of_a_build(capsys) -> None:
         assert by_profile["decode"] * 8192 == by_profile["prefill"] * 8
     assert plan["parallel"]["host_bytes"] == 2e12
     for rank in plan["parallel"]["stages"]:
-        assert 200e9 < rank["build_host_bytes"] < 300e9 and 120e9 < rank["build_anon_bytes"] < 150e9
-        assert rank["builds_at_once"] == 8 and 0.8 * 2e12 // rank["build_host_bytes"] == 6
+        assert 250e9 < rank["build_host_bytes"] < 300e9 and 150e9 < rank["build_anon_bytes"] < 200e9
+        assert rank["builds_at_once"] == 8 and 0.8 * 2e12 // rank["build_host_bytes"] == 5
 
 
 BUILD_AND_PEAK = """
