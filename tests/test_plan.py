@@ -139,13 +139,13 @@ def test_cli_json(capsys) -> None:
 
 def test_host_memory_of_a_build(capsys) -> None:
     """Each stage's (and each rank's) build host memory from the measured fit; kimi-k3's ranks (about
-    105 GB of weights each) peak near 275 GB, of it about 170 GB anonymous, so that all 8 of a 2 TB
+    105 GB of weights each) peak near 290 GB, of it about 185 GB anonymous, so that all 8 of a 2 TB
     host's rank builds fit in 80% of it (by the peaks' total, only 5 would)."""
     assert main(["plan", str(Path(__file__).resolve().parents[1] / "engines/kimi-k3.toml"), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     for stage in plan["stages"]:
         weights = stage["memory"]["weights"]
-        assert stage["memory"]["build_anon"] == round(0.66e9 + 1.62 * weights)
+        assert stage["memory"]["build_anon"] == round(0.66e9 + 1.76 * weights)
         assert stage["memory"]["build_host"] == stage["memory"]["build_anon"] + round(0.26e9 + weights)
         # Each profile's activations at its own tokens: prefill 1 x 8192, decode 8 x 1.
         by_profile = stage["memory"]["activations_by_profile"]
