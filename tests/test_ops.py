@@ -1,12 +1,16 @@
 """The two custom ops: KDA's chunked fast path against its token-by-token recurrence, and the
 latent attention op against a per-head softmax attention written here."""
 
+import importlib
+
 import pytest
 import torch
 from reference import kda_inputs, rel_error
 
 from k3export.ops import chunk_kda, recurrent_kda
 from k3export.ops.kda import CHUNK_SIZE
+
+kda_module = importlib.import_module("k3export.ops.kda")  # the package's `kda` is the op
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
@@ -55,6 +59,17 @@ def test_chunk_kda_leaves_its_inputs_and_returns_a_contiguous_state(K, V):
     _, s = chunk_kda(*inputs)
     assert all(torch.equal(t, c) for t, c in zip(inputs, copies, strict=True))
     assert s.shape == (1, 2, K, V) and s.is_contiguous()
+
+
+@pytest.mark.parametrize("chunks_per_block", [1, 3])
+def test_chunk_kda_blocks_of_chunks(monkeypatch, chunks_per_block):
+    """The chunk terms are formed a block of chunks at a time and the state carried across blocks:
+    blocks of 1 and of 3 chunks (the last one short) give the recurrence's result."""
+    inputs = kda_inputs(2, 7 * CHUNK_SIZE + 5, 2, 16, 8, torch.float64)
+    monkeypatch.setattr(kda_module, "BLOCK_ROWS", chunks_per_block * 2 * 2 * CHUNK_SIZE)  # B x H = 4
+    o_ref, s_ref = recurrent_kda(*inputs)
+    o, s = chunk_kda(*inputs)
+    assert rel_error(o, o_ref) < 1e-13 and rel_error(s, s_ref) < 1e-13
 
 
 def test_recurrent_matches_written_out_delta_rule():
