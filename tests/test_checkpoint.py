@@ -7,6 +7,7 @@ from safetensors.torch import save_file
 
 from k3export.config import K3Config
 from k3export.model import K3ForCausalLM
+from k3export.model.parallel import split_model
 from k3export.weights.checkpoint import CheckpointError, build_model, load_checkpoint, save_checkpoint
 
 
@@ -83,3 +84,30 @@ def test_layer_range_build_holds_only_its_layers(tiny_config):
         assert (param.device.type != "meta") == used, name
         if used:
             assert torch.equal(param, whole[name]), name
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_seeded_rank_is_its_part_of_the_seeded_stage(rank, monkeypatch):
+    """A seeded rank holds exactly what split_model keeps of the whole seeded stage, and its weights
+    are drawn into the rank's shapes (split on the meta device first, each parameter drawn whole
+    and its part kept): the whole stage is never held at once."""
+    config = K3Config.from_preset("k3-tiny")
+    layers = range(1, 3)
+    expected = split_model(build_model(config, torch.float32, {"seed": 3}, layers), rank, 2).state_dict()
+    held_when_drawn = []
+    real_init = K3ForCausalLM.init_weights
+
+    def recording_init(model, seed):
+        held_when_drawn.append(sum(p.numel() for p in model.parameters() if p.device.type != "meta"))
+        return real_init(model, seed)
+
+    monkeypatch.setattr(K3ForCausalLM, "init_weights", recording_init)
+    model = build_model(config, torch.float32, {"seed": 3}, layers, rank=rank, ranks=2)
+    got = model.state_dict()
+    assert list(got) == list(expected)
+    held = [name for name, tensor in expected.items() if tensor.device.type != "meta"]
+    assert held and all(got[name].device.type != "meta" for name in held)
+    for name in held:
+        assert torch.equal(got[name], expected[name]), name
+    params = dict(model.named_parameters())
+    assert held_when_drawn == [sum(expected[name].numel() for name in held if name in params)]

@@ -1,12 +1,16 @@
 """The two custom ops: KDA's chunked fast path against its token-by-token recurrence, and the
 latent attention op against a per-head softmax attention written here."""
 
+import importlib
+
 import pytest
 import torch
 from reference import kda_inputs, rel_error
 
-from k3export.errors import UserError
 from k3export.ops import chunk_kda, recurrent_kda
+from k3export.ops.kda import CHUNK_SIZE
+
+kda_module = importlib.import_module("k3export.ops.kda")  # the package's `kda` is the op
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
@@ -20,18 +24,22 @@ def test_chunk_matches_recurrent(dtype, tol, B, T, H):
     assert rel_error(s, s_ref) < tol
 
 
-@pytest.mark.parametrize("T", [1, 16, 64, 65, 200])
-@pytest.mark.parametrize("decay", ["mild", "lower_bound", "steep"])
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 64, 200])
+@pytest.mark.parametrize("decay", ["mild", "lower_bound", "steep", "one_steep_chunk"])
 def test_chunk_matches_recurrent_at_boundaries_and_decays(T, decay):
-    """Chunk and sub-chunk boundaries (T = 1, one sub-chunk, one chunk, one past it) and decays
-    at the published lower bound of -5 per step (the factored sub-chunk products reach e^75) and
-    beyond it (-20 per step: too steep to factor in float32, so the exact diagonal blocks run)."""
+    """Chunk boundaries (T = 1, a chunk less one, one chunk, one past it, several) and decays at
+    the published lower bound of -5 per step (the factored products reach e^80) and beyond it: -20
+    per step, too steep to factor in float32, so every chunk is formed from differences; and one
+    chunk of one row and head at -15 per step among mild ones, formed from differences alone."""
     q, k, v, g, beta, state = kda_inputs(2, T, 2, 32, 24, torch.float64, seed=T)
     gen = torch.Generator().manual_seed(T)
     if decay == "lower_bound":
         g = -5 + 1e-3 * torch.rand(g.shape, generator=gen, dtype=torch.float64)
     elif decay == "steep":
         g = -20 * torch.rand(g.shape, generator=gen, dtype=torch.float64)
+    elif decay == "one_steep_chunk":
+        g = g.clone()
+        g[1, CHUNK_SIZE:2 * CHUNK_SIZE, 0] = -15.0
     inputs = (q, k, v, g, beta, state)
     o_ref, s_ref = recurrent_kda(*inputs)
     o, s = chunk_kda(*inputs)
@@ -41,18 +49,27 @@ def test_chunk_matches_recurrent_at_boundaries_and_decays(T, decay):
     assert o.isfinite().all() and s.isfinite().all()
 
 
-@pytest.mark.parametrize("chunk_size", [16, 32, 128])
-def test_chunk_size_does_not_change_the_result(chunk_size):
-    inputs = kda_inputs(1, 100, 2, 16, 16, torch.float64)
+@pytest.mark.parametrize(("K", "V"), [(16, 8), (1, 8), (16, 1)])
+def test_chunk_kda_leaves_its_inputs_and_returns_a_contiguous_state(K, V):
+    """The chunked layout is a view of the inputs where it can be (B = 1, whole chunks), and the
+    state is updated in place, transposed (with K or V = 1 its transpose is already contiguous):
+    the inputs must come back unchanged, the final state as [B, H, K, V]."""
+    inputs = kda_inputs(1, 2 * CHUNK_SIZE, 2, K, V, torch.float32)
+    copies = [t.clone() for t in inputs]
+    _, s = chunk_kda(*inputs)
+    assert all(torch.equal(t, c) for t, c in zip(inputs, copies, strict=True))
+    assert s.shape == (1, 2, K, V) and s.is_contiguous()
+
+
+@pytest.mark.parametrize("chunks_per_block", [1, 3])
+def test_chunk_kda_blocks_of_chunks(monkeypatch, chunks_per_block):
+    """The chunk terms are formed a block of chunks at a time and the state carried across blocks:
+    blocks of 1 and of 3 chunks (the last one short) give the recurrence's result."""
+    inputs = kda_inputs(2, 7 * CHUNK_SIZE + 5, 2, 16, 8, torch.float64)
+    monkeypatch.setattr(kda_module, "BLOCK_ROWS", chunks_per_block * 2 * 2 * CHUNK_SIZE)  # B x H = 4
     o_ref, s_ref = recurrent_kda(*inputs)
-    o, s = chunk_kda(*inputs, chunk_size=chunk_size)
+    o, s = chunk_kda(*inputs)
     assert rel_error(o, o_ref) < 1e-13 and rel_error(s, s_ref) < 1e-13
-
-
-@pytest.mark.parametrize("chunk_size", [8, 48])
-def test_chunk_size_must_be_a_power_of_two_of_at_least_a_sub_chunk(chunk_size):
-    with pytest.raises(UserError, match="chunk_size"):
-        chunk_kda(*kda_inputs(1, 10, 1, 16, 16, torch.float32), chunk_size=chunk_size)
 
 
 def test_recurrent_matches_written_out_delta_rule():

@@ -5,7 +5,8 @@ thread count), reported as ratios so that a machine shared with other work still
 
 KDA: the eager chunked form (`chunk_kda`, what prefill runs) against our token-by-token recurrence
 and flash-linear-attention's pure-torch `naive_recurrent_kda` (a benchmark dependency only:
-`pip install --no-deps fla-core==0.6.0 einops`), at B=1, T=2048, H=8, K=V=128, float32.
+`pip install --no-deps fla-core==0.6.0 einops`), at B=1, T=2048, H=8, K=V=128, float32; in wall
+and CPU time, each with the spread of the per-round ratios.
 
 MoE: `torch.ops.k3.routed_experts` (only the chosen experts) against the dense dispatch the model ran
 before it (every expert on every token, a combine matrix selecting), at E=64, k=4 and E=56, k=1 (the
@@ -37,17 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from reference import kda_inputs, rel_error  # the tests' input generator
 
 
-def alternating_medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each run, measured in alternating rounds after one warm-up each."""
+def alternating_rounds(runs: dict[str, Callable[[], object]], repeats: int,
+                       clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds of each run in each round (by `clock`), in alternating rounds after one warm-up each."""
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start = clock()
             run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append(clock() - start)
+    return times
+
+
+def alternating_medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run, measured in alternating rounds after one warm-up each."""
+    return {name: statistics.median(t) for name, t in alternating_rounds(runs, repeats).items()}
 
 
 def bench_kda(repeats: int) -> None:
@@ -71,14 +78,21 @@ def bench_kda(repeats: int) -> None:
         o, s = chunk_kda(*inputs)
         print(f"chunk_kda vs fla's naive_recurrent_kda: relative error o {rel_error(o, o_ref):.1e}, "
               f"state {rel_error(s, s_ref):.1e}")
-    with torch.no_grad():
-        seconds = alternating_medians(runs, repeats)
-    chunked = seconds["chunk_kda (k3export, chunked)"]
-    print(f"\nKDA, B={B}, T={T}, H={H}, K=V={K}, float32, {torch.get_num_threads()} threads, "
-          f"median of {repeats}")
-    print("| implementation | tokens/s | chunk_kda speed-up |\n|---|---|---|")
-    for name, s in seconds.items():
-        print(f"| {name} | {B * T / s:,.0f} | {s / chunked:.2f}x |")
+    # Wall time, and the process's CPU time: on a machine shared with other work a run is
+    # descheduled at random, which wall time counts and CPU time does not (with one thread; with
+    # more, CPU time also counts threads waiting for each other).
+    for clock_name, clock in (("wall", time.perf_counter), ("CPU", time.process_time)):
+        with torch.no_grad():
+            rounds = alternating_rounds(runs, repeats, clock)
+        chunked = rounds["chunk_kda (k3export, chunked)"]
+        print(f"\nKDA, B={B}, T={T}, H={H}, K=V={K}, float32, {torch.get_num_threads()} threads, "
+              f"{clock_name} time, median of {repeats}; speed-up per round (its time over chunk_kda's in "
+              f"the same round): median [lowest, highest]")
+        print("| implementation | tokens/s | chunk_kda speed-up |\n|---|---|---|")
+        for name, times in rounds.items():
+            ratios = sorted(t / c for t, c in zip(times, chunked, strict=True))
+            print(f"| {name} | {B * T / statistics.median(times):,.0f} | {statistics.median(ratios):.2f}x "
+                  f"[{ratios[0]:.2f}, {ratios[-1]:.2f}] |")
 
 
 class DenseExperts(torch.nn.Module):

@@ -161,14 +161,19 @@ class K3ForCausalLM(nn.Module):
         decays around exp(-0.4), so state persists over tens of tokens.
 
         Each parameter draws from its own generator, seeded from `seed` and its name, so a model
-        holding only some layers (the rest on the meta device) gets the same values for them."""
+        holding only some layers (the rest on the meta device) gets the same values for them, and
+        a rank of a split model (k3export.model.parallel.split_model) its part of the unsplit
+        model's: each parameter is drawn whole, one at a time, and the rank's part kept."""
+        split = getattr(self, "tensor_parallel", None)
+        kept = split.kept if split else {}
         for name, param in self.named_parameters():
             if param.device.type == "meta":
                 continue
             # Within the generator's 64 bits for every seed the CLI takes (0..2**63-1); the same
             # values as before for seeds below 9e12, where the sum never reached 2**63.
             gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            shape = param.shape
+            part = kept.get(name)
+            shape = part.shape if part else param.shape
             if name.endswith("A_log"):
                 value = torch.empty(shape).uniform_(0.5, 2.0, generator=gen).log()
             elif name.endswith("dt_bias"):
@@ -181,4 +186,4 @@ class K3ForCausalLM(nn.Module):
                 value = torch.randn(shape, generator=gen)
             else:
                 value = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
-            param.copy_(value)
+            param.copy_(value[part.index] if part else value)

@@ -14,11 +14,10 @@ import math
 import torch
 from torch import Tensor
 
-from k3export.errors import UserError
-
-CHUNK_SIZE = 64
-# Width of the blocks whose decays are factored against one reference token (_intra_chunk_scores).
-SUB_CHUNK = 16
+CHUNK_SIZE = 16
+# Token-head rows whose chunk terms are formed at once (measured fastest at 2048-4096 for 8 and
+# 96 heads: fewer pay per-op overhead, more page faults).
+BLOCK_ROWS = 4096
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -41,55 +40,85 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     return o.to(out_dtype), state.to(initial_state.dtype)
 
 
-def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor,
-              chunk_size: int = CHUNK_SIZE) -> tuple[Tensor, Tensor]:
+def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+              initial_state: Tensor) -> tuple[Tensor, Tensor]:
     """Chunked form (UT transform): within a chunk of C tokens, with G the cumulative sum of g,
         A_kk[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j)  (j < i)
         T = (I + A_kk)^-1 diag(beta);  W = T (exp(G) * K);  U = T V
     and across chunks, carrying S:
         V' = U - W S;  O = (Q * exp(G)) S + tril(A_qk) V';  S <- exp(G_C) S + (K exp(G_C - G))^T V'
-    Everything but the state pass runs for all chunks and heads at once: only three matmuls per
-    chunk are sequential. chunk_size must be a power of two, at least SUB_CHUNK.
+    The state pass costs the same per token whatever C is; the rest grows with C, so chunks are
+    short: 16 tokens, few enough that exp(G_i - G_j) factors as exp(G_i) exp(-G_j) at the published
+    gate bound (_chunk_terms). Chunks go in blocks of about BLOCK_ROWS token-head rows: the terms
+    of a block's chunks are formed at once (all heads too), then the state passes through them,
+    three matmuls a chunk. Blocks keep the temporaries small, so that memory is reused instead of
+    mapped afresh (measured: a fifth of the time went to page faults with the whole sequence at once).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     dtype, out_dtype = _compute_dtype(q, k, v, g, beta, initial_state), v.dtype
-    C = chunk_size
-    if C < SUB_CHUNK or C & (C - 1):
-        raise UserError(f"chunk_kda: chunk_size {C}: expected a power of two >= {SUB_CHUNK}")
+    C = CHUNK_SIZE
     pad = (-T) % C
-    N = (T + pad) // C
+    N, BH = (T + pad) // C, B * H
 
     def chunked(x: Tensor) -> Tensor:
-        """[B, T, H, ...] -> [N, B * H, C, ...], chunk-major so that the state pass reads each chunk
-        contiguously. Padding tokens have k = 0, beta = 0 and g = 0: they leave the state untouched."""
-        x = torch.nn.functional.pad(x.to(dtype), (0, 0) * (x.dim() - 2) + (0, pad))
+        """[B, T, H, ...] -> [N, B * H, C, ...], chunk-major: a view of the input where the layout
+        allows (so never written; _chunk_terms copies a block at a time). Padding tokens have
+        k = 0, beta = 0 and g = 0: they leave the state untouched."""
+        x = x.to(dtype)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
         x = x.unflatten(1, (N, C)).movedim(3, 1)  # [B, H, N, C, ...]
-        return x.movedim(2, 0).reshape(N, B * H, C, *x.shape[4:])
+        return x.movedim(2, 0).reshape(N, BH, C, *x.shape[4:])
 
-    q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
-    G = g.cumsum(dim=2)
-    A_qk, A_kk = _intra_chunk_scores(q, k, G)
-    # UT transform, W and U together: [W | U] = (I + diag(beta) A_kk)^-1 diag(beta) [exp(G) K | V].
-    decay = G.exp()
-    rhs = beta[..., None] * torch.cat([decay * k, v], -1)
-    WU = _unit_lower_inverse(beta[..., None] * A_kk) @ rhs
-    W, U = WU[..., :K], WU[..., K:]
-    QG = q * decay
-    G_last = G[:, :, -1:]
-    K_tail = ((G_last - G).exp() * k).transpose(-1, -2).contiguous()  # [N, BH, K, C]: decay to the chunk end
-    state_decay = G_last.exp().transpose(-1, -2)  # [N, BH, K, 1]
-
-    state = initial_state.to(dtype).flatten(0, 1)  # [BH, K, V]
-    V_new = torch.empty_like(U)
-    O = torch.empty_like(U)
-    for n in range(N):
-        torch.sub(U[n], W[n] @ state, out=V_new[n])
-        torch.bmm(QG[n], state, out=O[n])
-        state = torch.baddbmm(state_decay[n] * state, K_tail[n], V_new[n])
-    o = torch.baddbmm(O.flatten(0, 1), A_qk.flatten(0, 1), V_new.flatten(0, 1))
+    q, k, v, g = (chunked(t) for t in (q, k, v, g))
+    beta = chunked(beta)[..., None]
+    o = torch.empty(N, BH, C, V, dtype=dtype)
+    # The pass carries S transposed ([V, K]) so that the decayed keys enter the update as they lie
+    # (measured: a transposed [K, C] operand, or transposing them first, costs more than this); a
+    # copy always, as it is updated in place.
+    state = initial_state.to(dtype).flatten(0, 1).mT.clone(memory_format=torch.contiguous_format)
+    chunks_per_block = max(1, BLOCK_ROWS // (BH * C))
+    for first in range(0, N, chunks_per_block):
+        block = slice(first, first + chunks_per_block)
+        terms = _chunk_terms(q[block], k[block], v[block], g[block], beta[block])
+        QG, W, U, K_tail, decay_last, A_qk = (x.unflatten(0, (-1, BH)) for x in terms)
+        V_new = torch.empty_like(U)
+        for n in range(U.shape[0]):
+            torch.baddbmm(U[n], W[n], state.mT, alpha=-1, out=V_new[n])
+            torch.bmm(QG[n], state.mT, out=o[first + n])
+            state.mul_(decay_last[n]).baddbmm_(V_new[n].mT, K_tail[n])
+        o[block].flatten(0, 1).baddbmm_(A_qk.flatten(0, 1), V_new.flatten(0, 1))
     o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-    return o.to(out_dtype), state.view(B, H, K, V).to(initial_state.dtype)
+    return o.to(out_dtype), state.mT.reshape(B, H, K, V).contiguous().to(initial_state.dtype)
+
+
+def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
+    """What the state pass reads of chunks [.., BH, C, K] (beta [.., BH, C, 1]; views of the
+    inputs), as [M = .. x BH, ...]: Q exp(G), W, U, the keys decayed to the chunk's end, exp(G_C)
+    [M, 1, K] and tril(A_qk). Three-dimensional, so that matmuls take transposed operands as they
+    lie (with a fourth dimension torch copies them); the first op on each input makes the copy."""
+    C = q.shape[-2]
+    G = g.cumsum(dim=-2).flatten(0, 1)
+    decay = G.exp()  # exp(G_i): decay since the chunk's start, <= 1
+    QKG = torch.stack([q, k], -3).flatten(0, 1)  # [M, 2, C, K]
+    # exp(G_i - G_j) = exp(G_i) exp(-G_j) in the scores, and exp(G_C) exp(-G_j) in the keys decayed
+    # to the chunk's end. exp(-G_j) grows along the chunk, up to e^80 in 16 steps at the published
+    # bound of -5 (e^88 overflows float32); a chunk that decays further is formed from differences.
+    K_grown = QKG[:, 1] / decay
+    QKG.mul_(decay[:, None])  # [Q exp(G); K exp(G)]
+    scores = QKG.flatten(1, 2) @ K_grown.mT  # [M, 2C, C]: sum_d x_i k_j exp(G_i - G_j), x = q, k
+    decay_last = decay[:, -1:]
+    K_tail = K_grown.mul_(decay_last)  # k_j exp(G_C - G_j)
+    steep = G.amin((1, 2)) < -(math.log(torch.finfo(G.dtype).max) - 8)
+    if steep.any():
+        scores[steep], K_tail[steep] = _from_differences(*(x.flatten(0, 1)[steep] for x in (q, k)), G[steep])
+    A_qk, A_kk = scores[:, :C].tril(), scores[:, C:].tril(-1)
+    # UT transform: T = (I + diag(beta) A_kk)^-1 diag(beta);  W = T (exp(G) K);  U = T V.
+    beta = beta.flatten(0, 1)
+    T = _unit_lower_inverse(A_kk.mul_(beta)).mul_(beta.mT)
+    QG, KG = QKG.unbind(1)
+    return QG, T @ KG, T @ v.flatten(0, 1), K_tail, decay_last, A_qk
 
 
 def _diagonal_blocks(x: Tensor, size: int) -> Tensor:
@@ -115,47 +144,15 @@ def _unit_lower_inverse(L: Tensor) -> Tensor:
     return inverse
 
 
-def _intra_chunk_scores(q: Tensor, k: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
-    """A_qk (j <= i) and A_kk (j < i) of every chunk: sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d]),
-    x = q or k, as [.., C, C] with zeros above the diagonal. No [C, C, K] tensor is built.
-
-    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) with r the first token of i's sub-chunk of
-    SUB_CHUNK tokens, so each row block is one matmul. G falls along a chunk (g <= 0), so both
-    factors are <= 1 for j before the sub-chunk (where they may underflow to 0 only when the
-    true product is below that too); inside it exp(G_r - G_j) grows up to exp(SUB_CHUNK x the
-    largest decay per step), e^75 at the published lower bound of -5. Where a sub-chunk decays
-    more than the dtype can hold, its diagonal block is formed from the differences instead."""
-    C, S = q.shape[-2], SUB_CHUNK
-    A_qk = q.new_zeros(*q.shape[:-1], C)
-    A_kk = q.new_zeros(*q.shape[:-1], C)
-    for a in range(0, C, S):
-        ref = G[..., a:a + 1, :]
-        row_decay = (G[..., a:a + S, :] - ref).exp()
-        rows = torch.cat([q[..., a:a + S, :] * row_decay, k[..., a:a + S, :] * row_decay], -2)
-        cols = k[..., :a + S, :] * (ref - G[..., :a + S, :]).exp()
-        scores = rows @ cols.transpose(-1, -2)
-        A_qk[..., a:a + S, :a + S] = scores[..., :S, :]
-        A_kk[..., a:a + S, :a + S] = scores[..., S:, :]
-    blocks = G.unflatten(-2, (C // S, S))
-    span = (blocks[..., 0, :] - blocks[..., -1, :]).amax()
-    if span > math.log(torch.finfo(G.dtype).max) - 8:
-        _exact_diagonal_blocks(q, k, G, A_qk, A_kk)
-    return A_qk.tril(), A_kk.tril(-1)
-
-
-def _exact_diagonal_blocks(q: Tensor, k: Tensor, G: Tensor, A_qk: Tensor, A_kk: Tensor) -> None:
-    """Overwrites the diagonal sub-chunk blocks of A_qk and A_kk with exp(G_i - G_j) formed from
-    the differences, masked to j <= i before exponentiating: for decays too steep to factor."""
-    S = SUB_CHUNK
-    qb, kb, Gb = (x.unflatten(-2, (-1, S)) for x in (q, k, G))  # [..., C/S, S, K]
-    causal = torch.ones(S, S, dtype=torch.bool, device=G.device).tril()
-    diff = Gb[..., :, None, :] - Gb[..., None, :, :]
-    decayed_k = diff.masked_fill(~causal[..., None], float("-inf")).exp() * kb[..., None, :, :]
-    qk = torch.einsum("...id,...ijd->...ij", qb, decayed_k)
-    kk = torch.einsum("...id,...ijd->...ij", kb, decayed_k)
-    for s in range(Gb.shape[-3]):
-        A_qk[..., s * S:(s + 1) * S, s * S:(s + 1) * S] = qk[..., s, :, :]
-        A_kk[..., s * S:(s + 1) * S, s * S:(s + 1) * S] = kk[..., s, :, :]
+def _from_differences(q: Tensor, k: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """The scores [.., 2C, C] and the keys decayed to the chunk's end [.., C, K] of chunks [.., C, K]
+    that decay too steeply to factor: exp(G_i - G_j) formed from the differences, masked to j <= i
+    before exponentiating."""
+    C = G.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+    decays = (G[..., :, None, :] - G[..., None, :, :]).masked_fill_(~causal[..., None], -math.inf).exp_()
+    scores = torch.einsum("...xid,...ijd->...xij", torch.stack([q, k], -3), decays * k[..., None, :, :])
+    return scores.flatten(-3, -2), k * (G[..., -1:, :] - G).exp()
 
 
 @torch.library.custom_op("k3::kda", mutates_args=())

@@ -104,10 +104,19 @@ def partition(weights: list[int], parts: int) -> list[range]:
                  lambda s: s <= heaviest)
 
 
-# Peak host memory of one build process (the export, then the engine of the same weights), fitted over
-# measured stage builds: 812 MB + 2.31 x the weights it builds (TensorRT-RTX 1.7, k3-small float32
-# stages, docs/benchmarks.md#stage-builds). Full TensorRT's and weight-stripped builds are unmeasured.
-BUILD_FIXED_BYTES, BUILD_BYTES_PER_WEIGHT_BYTE = 812e6, 2.31
+# Peak host memory of one build process (the export, then the engine of the same weights), by kind of
+# page at the peak, measured on TensorRT-RTX 1.7 builds (k3-tiny and k3-small float32 stages, a k3-small
+# rank, a published-widths layer's rank; docs/benchmarks.md#stage-builds): anonymous memory, which
+# must fit (the builder's copy that it serializes, about the engine's size, which for the wide layer
+# was 1.42 x its weights; the chunk being written; the export's residue; Python, torch and
+# TensorRT's own), and file pages (the libraries, and the parser's mapping of the weights file: clean
+# pages the kernel drops when memory runs short, reading them again if touched again). The anonymous
+# line bounds every build measured; the published-widths rank sets it. Full TensorRT's and
+# weight-stripped builds are unmeasured.
+BUILD_ANON_FIXED_BYTES, BUILD_ANON_PER_WEIGHT_BYTE = 0.66e9, 1.76
+BUILD_FILE_FIXED_BYTES, BUILD_FILE_PER_WEIGHT_BYTE = 0.26e9, 1.0
+HOST_BYTES = 2.0e12  # an 8 x H200 host (DGX H200): 2 TB
+HOST_BUILD_SHARE = 0.8  # of a host's memory, for the builds it runs at once
 
 
 class GpuMemory:
@@ -126,9 +135,20 @@ class GpuMemory:
         return self.total_bytes <= H200_BYTES
 
     @property
+    def build_anon_bytes(self) -> int:
+        """Anonymous memory one process building these weights peaks at (BUILD_ANON_...)."""
+        return round(BUILD_ANON_FIXED_BYTES + BUILD_ANON_PER_WEIGHT_BYTE * self.weight_bytes)
+
+    @property
     def build_host_bytes(self) -> int:
-        """Host memory one process building these weights peaks at (BUILD_FIXED_BYTES, ...)."""
-        return round(BUILD_FIXED_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * self.weight_bytes)
+        """Resident memory (anonymous and file pages) one process building these weights peaks at."""
+        file_bytes = BUILD_FILE_FIXED_BYTES + BUILD_FILE_PER_WEIGHT_BYTE * self.weight_bytes
+        return self.build_anon_bytes + round(file_bytes)
+
+    def builds_at_once(self, host_bytes: float) -> int:
+        """How many such builds fit at once in HOST_BUILD_SHARE of a host's memory, counting their
+        anonymous memory (their file pages are reclaimable)."""
+        return int(HOST_BUILD_SHARE * host_bytes // self.build_anon_bytes)
 
 
 @dataclass
@@ -203,6 +223,7 @@ class Plan:
                 "memory": {"weights": s.weight_bytes, "cache": s.cache_bytes,
                            "activations": s.activation_bytes, "total": s.total_bytes,
                            "fits_h200": s.fits_h200, "build_host": s.build_host_bytes,
+                           "build_anon": s.build_anon_bytes,
                            "check_host": s.check_host_bytes,
                            "check_host_streamed": s.check_streamed_host_bytes,
                            "activations_by_profile": {"prefill": s.activation_bytes,
@@ -342,9 +363,12 @@ def format_plan(plan: Plan) -> str:
         "the prefill profile's): " + ", ".join(
             f"stage {s.index} prefill {_gb(s.activation_bytes)} GB, decode "
             f"{_gb(s.decode_activation_bytes)} GB" for s in plan.stages),
-        "host memory to build a stage (one process): " + ", ".join(
-            f"stage {s.index} {_gb(s.build_host_bytes)} GB" for s in plan.stages)
-        + f" (measured fit: {BUILD_FIXED_BYTES / 1e9:.2f} GB + {BUILD_BYTES_PER_WEIGHT_BYTE} x its weights)",
+        "host memory to build a stage (one process, peak resident; of it anonymous): " + ", ".join(
+            f"stage {s.index} {_gb(s.build_host_bytes)} GB ({_gb(s.build_anon_bytes)} GB)"
+            for s in plan.stages)
+        + f" (measured fit: anonymous {BUILD_ANON_FIXED_BYTES / 1e9:.2f} GB + {BUILD_ANON_PER_WEIGHT_BYTE} x "
+        f"its weights, file pages {BUILD_FILE_FIXED_BYTES / 1e9:.2f} GB + {BUILD_FILE_PER_WEIGHT_BYTE:g} x: "
+        "the parser's mapping of the weights file, which the kernel reclaims)",
         "host memory to check a stage (check --build / --engine: the eager reference runs on the host's CPU, "
         "never on the engine's GPU; its weights" + (", and its float32 model's" if plan.dtype != "float32"
                                                     else "") + "): in memory " + ", ".join(
@@ -445,7 +469,7 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
-def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float) -> str:
+def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float, host_bytes: float) -> str:
     ranks = stages[0].ranks
     lines = [
         f"each stage split over {ranks} GPUs (tensor-parallel heads, expert-parallel experts; per GPU of "
@@ -466,21 +490,25 @@ def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float) -> str
         "[u | shared] in float32, latent + hidden values; the dense layer's output in the model dtype)",
         "the MLA latent cache is the same on every rank (one key head); KDA state and conv tails are "
         "split by heads; activations are the unsplit stage's estimate (an upper bound)",
-        "host memory to build one rank (a process): " + ", ".join(
-            f"stage {s.index} {_gb(s.build_host_bytes)} GB" for s in stages)
-        + f"; a host building its {ranks} ranks at once (build --stage I --rank R, one per GPU) needs "
-        f"{ranks} x that",
+        "host memory to build one rank (a process, peak resident; of it anonymous): " + ", ".join(
+            f"stage {s.index} {_gb(s.build_host_bytes)} GB ({_gb(s.build_anon_bytes)} GB)" for s in stages)
+        + f"; builds at once (build --stage I --rank R, one per GPU) within {HOST_BUILD_SHARE:.0%} of a "
+        f"{host_bytes / 1e12:g} TB host, counting their anonymous memory: " + ", ".join(
+            f"stage {s.index} {min(ranks, s.builds_at_once(host_bytes))} of {ranks} "
+            f"({ranks} need {_gb(ranks * s.build_anon_bytes)} GB)" for s in stages),
     ]
     return "\n".join(lines)
 
 
-def rank_plan_json(stages: list[RankStage], collective_gb_per_s: float) -> dict:
-    return {"ranks": stages[0].ranks, "collective_gb_per_s": collective_gb_per_s, "stages": [{
+def rank_plan_json(stages: list[RankStage], collective_gb_per_s: float, host_bytes: float) -> dict:
+    return {"ranks": stages[0].ranks, "collective_gb_per_s": collective_gb_per_s, "host_bytes": host_bytes,
+            "stages": [{
         "layers": [s.layers.start, s.layers.stop], "split_weight_bytes": s.split_weight_bytes,
         "replicated_weight_bytes": s.replicated_weight_bytes, "weight_bytes": s.weight_bytes,
         "cache_bytes_per_sequence": s.cache_bytes_per_sequence, "cache_bytes": s.cache_bytes,
         "activation_bytes": s.activation_bytes, "total_bytes": s.total_bytes, "fits_h200": s.fits_h200,
-        "build_host_bytes": s.build_host_bytes,
+        "build_host_bytes": s.build_host_bytes, "build_anon_bytes": s.build_anon_bytes,
+        "builds_at_once": min(s.ranks, s.builds_at_once(host_bytes)),
         "collective_bytes_per_token": s.collective_bytes_per_token,
         "collective_seconds_per_token": s.collective_seconds_per_token} for s in stages]}
 
@@ -509,10 +537,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     stages = rank_stages(plan, ranks, collective_gb_per_s)
     if args.json:
-        parallel = rank_plan_json(stages, collective_gb_per_s)
+        parallel = rank_plan_json(stages, collective_gb_per_s, args.host_gb * 1e9)
         print(json.dumps({**plan.to_json(), "parallel": parallel}, indent=2))
     else:
-        print(format_plan(plan) + "\n\n" + format_rank_plan(stages, collective_gb_per_s))
+        print(format_plan(plan) + "\n\n" + format_rank_plan(stages, collective_gb_per_s, args.host_gb * 1e9))
     return 0
 
 
@@ -539,5 +567,8 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--collective-gb-per-s", type=positive_real,
                       help="bandwidth of the collectives within a stage, GB/s (default: the recipe's [links] "
                            f"ranks_gb_per_s, else {COLLECTIVE_GB_PER_S:g}: NVLink 4, one direction)")
+    plan.add_argument("--host-gb", type=positive_real, default=HOST_BYTES / 1e9,
+                      help="memory of a host building its ranks at once, GB (default "
+                           f"{HOST_BYTES / 1e9:g}: 8 x H200, DGX H200)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(run=cmd_plan)

@@ -599,10 +599,10 @@ def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], l
     `layers`, only the parts those layers use hold memory and weights (see
     `K3ForCausalLM.parts`); the rest stay on the meta device, so one shard of a 2.8T model fits.
 
-    With `ranks` > 1, rank `rank` of the split model (k3export/model/parallel.py split_model). From
-    a checkpoint the model is split on the meta device and the rank reads only its part, so memory
-    follows the rank's slice; seeded weights are drawn for the whole stage and then split (each
-    parameter's values depend on its whole shape)."""
+    With `ranks` > 1, rank `rank` of the split model (k3export/model/parallel.py split_model), split
+    on the meta device first, so memory follows the rank's slice: from a checkpoint the rank reads
+    only its part; seeded weights are drawn a whole parameter at a time (its values depend on its
+    whole shape) and the rank's part kept."""
     if "seed" not in weights and "checkpoint" not in weights and not weights.get("stripped"):
         raise CheckpointError(f"weights {weights!r}: expected a seed or a checkpoint "
                               "(an export made with --no-weights has no numbers to check)")
@@ -615,8 +615,7 @@ def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], l
         for layer in model.model.layers:
             if not layer.is_dense:
                 layer.block_sparse_moe.experts.keep_packed()
-    if weights.get("stripped") or "checkpoint" in weights:
-        split_model(model, rank, ranks)  # on the meta device: the rank's shapes, before any memory
+    split_model(model, rank, ranks)  # on the meta device: the rank's shapes, before any memory
     if weights.get("stripped"):
         return model
     parts = model.parts(layers or range(config.num_hidden_layers))
@@ -627,4 +626,4 @@ def build_model(config: K3Config, dtype: torch.dtype, weights: dict[str, Any], l
         log(load_checkpoint(model, weights["checkpoint"], layers).summary())
         return model
     model.init_weights(int(weights["seed"]))
-    return split_model(model, rank, ranks)
+    return model
