@@ -63,6 +63,8 @@ REFUSALS = [
     # check
     Refusal(("check", "--onnx", "{export}", "--runner", "onnx"), "--runner: expected --build DIR",
             lambda p, a: p == "check" and bool(a.runner) and not a.build),
+    Refusal(("check", "--onnx", "{export}", "--stage", "0"), "--stage: expected --build DIR",
+            lambda p, a: p == "check" and a.stage is not None and not a.build),
     Refusal(("check", "--onnx", "{export}", "--kernels"), "--kernels: expected --network DIR",
             lambda p, a: p == "check" and a.kernels and not a.network),
     Refusal(("check", "--onnx", "{export}", "--taps"), "--taps: ",
