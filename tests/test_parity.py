@@ -12,7 +12,7 @@ from k3export.check.compare import (
     top1_agreement,
     verdict,
 )
-from k3export.check.driver import _compare_step
+from k3export.check.driver import StepStats, valid_entries
 from k3export.onnx.runner import Signature
 
 
@@ -58,11 +58,11 @@ def logits_signature(vocab: int) -> Signature:
 
 
 def test_half_precision_step_ties_within_twice_its_logit_spread_and_the_headroom_says_how_close():
-    """The driver's step comparison (check/driver.py _compare_step) on float16 logits of 2 rows of 2
-    and 1 valid tokens, vocabulary 4 (row 1's second position is padding): the eager float32 logits
-    differ from the eager float16 ones by at most 0.2 over the valid entries (and by 5 at the padding,
-    which must not count), so the tie margin is 0.4 (the fixed one 0.1, the cap 1.0). The graph
-    equals the reference but at one position, where it swaps the reference's top token with one
+    """The driver's step comparison (check/driver.py: valid entries, then StepStats) on float16 logits
+    of 2 rows of 2 and 1 valid tokens, vocabulary 4 (row 1's second position is padding): the eager
+    float32 logits differ from the eager float16 ones by at most 0.2 over the valid entries (and by 5
+    at the padding, which must not count), so the tie margin is 0.4 (the fixed one 0.1, the cap 1.0).
+    The graph equals the reference but at one position, where it swaps the reference's top token with one
     `gap` below it: at 0.38 a tie, at 0.42 a mismatch that fails the run (the logits within their
     bound either way); the headroom is gap / 0.4. A margin stuck at its cap, or at the fixed one,
     fails this."""
@@ -78,9 +78,14 @@ def test_half_precision_step_ties_within_twice_its_logit_spread_and_the_headroom
         float32[1, 1, :] += 5.0  # padding: not a valid entry
         graph = ours.copy()
         graph[0, 1, [0, 3]] = [23.0 - gap, 23.0]  # the graph's top-1 there: token 3
-        outs = [{"logits": ours}, {"logits": graph}, {"logits": float32}]
-        step = _compare_step("decode 1", logits_signature(4), outs, lengths, lengths, TOLERANCES["float16"],
-                             log=lambda line: None)
+        # As the driver's eager side hands a step's outputs over: valid entries, then the step's stats.
+        signature = logits_signature(4)
+        eager, actual, twin = (valid_entries(signature.outputs[0], a, lengths, lengths)
+                               for a in (ours, graph, float32))
+        stats = StepStats(TOLERANCES["float16"])
+        stats.add("logits", actual, eager, twin)
+        stats.add_tokens(actual, eager, 4)
+        step = stats.judged("decode 1", signature, log=lambda line: None)
         tokens = step["tokens"]
         assert (tokens["positions"], tokens["agree"]) == (3, 2)
         assert (tokens["ties"], tokens["mismatches"]) == ((1, 0) if tie else (0, 1)), gap

@@ -277,7 +277,7 @@ class Worker:
                 raise UserError(f"{where}: no answer within {WORKER_TIMEOUT_S:.0f} s")
         try:
             status, value = self.conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # a killed worker's pipe: closed, or reset mid-message
             self.process.join(POLL_S)
             raise UserError(f"{where}: its process died (exit code {self.process.exitcode})") from None
         if status == FAILED:
