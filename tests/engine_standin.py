@@ -222,6 +222,17 @@ class NetworkContext:
         return True
 
 
+_PARSED: dict[tuple[str, int], ParsedNetwork] = {}
+
+
+def parsed(graph: Path, trt: Any) -> ParsedNetwork:
+    """The parsed network of `graph`, parsed once per file as it is (a test's engines share it)."""
+    key = (str(graph.resolve()), graph.stat().st_mtime_ns)
+    if key not in _PARSED:
+        _PARSED[key] = parse_network(graph, trt)
+    return _PARSED[key]
+
+
 class CpuMemoryEngineRunner(EngineRunner):
     """The engine runner with its buffers in host memory (where the stand-in reads and writes); every
     other line is EngineRunner's. With `install`, what it loads is a NetworkEngine."""
@@ -243,7 +254,7 @@ def install(monkeypatch: pytest.MonkeyPatch, gpus: int = 1,
     loaded: list[NetworkEngine] = []
 
     def load_engine(trt: Any, logger: Any, path: Path, weights: Path) -> NetworkEngine:
-        loaded.append(NetworkEngine(parse_network(weights, trt), engine_record(path)["profiles"], copies))
+        loaded.append(NetworkEngine(parsed(weights, trt), engine_record(path)["profiles"], copies))
         return loaded[-1]
 
     Device.current = 0

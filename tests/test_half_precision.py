@@ -47,7 +47,11 @@ LEGS = {
 }
 CASES = [(leg, dtype, kind) for leg, (_, pairs) in LEGS.items() for dtype, kind in pairs]
 # The variants of an export each check runs on: as exported, with routing outputs, each perturbed.
-VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (routed, perturbed)
+VARIANTS = [(False, False), (True, False), (False, True)]  # (routed, perturbed)
+# Routed and perturbed too, in the published dtype only: with the routed export's numbers equal to the
+# plain one's bit for bit (test_routing_outputs_are_read_and_change_nothing_else), the other pairs'
+# routed-and-perturbed checks proved nothing the plain perturbed ones do not.
+ROUTED_PERTURBED = ("bfloat16", "network")
 
 
 def with_routing_outputs(export: Path, folder: Path) -> Path:
@@ -89,6 +93,7 @@ def legs(exports: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     for leg, (env, pairs) in LEGS.items():
         variants = VARIANTS if not env else [(False, False), (False, True)]
         checks = [(dtype, kind, routed, perturbed) for dtype, kind in pairs for routed, perturbed in variants]
+        checks += [] if env else [(*ROUTED_PERTURBED, True, True)]
         # The default leg also runs each export as it is with the eager side streamed.
         streamed = [] if env else [(dtype, kind) for dtype, kind in pairs]
         spec = root / f"{leg}.json"
@@ -144,13 +149,14 @@ def test_half_precision_verdict_holds_under_the_knob(legs: dict, leg: str, dtype
 def test_routing_outputs_are_read_and_change_nothing_else(legs: dict, dtype: str, kind: str) -> None:
     """float16 (--onnx, --network) and bfloat16 (--network) with routing outputs: the check reads the
     graph's own outputs, passes, measures exactly what it measures on the export without them (bit
-    for bit, in one process), and the perturbed export fails."""
+    for bit, in one process), and (bfloat16) the perturbed export fails."""
     plain, routed = legs["default"][dtype, kind, False, False], legs["default"][dtype, kind, True, False]
     assert routed["routing_read_from"] == "graph outputs"
     assert routed["passed"], routed["failed_outputs"]
     assert numbers(routed) == numbers(plain)
-    failed = legs["default"][dtype, kind, True, True]
-    assert not failed["passed"] and "logits" in failed["failed_outputs"]
+    if (dtype, kind) == ROUTED_PERTURBED:
+        failed = legs["default"][dtype, kind, True, True]
+        assert not failed["passed"] and "logits" in failed["failed_outputs"]
 
 
 @pytest.mark.parametrize(("dtype", "kind"), LEGS["default"][1], ids=lambda value: value)
