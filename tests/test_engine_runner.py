@@ -131,7 +131,8 @@ def standin(monkeypatch: pytest.MonkeyPatch) -> list[NetworkEngine]:
     return install(monkeypatch, gpus=2)
 
 
-def prefill_feeds(runner: EngineRunner, batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
+def prefill_feeds(batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
+    """A prefill of `batch` rows of `seq` tokens from empty caches."""
     return {"input_ids": np.zeros((batch, seq), np.int64), "cache_lengths": np.zeros(batch, np.int64),
             "input_lengths": np.full(batch, seq, np.int64)}
 
@@ -175,7 +176,7 @@ def test_engine_runner_returns_what_it_promises(routed_export: Path, standin: li
                                    host_outputs={"logits"})
     runner.activate()
     runner.reset(2)
-    first = runner.infer(prefill_feeds(runner), check_inputs=False)
+    first = runner.infer(prefill_feeds(), check_inputs=False)
     routing = [s["name"] for s in manifest_of(routed_export)["routing_outputs"]]
     assert list(first)[:len(routing) + 1] == [*routing, "logits"]
     assert isinstance(first["logits"], np.ndarray)
@@ -199,7 +200,7 @@ def test_engine_runner_makes_its_gpu_current(tiny_export: Path, standin: list, t
         runner.reset(2)
     for _ in range(2):
         for runner in runners:
-            runner.infer(prefill_feeds(runner), check_inputs=False)
+            runner.infer(prefill_feeds(), check_inputs=False)
     assert [e.contexts[0].gpu for e in standin] == [1, 0]
     assert all(e.contexts[0].refusals == [] and len(e.contexts[0].calls) == 2 for e in standin)
 
@@ -244,7 +245,7 @@ def test_the_standin_refuses_what_tensorrt_refuses(tiny_export: Path, standin: l
     runner.reset(2)
     context, plan = runner.context, runner.plan
     shapes = plan.shapes({"batch": 2, "seq": 5, "capacity": runner.signature.capacity})
-    feeds = {s.name: torch.from_numpy(prefill_feeds(runner)[s.name]) for s in plan.feeds}
+    feeds = {s.name: torch.from_numpy(prefill_feeds()[s.name]) for s in plan.feeds}
     outputs = {s.name: torch.empty(shapes[s.name], dtype=getattr(torch, s.dtype)) for s in plan.returned}
     latent = next(iter(plan.in_place))
     conv = next(iter(plan.swapped))
