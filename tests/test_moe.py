@@ -220,7 +220,7 @@ def onnx_tensors(packed: bool, dtype: torch.dtype) -> tuple[Tensor, ...]:
 @pytest.fixture(scope="module")
 def onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, torch.dtype], Path]:
     """One export per form (plain, packed) and token dtype, at example shapes other than those tested."""
-    from k3export.onnx import export_onnx
+    from k3export.onnx.ops import export_onnx
 
     folder = tmp_path_factory.mktemp("moe_onnx")
     models = {}
@@ -243,7 +243,7 @@ def rank_module(packed: bool) -> RoutedExpertsModule:
 @pytest.fixture(scope="module")
 def rank_onnx_models(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
     """The op on a rank's half of the experts, plain and packed."""
-    from k3export.onnx import export_onnx
+    from k3export.onnx.ops import export_onnx
 
     folder = tmp_path_factory.mktemp("moe_rank_onnx")
     gen = torch.Generator().manual_seed(0)
@@ -324,8 +324,8 @@ def test_packed_experts_are_stored_as_words_of_their_bytes(onnx_models):
 def test_packed_experts_without_weights_are_word_inputs(tmp_path):
     """Exported without weights (meta), the packed experts are graph inputs: declared as int32 words
     of their shapes too, and the file passes the full check."""
-    from k3export.onnx import export_onnx
     from k3export.onnx.moe import packed_experts_as_words
+    from k3export.onnx.ops import export_onnx
 
     module = RoutedExpertsModule(tuple(t.to("meta") for t in packed_experts()), True).eval()
     gen = torch.Generator().manual_seed(0)

@@ -12,7 +12,8 @@ import torch
 from reference import kda_inputs, rel_error
 from torch import Tensor
 
-from k3export.onnx import TRANSLATION_TABLE, attach_functions, export_onnx
+from k3export.onnx.functions import attach_functions
+from k3export.onnx.ops import TRANSLATION_TABLE, export_onnx
 
 H, K, V = 2, 16, 8  # K != V, so a transposed state cannot pass
 MLA_H, MLA_D, V_DIM, SCALE = 3, 24, 16, 0.2

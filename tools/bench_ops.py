@@ -178,7 +178,7 @@ def peak_mb(E: int, k: int, N: int, form: str, onnx_path: Path | None, threads: 
 
 
 def bench_moe(repeats: int, threads: int) -> None:
-    from k3export.onnx import export_onnx
+    from k3export.onnx.ops import export_onnx
 
     print(f"\nMoE routed experts, L={L_MOE}, I={I_MOE}, float32, {threads} threads, median of {repeats}; "
           f"MB: the resident memory one call adds at its peak (own process)")

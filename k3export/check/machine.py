@@ -32,7 +32,7 @@ def machine() -> dict:
     """The CPU, its half-precision flags, the knobs set, ATen's and oneDNN's levels, and versions."""
     import onnxruntime
 
-    model, flags = _cpu()
+    model, flags = cpu_and_flags()
     return {"cpu": model, "cpu_flags": [f for f in HALF_PRECISION_FLAGS if f in flags],
             "knobs": {k: os.environ[k] for k in KNOBS if k in os.environ},
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -49,7 +49,8 @@ def machine_line(record: dict) -> str:
             f"torch {record['torch']}, onnxruntime {record['onnxruntime']}")
 
 
-def _cpu() -> tuple[str, set[str]]:
+def cpu_and_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and its flags (/proc/cpuinfo; elsewhere the platform's name and no flags)."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         return platform.processor() or platform.machine(), set()

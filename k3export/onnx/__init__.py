@@ -11,15 +11,3 @@ TensorRT can swap in plugins.
                    Runtime through IO binding (used by check and the sharded runtime)
 """
 
-from k3export.onnx.functions import attach_functions, k3_functions, kda_function, latent_mla_function
-from k3export.onnx.ops import TRANSLATION_TABLE, attach_functions_ir, export_onnx
-
-__all__ = [
-    "TRANSLATION_TABLE",
-    "attach_functions",
-    "attach_functions_ir",
-    "export_onnx",
-    "k3_functions",
-    "kda_function",
-    "latent_mla_function",
-]

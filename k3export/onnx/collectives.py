@@ -12,7 +12,6 @@ from collections.abc import Callable
 import onnx
 import torch
 from onnx.defs import OpSchema
-from onnxscript import values
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3export.model.parallel import RankSplit, collectives
@@ -32,17 +31,20 @@ DIST_COLLECTIVE_SCHEMA = OpSchema(
                 OpSchema.Attribute("root", OpSchema.AttrType.INT, "-1: no root"),
                 OpSchema.Attribute("nb_rank", OpSchema.AttrType.INT, "ranks taking part")],
 )
-_DIST_COLLECTIVE = values.Op(values.Opset(DOMAIN, DOMAIN_VERSION), OP_TYPE, DIST_COLLECTIVE_SCHEMA)
-
-
-# Annotated so that the exporter passes the rank count as an attribute, not as a tensor.
-def _all_reduce(x, ranks: int):
-    return _DIST_COLLECTIVE(x, collective_operation="all_reduce", reduce_op="sum", root=-1, nb_rank=ranks)
 
 
 def collective_translation_table() -> dict[Callable, Callable]:
-    """The entry of onnx/ops.py's TRANSLATION_TABLE for the collectives."""
-    return {torch.ops.k3.all_reduce.default: _all_reduce}
+    """The entry of onnx/ops.py's TRANSLATION_TABLE for the collectives. onnxscript is imported here,
+    by the exporter only: the runtime and check read this module's names without it."""
+    from onnxscript import values
+
+    dist_collective = values.Op(values.Opset(DOMAIN, DOMAIN_VERSION), OP_TYPE, DIST_COLLECTIVE_SCHEMA)
+
+    # Annotated so that the exporter passes the rank count as an attribute, not as a tensor.
+    def all_reduce(x, ranks: int):
+        return dist_collective(x, collective_operation="all_reduce", reduce_op="sum", root=-1, nb_rank=ranks)
+
+    return {torch.ops.k3.all_reduce.default: all_reduce}
 
 
 def parallel_record(split: RankSplit, graph: onnx.ModelProto, layers: range, dtype: torch.dtype) -> dict:

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-import onnxscript
 import torch
 from torch import Tensor, nn
 
@@ -46,7 +45,6 @@ from k3export.onnx.collectives import DOMAIN as COLLECTIVE_DOMAIN
 from k3export.onnx.collectives import OP_TYPE as COLLECTIVE_OP
 from k3export.onnx.collectives import parallel_record
 from k3export.onnx.domain import DOMAIN, ROUTED_OPS
-from k3export.onnx.ops import export_onnx
 from k3export.onnx.taps import MEANINGS as TAP_MEANINGS
 from k3export.onnx.taps import SUBLAYERS as TAP_SUBLAYERS
 from k3export.onnx.taps import recording, tap_name, tap_names
@@ -286,6 +284,12 @@ def export_model(model: K3ForCausalLM, out_dir: str | Path, layers: range | None
     out_dir = Path(out_dir)
     config, dtype = model.config, model.dtype
     layers = layers or range(config.num_hidden_layers)
+    # The exporter's modules (onnxscript, torch.onnx) load here, not with this module's names, which the
+    # runtime and check read in every process they start.
+    import onnxscript
+
+    from k3export.onnx.ops import export_onnx
+
     inputs, outputs = graph_signature(config, layers, dtype, last_logits, taps)
     # Example sizes above 1, pairwise different and below the capacity, so no axis is specialised
     # or confused. On the weights' device: cpu, or meta for --no-weights (a range's unused parts
