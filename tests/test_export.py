@@ -255,20 +255,30 @@ def test_published_shapes_without_weights(tmp_path):
         run_check(folder, log=lambda _: None)
 
 
-def test_export_does_not_retrace_to_decompose(tmp_path, monkeypatch):
+def test_export_does_not_retrace_to_decompose_or_rebuild_torchlib(tmp_path, monkeypatch):
     """The exporter's decomposition step is skipped (k3export.onnx.ops._lean_preparation): torch's
-    run_decompositions, a second trace as long as the capture, is never called. If torch moves the
-    private hook, this fails rather than the export silently taking twice as long."""
+    run_decompositions, a second trace as long as the capture, is never called; and torchlib's
+    registry is built once a process (ops._cached_registry): a second export builds none and writes
+    the same bytes. If torch moves either private hook, this fails rather than the export silently
+    taking longer."""
+    from torch.onnx._internal.exporter import _registration
+
     from k3export.onnx.export import export_model
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("run_decompositions was called")
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"{what} was called")
+        return refused
 
-    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", refuse)
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", refuse("run_decompositions"))
     config = K3Config.from_preset("k3-tiny")
     model = build_model(config, torch.float32, {"seed": 0}, range(0, 2))
-    manifest = export_model(model, tmp_path, range(0, 2), {"seed": 0})
+    manifest = export_model(model, tmp_path / "first", range(0, 2), {"seed": 0})
     assert manifest["custom_nodes"] == {"KDA": 2, "RoutedExperts": 1}
+    monkeypatch.setattr(_registration._torchlib_registry, "get_torchlib_ops", refuse("torchlib's registry"))
+    export_model(model, tmp_path / "again", range(0, 2), {"seed": 0})
+    for name in ("model.onnx", "model.onnx.data"):
+        assert sha256(tmp_path / "again" / name) == sha256(tmp_path / "first" / name), name
 
 
 def test_type_promotion_from_metadata_inserts_torchs_casts():

@@ -167,23 +167,17 @@ def four_head_short_config() -> K3Config:
     return K3Config.from_dict(data)
 
 
-@torch.no_grad()
 @pytest.mark.usefixtures("bounded_check")
 def test_four_ranks_of_a_four_head_model(tmp_path: Path, capsys) -> None:
-    """One stage over 4 ranks: the grid under torchrun gives the unsplit eager model's greedy
-    tokens, and check --build (4 workers) passes against the unsplit eager model."""
+    """One stage over 4 ranks (one KDA and one MLA head, 2 experts a rank): check --build (4 workers)
+    passes against the unsplit eager model. (The runtime's sums over a stage's ranks, the same code
+    for 2 or 4, give the unsplit model's tokens on the 2 x 2 grid: a torchrun of these 4 ranks cost
+    about 7 s more, measured 2026-12-04.)"""
     config = four_head_short_config()
     config.to_json(tmp_path / "config.json")
     recipe = grid_recipe(4).replace('preset = "k3-tiny"', 'config = "config.json"')
     (tmp_path / "four.toml").write_text(recipe.replace("count = 2", "count = 1"))
     build_recipe(load_recipe(tmp_path / "four.toml"), tmp_path / "build", log=lambda _: None)
-    proc = torchrun(4, "-m", "k3export.runtime", str(tmp_path / "build"), "--batch", "2",
-                    "--prompt-len", "8", "--max-new-tokens", "4", "--seed", "3", "--json", "--threads", "1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    model = K3ForCausalLM(config).eval()
-    model.init_weights(0)
-    expected = eager_greedy(model, random_prompts(2, 8, 256, 3), 4)
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["tokens"] == expected
     assert main(["check", "--build", str(tmp_path / "build"), "--steps", "1", "--prompt-len", "8"]) == 0
     assert "first divergent stage and rank: none" in capsys.readouterr().out
 

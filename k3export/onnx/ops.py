@@ -8,6 +8,7 @@ the exporter records as a plain node; `attach_functions` adds the bodies after e
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import tempfile
@@ -24,7 +25,7 @@ import torch
 from onnx.defs import OpSchema
 from onnxscript import opset18 as op
 from onnxscript import values
-from torch.onnx._internal.exporter import _fx_passes
+from torch.onnx._internal.exporter import _fx_passes, _registration
 from torch.onnx._internal.fx.passes import type_promotion
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
@@ -207,6 +208,37 @@ def _lean_tracing() -> Iterator[None]:
         torch.fx.config.do_not_emit_stack_traces = stack_traces
 
 
+# torchlib's registry as torch.onnx.export makes it, kept to be restored after each export.
+_FROM_TORCHLIB = _registration.ONNXRegistry.__dict__["from_torchlib"]
+
+
+@functools.cache
+def _torchlib_registry(opset_version: int) -> _registration.ONNXRegistry:
+    return _FROM_TORCHLIB.__func__(_registration.ONNXRegistry, opset_version)
+
+
+def _registry_copy(opset_version: int) -> _registration.ONNXRegistry:
+    """A copy of torchlib's registry, made once per process: torch.onnx.export builds it from scratch
+    for every export (1.07 of a one-layer rank export's 3.9 s, 2026-12-04) and then adds our
+    translations to it, so each export gets lists of its own."""
+    cached = _torchlib_registry(opset_version)
+    registry = _registration.ONNXRegistry()
+    registry._opset_version = cached.opset_version
+    registry.functions = {target: list(functions) for target, functions in cached.functions.items()}
+    return registry
+
+
+@contextlib.contextmanager
+def _cached_registry() -> Iterator[None]:
+    """torch.onnx.export's `ONNXRegistry().from_torchlib(...)` answered from `_registry_copy`. A private
+    hook, like `_lean_preparation`'s; tests/test_export.py pins that exports use it and stay identical."""
+    _registration.ONNXRegistry.from_torchlib = staticmethod(_registry_copy)
+    try:
+        yield
+    finally:
+        _registration.ONNXRegistry.from_torchlib = _FROM_TORCHLIB
+
+
 def fold_constants(model: ir.Model) -> None:
     """What the graph needs of an optimizer, and no more: constants folded (the axes and shapes
     TensorRT needs as constants), repeated subexpressions and unused nodes removed, constants as
@@ -258,7 +290,7 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     complete ONNX that checkers and shape inference accept at real shapes, with no weight bytes."""
     # A layer range holds only its own layers' weights (the rest, unused by the graph, stay meta).
     with_weights = any(p.device.type != "meta" for p in module.parameters())
-    with _quiet_exporter(), _lean_preparation(), _lean_tracing():
+    with _quiet_exporter(), _lean_preparation(), _lean_tracing(), _cached_registry():
         program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATION_TABLE,
                                     dynamic_shapes=dynamic_shapes, opset_version=opset_version,
                                     input_names=input_names, verbose=False,
