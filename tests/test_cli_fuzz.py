@@ -119,11 +119,15 @@ def _scratch_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """engines/k3-tiny.toml in one stage (onnx backend): a build whose stage-0 folder is an export
-    of the whole model (capacity 256 tokens, vocabulary 256)."""
-    build = tmp_path_factory.mktemp("fuzz") / "build"
-    build_recipe(dataclasses.replace(load_recipe(TINY_RECIPE), stage_count=1), build, backend="onnx",
-                 log=lambda _: None)
+    """k3-tiny's 3-layer cut (every layer kind; test_parallel_grid.short_recipe) in one stage (onnx
+    backend): a build whose stage-0 folder is an export of the whole model (capacity 256 tokens,
+    vocabulary 256). What the commands are given decides their exits, not the model's depth: the
+    9-layer model cost the fixture 10 s and every valid check and run drawn three times its time."""
+    from test_parallel_grid import short_recipe
+
+    recipe = short_recipe(tmp_path_factory.mktemp("fuzz-recipe"), "float32", 1, 1)
+    build = tmp_path_factory.mktemp("fuzz") / "build"  # alone in its folder: tests look beside it
+    build_recipe(load_recipe(recipe), build, log=lambda _: None)
     return build
 
 

@@ -320,25 +320,36 @@ def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None
     assert report["bytes"] > 0
 
 
-def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path) -> None:
-    """Built for SM89 (the other targets TensorRT-RTX takes are accepted alike: test_flavours)."""
-    out = tmp_path / "tiny.sm89.engine"
-    report = run("build", tiny_export, str(out), "sm89")
+def test_engine_builds_with_two_profiles(tmp_path: Path) -> None:
+    """Built for SM89 (the other targets TensorRT-RTX takes are accepted alike: test_flavours), from
+    k3-tiny's 3-layer cut (test_parallel_grid.short_config: every layer kind; the build of the whole
+    model, 10 s against 3, is test_shards.py::test_tensorrt_rtx_build's)."""
+    from test_parallel_grid import short_config
+
+    from k3export.cli import main
+
+    short_config().to_json(tmp_path / "config.json")
+    export = tmp_path / "export"
+    assert main(["export", "--config", str(tmp_path / "config.json"), "--seed", "0", "--out", str(export),
+                 "--quiet"]) == 0
+    out = tmp_path / "build" / "tiny.sm89.engine"
+    out.parent.mkdir()
+    report = run("build", export, str(out), "sm89")
 
     assert out.stat().st_size == report["bytes"] > 0
-    assert [p.name for p in tmp_path.iterdir()] == [out.name], "a temporary file was left behind"
+    assert [p.name for p in out.parent.iterdir()] == [out.name], "a temporary file was left behind"
     prefill, decode = report["profiles"]
     # [min, opt, max] of input_ids [batch, seq]: prefill batch 1 x seq 1..64, decode batch 1..2 x 1.
     assert prefill["input_ids"] == [[1, 1], [1, 64], [1, 64]]
     assert decode["input_ids"] == [[1, 1], [2, 1], [2, 1]]
     assert decode["cache_lengths"] == decode["input_lengths"] == [[1], [2], [2]]
-    capacity = json.loads((tiny_export / "export.json").read_text())["capacity"]
+    capacity = json.loads((export / "export.json").read_text())["capacity"]
     latent = next(name for name in decode if name.endswith("mla_latent"))
     assert [shape[:3] for shape in decode[latent]] == [[1, 1, capacity], [2, 1, capacity], [2, 1, capacity]]
-    assert len(report["network"]["plugin_layers"]) == len(k3_nodes(tiny_export))
+    assert len(report["network"]["plugin_layers"]) == len(k3_nodes(export))
     # No GPU: each profile's device memory is the estimate, at least its inputs at their largest shapes.
     assert report["backend"] == "tensorrt-rtx"
-    dtypes = {s["name"]: s["dtype"] for s in json.loads((tiny_export / "export.json").read_text())["inputs"]}
+    dtypes = {s["name"]: s["dtype"] for s in json.loads((export / "export.json").read_text())["inputs"]}
     for memory, shapes in zip(report["device_memory"], report["profiles"], strict=True):
         inputs = sum(math.prod(shape[2]) * getattr(torch, dtypes[name]).itemsize
                      for name, shape in shapes.items())
@@ -349,7 +360,7 @@ def test_engine_builds_with_two_profiles(tiny_export: Path, tmp_path: Path) -> N
 def test_aot_attribute_is_ignored(tiny_export: Path, aot_export: Path) -> None:
     """`aot = 1` (export --aot-plugins) is for full TensorRT's tensorrt.plugin plugins; the IPluginV3
     creators do not declare it, so TensorRT-RTX's parser makes the same plugin layers with the same
-    fields as of the plain export (which builds: test_engine_builds_with_two_profiles)."""
+    fields as of the plain export (whose stages build: test_shards.py::test_tensorrt_rtx_build)."""
     summary, plain = run("strict", aot_export), run("strict", tiny_export)
     assert summary["plugin_layers"] == plain["plugin_layers"]
     assert len(summary["plugin_layers"]) == len(k3_nodes(aot_export))

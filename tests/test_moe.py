@@ -378,16 +378,17 @@ def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, ti
     """`export --no-weights` (weights as graph inputs) and `export --packed-experts` (experts as int32
     words) skip the exporter's constant folding; the shape arithmetic is folded afterwards, so
     TensorRT-RTX's parser (which wants axes and shapes as build-time constants) takes them: one plugin
-    per mixer and one per MoE layer (k3plugins.moe), no Loop. Both at once (layers 0..2: the dense
-    layer and two MoE layers) give MXFP4 nodes whose experts are int32 word inputs. Parsed in a
+    per mixer and one per MoE layer (k3plugins.moe), no Loop (layers 2..3: each mixer kind with its
+    MoE). Both at once (layers 0..2: the dense layer and two MoE layers) give MXFP4 nodes whose
+    experts are int32 word inputs. Parsed in a
     subprocess: some TensorRT failures abort the process. (`--packed-experts` alone, from a checkpoint:
     test_engine.py::test_packed_experts_stay_packed parses and builds it.)"""
     from k3export.cli import main
 
     config = tiny_config
-    layers = range(config.num_hidden_layers)
-    if kind == "no_weights":
-        options = ["--preset", "k3-tiny", "--no-weights"]
+    if kind == "no_weights":  # layers 2..3: a KDA and an MLA layer, each with its MoE
+        layers = range(2, 4)
+        options = ["--preset", "k3-tiny", "--no-weights", "--layers", "2:4"]
     else:
         layers = range(3)
         options = ["--preset", "k3-tiny", "--no-weights", "--packed-experts", "--layers", "0:3"]
