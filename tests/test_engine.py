@@ -164,9 +164,15 @@ def version9_export(tiny_export: Path, tmp_path_factory) -> Path:
     return folder
 
 
-def test_one_plugin_layer_per_custom_node(tiny_export: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_summary(tiny_export: Path) -> dict[str, Any]:
+    """The plain export's parsed network, summarized (one process for the tests that read it)."""
+    return run("strict", tiny_export)
+
+
+def test_one_plugin_layer_per_custom_node(tiny_export: Path, tiny_summary: dict[str, Any]) -> None:
     manifest = json.loads((tiny_export / "export.json").read_text())
-    summary = run("strict", tiny_export)
+    summary = tiny_summary
 
     plugins = [p.split(": ", 1)[1] for p in summary["plugin_layers"]]
     mixers = [layer["mixer"] for layer in manifest["schedule"]]
@@ -231,14 +237,16 @@ def initializer_bytes(export_dir: Path) -> dict[str, int]:
     return sizes
 
 
-# Prints, as JSON, for each RoutedExpertsMXFP4 plugin layer its expert inputs: dtype, shape, and the
-# constant layer that feeds each (its name, the weights' bytes and their sha256).
+# Prints, as JSON, the parsed network's summary (as SCRIPT's "strict" does) and for each
+# RoutedExpertsMXFP4 plugin layer its expert inputs: dtype, shape, and the constant layer that feeds
+# each (its name, the weights' bytes and their sha256).
 MOE_INPUTS_SCRIPT = """
 import hashlib, json, sys
+from dataclasses import asdict
 import k3plugins.trt
 from k3export.engine import build, flavours
 trt = flavours.load_tensorrt()
-k3plugins.trt.register(trt)
+creators = k3plugins.trt.register(trt)
 _, network, _ = build.parse(sys.argv[1], trt, trt.Logger(trt.Logger.ERROR))
 layers = [network.get_layer(i) for i in range(network.num_layers)]
 producers = {l.get_output(j).name: l for l in layers for j in range(l.num_outputs)}
@@ -250,9 +258,10 @@ def constant(layer):
     data = layer.weights.tobytes()  # the constant's weights as a numpy array
     return [str(layer.weights.dtype), layer.name, len(data), hashlib.sha256(data).hexdigest()]
 
-print(json.dumps([[(t.dtype.name, list(t.shape), constant(producers[t.name]))
-                   for t in (l.get_input(j) for j in range(3, l.num_inputs))]
-                  for l in layers if l.type.name == "PLUGIN_V3" and l.num_inputs == 9]))
+print(json.dumps([asdict(build.summarize(network, trt, creators)),
+                  [[(t.dtype.name, list(t.shape), constant(producers[t.name]))
+                    for t in (l.get_input(j) for j in range(3, l.num_inputs))]
+                   for l in layers if l.type.name == "PLUGIN_V3" and l.num_inputs == 9]]))
 """
 
 
@@ -288,17 +297,16 @@ def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None
     import hashlib
 
     manifest = json.loads((packed_export / "export.json").read_text())
-    summary = run("strict", packed_export)
+    proc = subprocess.run([sys.executable, "-c", MOE_INPUTS_SCRIPT, str(packed_export / "model.onnx")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary, layers = json.loads(proc.stdout.strip().splitlines()[-1])
     moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v1")]
     assert len(moe) == expected_moe_layers(manifest) == 8
     assert not LOOP_LAYERS & set(summary["layer_types"]), "a RoutedExperts function body was inlined"
     fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0, "expert_offset": 0}
     assert summary["plugin_fields"]["RoutedExpertsMXFP4"] == [fields] * 8
 
-    proc = subprocess.run([sys.executable, "-c", MOE_INPUTS_SCRIPT, str(packed_export / "model.onnx")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    layers = json.loads(proc.stdout.strip().splitlines()[-1])
     E, I, L = 8, 32, 32  # k3-tiny: num_experts, moe_intermediate_size, routed_expert_hidden_size
     word_shapes = [[E, I * L // 8], [E, I * L // 128]] * 3
     expected = checkpoint_experts(packed_export.parent / "checkpoint")
@@ -357,11 +365,11 @@ def test_engine_builds_with_two_profiles(tmp_path: Path) -> None:
     assert [m["profile"] for m in report["device_memory"]] == ["prefill", "decode"]
 
 
-def test_aot_attribute_is_ignored(tiny_export: Path, aot_export: Path) -> None:
+def test_aot_attribute_is_ignored(tiny_summary: dict[str, Any], aot_export: Path) -> None:
     """`aot = 1` (export --aot-plugins) is for full TensorRT's tensorrt.plugin plugins; the IPluginV3
     creators do not declare it, so TensorRT-RTX's parser makes the same plugin layers with the same
     fields as of the plain export (whose stages build: test_shards.py::test_tensorrt_rtx_build)."""
-    summary, plain = run("strict", aot_export), run("strict", tiny_export)
+    summary, plain = run("strict", aot_export), tiny_summary
     assert summary["plugin_layers"] == plain["plugin_layers"]
     assert len(summary["plugin_layers"]) == len(k3_nodes(aot_export))
     assert summary["plugin_fields"] == plain["plugin_fields"]
