@@ -157,13 +157,14 @@ def test_one_rank_alone_is_refused_by_check(grid_build: Path, artifact: str, cap
 
 def four_head_short_config() -> K3Config:
     """tests/test_parallel.py's 4-head k3-tiny (one KDA and one MLA head a rank of 4, 2 of its 8
-    experts a rank) cut to 3 layers that keep every kind: a dense KDA layer, a KDA MoE layer and an
-    MLA MoE layer, with an AttnRes block boundary between them (4 rank exports of 9 layers would
-    cost CI a minute)."""
+    experts a rank) cut to 2 layers: a KDA MoE layer and an MLA MoE layer, with an AttnRes block
+    boundary between them (4 rank exports of 9 layers would cost CI a minute; a dense layer's FFN over
+    4 ranks is test_parallel.py's, and over 2 the 2 x 2 grid's)."""
     data = four_head_config().to_dict()
-    data["num_hidden_layers"] = 3
-    data["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3])
-    data["attn_res_block_size"] = 2
+    data["num_hidden_layers"] = 2
+    data["first_k_dense_replace"] = 0
+    data["linear_attn_config"].update(kda_layers=[1], full_attn_layers=[2])
+    data["attn_res_block_size"] = 1
     return K3Config.from_dict(data)
 
 
