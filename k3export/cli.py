@@ -291,7 +291,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.recipe and args.onnx:
         raise UserError(f"build {args.recipe} --onnx {args.onnx}: expected --onnx DIR (one export) or a "
                         "RECIPE (every pipeline stage), not both")
+    # One engine's profile sizes; a recipe's [profiles] size its engines: not silently ignored.
+    profile_sizes = [option for option, value in (("--max-batch", args.max_batch),
+                                                  ("--max-seq", args.max_seq),
+                                                  ("--decode-batch", args.decode_batch)) if value is not None]
     if args.recipe:
+        if profile_sizes:
+            raise UserError(f"build {args.recipe} {profile_sizes[0]}: expected --onnx DIR with it (a "
+                            "recipe's engines take their shapes from its [profiles])")
         from k3export.shards.stages import cmd_build_recipe
         return cmd_build_recipe(args)
     if not args.onnx:
@@ -314,16 +321,18 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise UserError(f"build --onnx DIR --backend onnx: an export is already ONNX; expected --backend "
                         f"{' or '.join(FLAVOURS)}")
     flavour = FLAVOURS[args.backend or "tensorrt-rtx"]
-    target = args.target or ("sm89" if flavour.targets else None)
+    target = ("sm89" if flavour.targets else None) if args.target is None else args.target
     if target is None:
         raise UserError(f"build --backend {flavour.backend}: expected --target (the GPU in this machine, "
                         "such as sm90 for H100/H200 or sm100 for B200)")
     problem = target_problem(flavour, target)
     if problem:
-        raise UserError(f"build --backend {flavour.backend} --target {target}: expected {problem}")
+        raise UserError(f"build --backend {flavour.backend} --target {target or repr(target)}: "
+                        f"expected {problem}")
     require_machine(flavour, target, strip=args.strip)
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
-    limits = Limits(args.max_batch, args.max_seq, args.decode_batch or args.max_batch)
+    max_batch = args.max_batch or Limits.prefill_batch
+    limits = Limits(max_batch, args.max_seq or Limits.prefill_seq, args.decode_batch or max_batch)
     # Verified and the limits refused before the engine's record is begun (build_engine's are then cheap).
     profile_shapes(verify(args.onnx, MANIFEST_FILE), limits)
     print(f"building a {flavour.title} engine for {target} from {args.onnx} with the k3 plugins "
@@ -516,11 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--target", metavar="SM", help="compute capability: TensorRT-RTX's sm75, sm80, "
                        "sm86, sm89 (default), sm120, sm121; full TensorRT: this machine's GPU (sm90, "
                        "sm100, ...); with RECIPE: instead of its [build] target")
-    build.add_argument("--max-batch", type=positive_int, default=Limits.prefill_batch,
-                       help="sequences per prefill call (and per decode call unless --decode-batch)")
-    build.add_argument("--max-seq", type=positive_int, default=Limits.prefill_seq,
-                       help="prefill tokens per call")
-    build.add_argument("--decode-batch", type=positive_int, metavar="N", help="sequences per decode call")
+    build.add_argument("--max-batch", type=positive_int, help="sequences per prefill call (and per decode "
+                       f"call unless --decode-batch; default {Limits.prefill_batch}); with --onnx")
+    build.add_argument("--max-seq", type=positive_int,
+                       help=f"prefill tokens per call (default {Limits.prefill_seq}); with --onnx")
+    build.add_argument("--decode-batch", type=positive_int, metavar="N",
+                       help="sequences per decode call; with --onnx")
     build.add_argument("--strip", action="store_true",
                        help="weight-stripped engines (STRIP_PLAN, REFIT_IDENTICAL): the engine file holds no "
                        "weights; loading refits it from its export's model.onnx. Needs a GPU where it builds")

@@ -7,8 +7,9 @@ not listed: the fuzz reads those from the parsers.
 
 Paths are the fuzz's placeholders ("{export}", "{build}", ...: test_cli_fuzz.PATHS). The inputs they
 name have what the predicates assume: no build holds an engine, no export has taps, every recipe is
-engines/k3-tiny.toml (2 stages, not split over ranks), the model is k3-tiny (9 layers, 2 KDA and 2
-MLA heads, a vocabulary of 256 ids) and every cache holds 256 tokens a sequence ({build}'s).
+engines/k3-tiny.toml (2 stages, not split over ranks), the preset is k3-tiny (9 layers, 2 KDA and 2
+MLA heads, a vocabulary of 256 ids), {build} and {export} hold its 3-layer cut (one stage; the same
+heads, experts and vocabulary) and every cache holds 256 tokens a sequence ({build}'s).
 """
 
 from __future__ import annotations
@@ -104,7 +105,13 @@ REFUSALS = [
     Refusal(("build", "--onnx", "{export}", "--target", "sm90", "--out", "{missing}"),
             "build --backend tensorrt-rtx --target sm90: expected one of",
             lambda p, a: p == "build" and onnx_build(a) and a.backend in (None, "tensorrt-rtx")
-            and bool(a.target) and a.target not in ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")),
+            and a.target is not None and a.target not in ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")),
+    Refusal(("build", "--onnx", "{export}", "--target", "", "--out", "{missing}"),  # was the default
+            "--target '': expected one of", lambda p, a: p == "build" and onnx_build(a) and a.target == ""
+            and a.backend in (None, "tensorrt-rtx")),
+    Refusal(("build", "{recipe}", "--max-seq", "64", "--out", "{missing}"),  # was ignored
+            "--max-seq: expected --onnx DIR with it", lambda p, a: p == "build" and bool(a.recipe)
+            and any(v is not None for v in (a.max_batch, a.max_seq, a.decode_batch))),
     Refusal(("build", "{recipe}", "--rank", "0", "--stage", "0", "--out", "{missing}"),
             "--rank 0: ", lambda p, a: p == "build" and bool(a.recipe) and a.rank is not None),
     Refusal(("build", "{recipe}", "--stage", "2", "--out", "{missing}"), "--stage 2: expected a stage of",
@@ -114,6 +121,11 @@ REFUSALS = [
             lambda p, a: p == "plan" and (a.recipe is None) == (a.preset is None)),
     Refusal(("plan", "{recipe}", "--preset", "k3-tiny"), "plan: expected a RECIPE file or --preset NAME",
             lambda p, a: p == "plan" and (a.recipe is None) == (a.preset is None)),
+    # was ignored:
+    Refusal(("plan", "{recipe}", "--context", "4096"), "--context: expected --preset NAME with it",
+            lambda p, a: p == "plan" and bool(a.recipe) and any(
+                getattr(a, d) not in (None, False)
+                for d in ("stages", "packed_experts", "dtype", "context", "batch", "prefill_tokens"))),
     Refusal(("plan", "--preset", "k3-tiny"), "plan --preset: expected --stages N",
             lambda p, a: p == "plan" and a.preset and not a.recipe and a.stages is None),
     Refusal(("plan", "--preset", "k3-tiny", "--stages", "10"), "10 stages for 9 layers: expected 1..9 stages",

@@ -513,11 +513,23 @@ def rank_plan_json(stages: list[RankStage], collective_gb_per_s: float, host_byt
         "collective_seconds_per_token": s.collective_seconds_per_token} for s in stages]}
 
 
+# What `plan --preset` takes beyond the preset (their defaults where not given); a recipe has its own.
+PRESET_DEFAULTS = {"context": 131072, "batch": 1, "prefill_tokens": 1024}
+PRESET_ONLY = ("stages", "packed_experts", "dtype", *PRESET_DEFAULTS)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from k3export.shards.recipe import load_recipe
 
     if (args.recipe is None) == (args.preset is None):
         raise UserError("plan: expected a RECIPE file or --preset NAME --stages N (one of them)")
+    if args.recipe:
+        # A recipe sets these itself ([stages], [weights], [cache], [profiles]): not silently ignored.
+        given = [f"--{dest.replace('_', '-')}" for dest in PRESET_ONLY
+                 if getattr(args, dest) not in (None, False)]
+        if given:
+            raise UserError(f"plan {args.recipe} {given[0]}: expected --preset NAME with it (a recipe's own "
+                            "[stages], [weights], [cache] and [profiles] are what its plan uses)")
     recipe = load_recipe(args.recipe) if args.recipe else None
     if recipe:
         plan = plan_recipe(recipe, args.link_gb_per_s)
@@ -525,9 +537,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.stages is None:
             raise UserError("plan --preset: expected --stages N")
         config = K3Config.from_preset(args.preset)
+        sizes = {dest: PRESET_DEFAULTS[dest] if getattr(args, dest) is None else getattr(args, dest)
+                 for dest in PRESET_DEFAULTS}
         plan = make_plan(config, args.stages, model=args.preset, dtype=args.dtype or config.torch_dtype,
-                         packed_experts=args.packed_experts, context=args.context, batch=args.batch,
-                         prefill_tokens=args.prefill_tokens,
+                         packed_experts=args.packed_experts, **sizes,
                          link_gb_per_s=args.link_gb_per_s or LINK_GB_PER_S)
     ranks = args.ranks or (recipe.ranks if recipe else 1)
     collective_gb_per_s = (args.collective_gb_per_s or (recipe and recipe.ranks_gb_per_s)
@@ -553,11 +566,13 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--stages", type=positive_int, help="stage count (with --preset)")
     plan.add_argument("--packed-experts", action="store_true", help="routed experts in MXFP4 (with --preset)")
     plan.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="with --preset")
-    plan.add_argument("--context", type=positive_int, default=131072,
-                      help="cache tokens per sequence (with --preset)")
-    plan.add_argument("--batch", type=positive_int, default=1, help="sequences in the cache (with --preset)")
-    plan.add_argument("--prefill-tokens", type=positive_int, default=1024,
-                      help="batch x seq of the largest prefill, for the activation estimate (with --preset)")
+    plan.add_argument("--context", type=positive_int,
+                      help=f"cache tokens per sequence (with --preset; default {PRESET_DEFAULTS['context']})")
+    plan.add_argument("--batch", type=positive_int,
+                      help=f"sequences in the cache (with --preset; default {PRESET_DEFAULTS['batch']})")
+    plan.add_argument("--prefill-tokens", type=positive_int,
+                      help="batch x seq of the largest prefill, for the activation estimate (with --preset; "
+                           f"default {PRESET_DEFAULTS['prefill_tokens']})")
     plan.add_argument("--link-gb-per-s", type=positive_real,
                       help="bandwidth between stages, GB/s (default: the recipe's [links] stages_gb_per_s, "
                            f"else {LINK_GB_PER_S:g}: 400 Gb/s InfiniBand)")

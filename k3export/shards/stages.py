@@ -358,7 +358,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
 
 def cmd_build_recipe(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
-    if args.target:  # instead of the recipe's [build] target, as --backend is for its backend
+    if args.target is not None:  # instead of the recipe's [build] target, as --backend is for its backend
         recipe = dataclasses.replace(recipe, target=args.target)
     manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
                             taps=True if args.taps else None, strip=args.strip, only=args.stage,
