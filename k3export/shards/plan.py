@@ -537,8 +537,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.stages is None:
             raise UserError("plan --preset: expected --stages N")
         config = K3Config.from_preset(args.preset)
-        sizes = {dest: PRESET_DEFAULTS[dest] if getattr(args, dest) is None else getattr(args, dest)
-                 for dest in PRESET_DEFAULTS}
+        sizes = {dest: getattr(args, dest) or default for dest, default in PRESET_DEFAULTS.items()}
         plan = make_plan(config, args.stages, model=args.preset, dtype=args.dtype or config.torch_dtype,
                          packed_experts=args.packed_experts, **sizes,
                          link_gb_per_s=args.link_gb_per_s or LINK_GB_PER_S)
