@@ -3,7 +3,7 @@ them): one graph per rank with a DistCollective node (domain trt, every attribut
 split needs, recorded in export.json; byte-identical when exported twice; the ranks' experts disjoint
 and together the unsplit model's; TensorRT-RTX's census and build of each rank; the ranks' parsed
 networks evaluated together under torchrun against the unsplit eager model: greedy tokens and logits;
-and `check --build` pairing each of a whole k3-tiny rank's 18 partial sums with its collective by
+and `check --build` pairing each of a 6-layer k3-tiny rank's 12 partial sums with its collective by
 index. (The ranks' ONNX graphs under torchrun: tests/test_parallel_grid.py, through the runtime and
 check --build.)"""
 
@@ -28,21 +28,39 @@ from reference import rel_error
 
 from k3export.cli import main
 from k3export.config import K3Config
+from k3export.model import K3ForCausalLM
+from k3export.weights.checkpoint import build_model
 
 GRID_WORKER = Path(__file__).with_name("parallel_grid_worker.py")
 
 
+def six_layer_config() -> K3Config:
+    """k3-tiny's first 6 layers (every kind, two AttnRes boundaries): a rank of it sums 12 times, more
+    than 10, which is what the partial sums' pairing by index needs, at two thirds of k3-tiny's cost."""
+    data = K3Config.from_preset("k3-tiny").to_dict()
+    data["num_hidden_layers"] = 6
+    data["linear_attn_config"].update(kda_layers=[1, 2, 3, 5, 6], full_attn_layers=[4])
+    return K3Config.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def six_layer_model() -> K3ForCausalLM:
+    return build_model(six_layer_config(), torch.float32, {"seed": 0})
+
+
 @pytest.fixture(scope="module")
 def rank_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Ranks 0 and 1 of 2 of the whole k3-tiny (seed 0, float32): the one stage of the shipped 2 x 2
-    recipe built in one stage with check's outputs (`build RECIPE --routing-outputs`, "build":
-    stage-0/rank-{r}, what `export --ranks 2 --rank R --routing-outputs --capacity 256` writes); and
-    layer 0 of rank 1 exported twice (attention and a dense MLP, each followed by its sum: enough for
-    byte identity, and cheap), the second in a process of its own with another PYTHONHASHSEED."""
+    """Ranks 0 and 1 of 2 of six_layer_config (seed 0, float32): the shipped 2 x 2 recipe on it, built in
+    one stage with check's outputs (`build RECIPE --routing-outputs`, "build": stage-0/rank-{r}, what
+    `export --ranks 2 --rank R --routing-outputs --capacity 256` writes); and layer 0 of k3-tiny's rank
+    1 exported twice (attention and a dense MLP, each followed by its sum: enough for byte identity,
+    and cheap), the second in a process of its own with another PYTHONHASHSEED."""
     from test_parallel_grid import grid_recipe
 
     folder = tmp_path_factory.mktemp("rank_exports")
-    (folder / "grid.toml").write_text(grid_recipe(2).replace("count = 2", "count = 1"))
+    six_layer_config().to_json(folder / "config.json")
+    recipe = grid_recipe(2).replace("count = 2", "count = 1")
+    (folder / "grid.toml").write_text(recipe.replace('preset = "k3-tiny"', 'config = "config.json"'))
     exports = {"build": folder / "build"}
     assert main(["build", str(folder / "grid.toml"), "--routing-outputs", "--out", str(exports["build"]),
                  "--quiet"]) == 0
@@ -68,7 +86,7 @@ def collective_nodes(folder: Path) -> list[onnx.NodeProto]:
 def test_one_dist_collective_per_sum_with_every_attribute(rank_exports) -> None:
     for name in ("rank0", "rank1"):
         nodes = collective_nodes(rank_exports[name])
-        assert len(nodes) == 18  # attention and FFN of each of the 9 layers
+        assert len(nodes) == 12  # attention and FFN of each of the 6 layers
         for node in nodes:
             attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert node.domain == "trt"
@@ -76,21 +94,22 @@ def test_one_dist_collective_per_sum_with_every_attribute(rank_exports) -> None:
                                   "nb_rank": 2}
 
 
-def test_manifest_records_the_rank_and_each_collective(rank_exports, tiny_config) -> None:
+def test_manifest_records_the_rank_and_each_collective(rank_exports) -> None:
     manifest = json.loads((rank_exports["rank1"] / "export.json").read_text())
     parallel = manifest["parallel"]
     assert (parallel["rank"], parallel["ranks"]) == (1, 2)
     nodes = collective_nodes(rank_exports["rank1"])
     assert [c["node"] for c in parallel["collectives"]] == [n.name for n in nodes]
-    D, L = tiny_config.hidden_size, tiny_config.routed_expert_hidden_size
+    config = six_layer_config()
+    D, L = config.hidden_size, config.routed_expert_hidden_size
     # float32 model: attention D values, a dense FFN D, a MoE layer [u | shared] L + D (float32).
     moe_layer = [("attention", 4 * D), ("ffn", 4 * (L + D))]
     assert [(c["layer"], c["after"], c["bytes_per_token"]) for c in parallel["collectives"]] == [
-        (0, "attention", 4 * D), (0, "ffn", 4 * D), *((i, *c) for i in range(1, 9) for c in moe_layer)]
+        (0, "attention", 4 * D), (0, "ffn", 4 * D), *((i, *c) for i in range(1, 6) for c in moe_layer)]
     # The rank's caches hold its heads; config.json is the unsplit model's.
     state = next(s for s in manifest["inputs"] if s["name"] == "past.1.kda_state")
     assert state["shape"] == ["batch", 1, 32, 32]
-    assert K3Config.from_json(rank_exports["rank1"] / "config.json") == tiny_config
+    assert K3Config.from_json(rank_exports["rank1"] / "config.json") == config
 
 
 def test_two_exports_of_a_rank_are_byte_identical(rank_exports) -> None:
@@ -99,7 +118,7 @@ def test_two_exports_of_a_rank_are_byte_identical(rank_exports) -> None:
         assert (first / file).read_bytes() == (again / file).read_bytes()
 
 
-def test_ranks_hold_disjoint_experts_that_together_are_the_model(rank_exports, tiny_model) -> None:
+def test_ranks_hold_disjoint_experts_that_together_are_the_model(rank_exports, six_layer_model) -> None:
     """Per MoE layer and projection, rank 0's experts then rank 1's are the unsplit model's, and no
     expert's bytes are held by both ranks. Rank 1's nodes carry expert_offset 4, rank 0's 0."""
     held = {}
@@ -109,9 +128,10 @@ def test_ranks_hold_disjoint_experts_that_together_are_the_model(rank_exports, t
                       if ".experts." in t.name}
         offsets = [next((a.i for a in n.attribute if a.name == "expert_offset"), 0) for n in model.graph.node
                    if n.op_type == "RoutedExperts"]
-        assert offsets == [4 * (name == "rank1")] * 8
-    unsplit = {name: p.detach().numpy() for name, p in tiny_model.named_parameters() if ".experts." in name}
-    assert len(held["rank0"]) == 3 * 8 and held["rank0"].keys() == held["rank1"].keys()
+        assert offsets == [4 * (name == "rank1")] * 5
+    unsplit = {name: p.detach().numpy() for name, p in six_layer_model.named_parameters()
+               if ".experts." in name}
+    assert len(held["rank0"]) == 3 * 5 and held["rank0"].keys() == held["rank1"].keys()
     for name in held["rank0"]:
         together = np.concatenate([held["rank0"][name], held["rank1"][name]])
         np.testing.assert_array_equal(together, unsplit[name.removeprefix("model.")])
@@ -176,7 +196,7 @@ def run_network_grid(rank_exports, new_tokens: int, out: Path) -> list:
     return [np.load(out / f"rank-{r}.npz") for r in range(2)]
 
 
-def check_against_eager(ranks: list, tiny_model) -> None:
+def check_against_eager(ranks: list, model: K3ForCausalLM) -> None:
     """The same tokens on both ranks; the unsplit eager model's greedy tokens (where no near-tie) and its
     logits when fed the grid's tokens (float32, relative 1e-5)."""
     sys.path.insert(0, str(GRID_WORKER.parent))
@@ -187,9 +207,9 @@ def check_against_eager(ranks: list, tiny_model) -> None:
 
     # The eager model, fed the same prompt and then the grid's tokens; its own greedy choice each step.
     ids, lengths = torch.from_numpy(prompts(256)), torch.tensor(PROMPT_LENGTHS)
-    cache = tiny_model.empty_cache(2, 16)
+    cache = model.empty_cache(2, 16)
     for step in range(grid_tokens.shape[1]):
-        logits, cache = tiny_model(ids, cache, lengths, last_logits=True)
+        logits, cache = model(ids, cache, lengths, last_logits=True)
         expected = logits.numpy()
         assert rel_error(torch.from_numpy(grid_logits[step]), logits) <= 1e-5
         top2 = np.sort(expected, -1)[:, -2:]
@@ -201,10 +221,10 @@ def check_against_eager(ranks: list, tiny_model) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx is not installed")
 @torch.no_grad()
-def test_parsed_networks_of_the_ranks_evaluated_together(rank_exports, tiny_model, tmp_path) -> None:
+def test_parsed_networks_of_the_ranks_evaluated_together(rank_exports, six_layer_model, tmp_path) -> None:
     """The TensorRT-RTX networks of both ranks, evaluated on CPU in two processes whose DIST_COLLECTIVE
     layers sum over gloo: the unsplit eager model's tokens and logits (prefill and one decode step)."""
-    check_against_eager(run_network_grid(rank_exports, 2, tmp_path), tiny_model)
+    check_against_eager(run_network_grid(rank_exports, 2, tmp_path), six_layer_model)
 
 
 CENSUS_SCRIPT = """
@@ -239,28 +259,29 @@ def test_rtx_builds_each_rank_with_its_dist_collective_layers(rank_exports, rank
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     census = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert census["num_ranks"] == [2] * len(collective_nodes(rank_exports[rank])) == [2] * 18
+    assert census["num_ranks"] == [2] * len(collective_nodes(rank_exports[rank])) == [2] * 12
     assert census["engine_bytes"] == (tmp_path / "e").stat().st_size > 0
 
 
 def test_check_build_pairs_each_partial_sum_with_its_collective_past_the_tenth(rank_exports, tmp_path,
                                                                              capsys) -> None:
-    """A whole k3-tiny rank has 18 all-reduces, so its partial sums partial.0 .. partial.17 sort by name
-    in another order than the graph's (partial.10 before partial.2). Rank 1's layer 7 routed experts'
-    down projection scaled by 1.5 (its collective 15, after the tenth): check --build, reading the
-    partial sums from the ranks' outputs, names rank 1 and layer 7's FFN, collective 15 the first of
-    rank 1's out of bound and none of rank 0's before it (its sums after 15 read the wrong sum)."""
+    """A rank of six_layer_config has 12 all-reduces, so its partial sums partial.0 .. partial.11 sort by
+    name in another order than the graph's (partial.10 and partial.11 before partial.2). Rank 1's layer
+    5 routed experts' down projection scaled by 1.5 (its collective 11, the last, past the tenth):
+    check --build, reading the partial sums from the ranks' outputs, names rank 1 and layer 5's FFN,
+    collective 11 the first of rank 1's out of bound and none of rank 0's before it (paired by name,
+    partial.11 would be the fourth sum: layer 1's FFN)."""
     from test_shards import corrupt_stage
 
     bad = shutil.copytree(rank_exports["build"], tmp_path / "bad")
-    corrupt_stage(bad, 0, "layers.7.block_sparse_moe.experts.w2", rank=1)
+    corrupt_stage(bad, 0, "layers.5.block_sparse_moe.experts.w2", rank=1)
     collectives = json.loads((bad / "stage-0/rank-1/export.json").read_text())["parallel"]["collectives"]
-    assert len(collectives) == 18 and (collectives[15]["layer"], collectives[15]["after"]) == (7, "ffn")
+    assert len(collectives) == 12 and (collectives[11]["layer"], collectives[11]["after"]) == (5, "ffn")
     assert main(["check", "--build", str(bad), "--steps", "0", "--prompt-len", "4", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["partials_read_from"] == "graph outputs"
     first = report["first_divergent_rank"]
-    assert (first["stage"], first["rank"], first["layer"], first["after"]) == (0, 1, 7, "ffn"), first
+    assert (first["stage"], first["rank"], first["layer"], first["after"]) == (0, 1, 5, "ffn"), first
     ranks = {entry["rank"]: entry for entry in report["steps"][0]["ranks"]}
-    assert ranks[1]["first_failed"]["collective"] == 15
-    assert ranks[0]["first_failed"] is None or ranks[0]["first_failed"]["collective"] > 15, ranks[0]
+    assert ranks[1]["first_failed"]["collective"] == 11
+    assert ranks[0]["first_failed"] is None, ranks[0]
