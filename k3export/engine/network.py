@@ -84,6 +84,13 @@ class ParsedNetwork:
     kernels: bool = False  # plugin layers launch their Triton kernels (under the interpreter)
     kernel_launches: int = 0
 
+    def close(self) -> None:
+        """Frees the network, the parser that owns its weights and the values read from them; nothing
+        of it can be evaluated after. (check --network closes it once the network's every step is
+        recorded, so that the eager side that follows has the host's memory to itself.)"""
+        self.network = self.keep_alive = self._initializers = None
+        self.constants.clear()
+
     def initializer(self, name: str) -> Tensor:
         """An initializer of the ONNX file by name (external data read from beside the file)."""
         if self._initializers is None:

@@ -29,6 +29,14 @@ class NetworkRunner(StatefulRunner):
         super().__init__(signature, name)
         self.evaluator = NetworkEvaluator(net, extra_outputs)
 
+    def deactivate_impl(self) -> None:
+        """The driver leaves the runner once every step is recorded: the caches and the network's
+        weights (the parser's, and the evaluator's copies) go then, before the eager side runs."""
+        self.caches = {}
+        self.layer_seconds = self.evaluator.layer_seconds
+        self.evaluator.net.close()
+        del self.evaluator
+
     def empty_caches(self, batch: int) -> dict[str, torch.Tensor]:
         return {name: torch.from_numpy(a) for name, a in self.signature.empty_caches(batch).items()}
 
@@ -55,13 +63,14 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     start = time.perf_counter()
     net = net or parse_network(export_dir / GRAPH_FILE)
     net.kernels = kernels
-    log(f"network: {net.network.num_layers} layers parsed by TensorRT-RTX, evaluated on CPU")
+    layers = net.network.num_layers
+    log(f"network: {layers} layers parsed by TensorRT-RTX, evaluated on CPU")
     report, runner = compare_with_eager(
         manifest, config, export_dir / GRAPH_FILE,
         lambda signature, extra: NetworkRunner(net, signature, extra_outputs=extra),
         steps, seed, lengths, log, taps, eager=eager)
-    report["network"] = {"layers": net.network.num_layers, "seconds": runner.seconds,
-                         "seconds_by_layer_type": runner.evaluator.layer_seconds,
+    report["network"] = {"layers": layers, "seconds": runner.seconds,
+                         "seconds_by_layer_type": runner.layer_seconds,
                          "plugins": "triton kernels" if net.kernels else "reference ops",
                          "kernel_launches": net.kernel_launches}
     report["seconds"] = time.perf_counter() - start
