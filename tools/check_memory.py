@@ -1,0 +1,92 @@
+"""The largest model at the published widths that `check --network` fits on this machine, with the
+eager side in memory and streamed.
+
+    python tools/check_memory.py [--layers 2 3 4 5] [--eager in-memory streamed] [--dtype bfloat16]
+
+The kimi-k3 preset's widths (hidden 7168, 96 heads of 128, MLA latent 576, dense FFN 33792, latent
+MoE 3584 x 3072 with a shared expert 6144) with 8 routed experts and a 512-token vocabulary, its
+first N layers (N from --layers), seeded weights: each N is exported once (`k3export export --config`,
+a 64-token cache), then checked in a child process per mode (`k3export check --network DIR --eager
+MODE --steps 1 --prompt-len 8 --batch 1 --json`), and the export is deleted. Each row: the export's
+weights, the child's peak RSS (os.wait4's ru_maxrss: the kernel's count, no short peak missed), its
+time, and the verdict, or the refusal or the signal that ended it (an out-of-memory kill is SIGKILL).
+The eager side's own peak (report `eager.peak_memory`) and the memory available before the child
+started are given too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from k3export.config import K3Config
+
+
+def published_widths(layers: int) -> K3Config:
+    data = K3Config.from_preset("kimi-k3").to_dict()
+    data.update(num_hidden_layers=layers, num_experts=8, num_experts_per_token=2, vocab_size=512)
+    attention = data["linear_attn_config"]  # its layer numbers count from 1
+    for kind in ("full_attn_layers", "kda_layers"):
+        attention[kind] = [i for i in attention[kind] if i <= layers]
+    return K3Config.from_dict(data)
+
+
+def available_gb() -> float:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:")) / 1e6
+
+
+def child(command: list[str], output: Path) -> tuple[int, int, float]:
+    """(exit code, or minus the signal; peak resident bytes; seconds) of a child run to completion,
+    its stdout written to `output`, its stderr beside it (.err)."""
+    start = time.perf_counter()
+    with output.open("wb") as out, output.with_suffix(".err").open("wb") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)
+    return os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 3, 4, 5])
+    parser.add_argument("--eager", nargs="+", default=["in-memory", "streamed"])
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    cli = [sys.executable, "-m", "k3export"]
+    print("| layers | weights GB | --eager | available GB | peak RSS GB | eager side's peak GB | seconds | "
+          "verdict |\n|---|---|---|---|---|---|---|---|", flush=True)
+    for layers in args.layers:
+        with tempfile.TemporaryDirectory(dir=Path.cwd()) as work:
+            work = Path(work)
+            published_widths(layers).to_json(work / "config.json")
+            subprocess.run([*cli, "export", "--config", str(work / "config.json"), "--seed", "0", "--dtype",
+                            args.dtype, "--capacity", "64", "--out", str(work / "export"), "--quiet"],
+                           check=True, stdout=subprocess.DEVNULL)
+            weights = (work / "export" / "model.onnx.data").stat().st_size / 1e9
+            for mode in args.eager:
+                before = available_gb()
+                check = [*cli, "check", "--network", str(work / "export"), "--eager", mode, "--steps", "1",
+                         "--prompt-len", "8", "--batch", "1", "--json", "--quiet"]
+                code, peak, seconds = child(check, work / "report.json")
+                if code in (0, 1):
+                    report = json.loads((work / "report.json").read_text())
+                    eager, verdict = report["eager"]["peak_memory"] / 1e9, "PASSED" if code == 0 else "FAILED"
+                else:
+                    eager = float("nan")
+                    said = ((work / "report.err").read_text().strip().splitlines() or [""])[-1]
+                    verdict = f"exit {code}: {said}" if code > 0 else f"killed: {signal.Signals(-code).name}"
+                print(f"| {layers} | {weights:.2f} | {mode} | {before:.1f} | {peak / 1e9:.2f} | "
+                      f"{eager:.2f} | {seconds:.0f} | {verdict} |", flush=True)
+            shutil.rmtree(work / "export")
+
+
+if __name__ == "__main__":
+    main()
