@@ -124,6 +124,16 @@ class K3Config:
     def mla_eps(self) -> float:
         return self.rms_norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
 
+    def first_layers(self, count: int) -> K3Config:
+        """This model's first `count` layers as a model of its own: the same widths and layer pattern
+        (the smaller models that tests and measurements run at these widths)."""
+        data = self.to_dict()
+        data["num_hidden_layers"] = count
+        pattern = data["linear_attn_config"]
+        for kind in ("full_attn_layers", "kda_layers"):
+            pattern[kind] = [i for i in pattern[kind] if i <= count]  # 1-based
+        return K3Config.from_dict(data)
+
     # -- validation ---------------------------------------------------------------------
     def validate(self) -> None:
         def fail(name: str, expected: str) -> None:

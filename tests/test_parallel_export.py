@@ -37,10 +37,7 @@ GRID_WORKER = Path(__file__).with_name("parallel_grid_worker.py")
 def six_layer_config() -> K3Config:
     """k3-tiny's first 6 layers (every kind, two AttnRes boundaries): a rank of it sums 12 times, more
     than 10, which is what the partial sums' pairing by index needs, at two thirds of k3-tiny's cost."""
-    data = K3Config.from_preset("k3-tiny").to_dict()
-    data["num_hidden_layers"] = 6
-    data["linear_attn_config"].update(kda_layers=[1, 2, 3, 5, 6], full_attn_layers=[4])
-    return K3Config.from_dict(data)
+    return K3Config.from_preset("k3-tiny").first_layers(6)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ MoE 3584 x 3072 with a shared expert 6144) with 8 routed experts and a 512-token
 first N layers (N from --layers), seeded weights: each N is exported once (`k3export export --config`,
 a 64-token cache, in a temporary folder in the current directory: up to 20 GB, and /tmp may be
 memory), then checked in a child process per mode (`k3export check --network DIR --eager
-MODE --steps 1 --prompt-len 8 --batch 1 --json`), and the export is deleted. Each row: the export's
+MODE --steps 1 --prompt-len 8 --batch 1 --json`); the folder goes after each N. Each row: the export's
 weights, the child's peak RSS (sampled, and the kernel's count since the eager side started), its
 time, and the verdict, or the refusal or the signal that ended it (an out-of-memory kill is SIGKILL).
 The eager side's own peak (report `eager.peak_memory`: from its start) and the memory available
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,20 +30,12 @@ import time
 from pathlib import Path
 
 from k3export.config import K3Config
+from k3export.options import IN_MEMORY, STREAMED, available_memory, integer
 
 
 def published_widths(layers: int) -> K3Config:
-    data = K3Config.from_preset("kimi-k3").to_dict()
-    data.update(num_hidden_layers=layers, num_experts=8, num_experts_per_token=2, vocab_size=512)
-    attention = data["linear_attn_config"]  # its layer numbers count from 1
-    for kind in ("full_attn_layers", "kda_layers"):
-        attention[kind] = [i for i in attention[kind] if i <= layers]
-    return K3Config.from_dict(data)
-
-
-def available_gb() -> float:
-    with open("/proc/meminfo") as meminfo:
-        return next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:")) / 1e6
+    return dataclasses.replace(K3Config.from_preset("kimi-k3").first_layers(layers), num_experts=8,
+                               num_experts_per_token=2, vocab_size=512)
 
 
 def child(command: list[str], output: Path) -> tuple[int, int, float]:
@@ -66,9 +58,9 @@ def child(command: list[str], output: Path) -> tuple[int, int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[2, 3, 4, 5])
-    parser.add_argument("--eager", nargs="+", default=["in-memory", "streamed"])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layers", type=integer(1, 93), nargs="+", default=[2, 3, 4, 5])
+    parser.add_argument("--eager", nargs="+", choices=[IN_MEMORY, STREAMED], default=[IN_MEMORY, STREAMED])
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     args = parser.parse_args()
     cli = [sys.executable, "-m", "k3export"]
     print("| layers | weights GB | --eager | available GB | peak RSS GB | eager side's peak GB | seconds | "
@@ -82,7 +74,7 @@ def main() -> None:
                            check=True, stdout=subprocess.DEVNULL)
             weights = (work / "export" / "model.onnx.data").stat().st_size / 1e9
             for mode in args.eager:
-                before = available_gb()
+                before = available_memory() / 1e9
                 check = [*cli, "check", "--network", str(work / "export"), "--eager", mode, "--steps", "1",
                          "--prompt-len", "8", "--batch", "1", "--json", "--quiet"]
                 code, peak, seconds = child(check, work / "report.json")
@@ -95,7 +87,6 @@ def main() -> None:
                     verdict = f"exit {code}: {said}" if code > 0 else f"killed: {signal.Signals(-code).name}"
                 print(f"| {layers} | {weights:.2f} | {mode} | {before:.1f} | {peak / 1e9:.2f} | "
                       f"{eager:.2f} | {seconds:.0f} | {verdict} |", flush=True)
-            shutil.rmtree(work / "export")
 
 
 if __name__ == "__main__":
