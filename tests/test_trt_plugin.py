@@ -42,15 +42,30 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="TRITON_INTERPRET is set: the AOT kernels do not compile")
 
 
+def run_worker(*args: str, env: dict[str, str] | None = None) -> dict:
+    """The RESULT line of tests/trt_plugin_worker.py run with `args` in a fresh process."""
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "trt_plugin_worker.py"), *args],
+                          capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
 @pytest.fixture(scope="module")
 def through_tensorrt() -> dict:
     """What TensorRT's tensorrt.plugin made of trt_aot's functions (registered twice in the process).
     The process fails, with TensorRT's message, where TensorRT refuses a function or a second registration."""
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "trt_plugin_worker.py")],
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    return run_worker()
+
+
+def test_jit_impl_takes_every_dtype_through_tensorrt() -> None:
+    """TensorRT's JIT plugin class enqueues KDA and LatentMLA in float32, float16 and bfloat16: its `enqueue`
+    hands our `impl` `tensorrt.plugin` Tensors (whose `__cuda_array_interface__` raises for BF16), and the
+    impl's launch writes what the definition's own launch writes (KDA's state in place). On the CPU: the
+    kernels in Triton's interpreter over host memory (tests/trt_plugin_shim.py, `use_host_memory`)."""
+    launched = run_worker("jit", env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert launched == {f"{op} {dtype}": True for op in ("KDA", "LatentMLA")
+                        for dtype in ("float32", "float16", "bfloat16")}
 
 
 def test_tensorrt_registers_every_op_once_per_process(through_tensorrt: dict) -> None:

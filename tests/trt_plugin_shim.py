@@ -14,6 +14,7 @@ names): call it in a fresh process (tests/trt_plugin_worker.py), never in a test
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import importlib.metadata
 import importlib.util
@@ -21,6 +22,8 @@ import sys
 import types
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 BINDINGS = "tensorrt_cu13_bindings"
 
@@ -150,3 +153,25 @@ def use_stand_ins(trt: types.ModuleType) -> None:
     (tensorrt/plugin/_tensor.py) and `trt.DimsExprs(n)` (_plugin_class.py, get_output_shapes)."""
     trt.IDimensionExpr = DimExpr
     trt.DimsExprs = lambda n: [None] * n
+
+
+def use_host_memory(torch: types.ModuleType) -> None:
+    """Lets a JIT `impl` launch on the CPU (Triton's interpreter, host memory): `torch.as_tensor(x,
+    device="cuda")` reads `x.__cuda_array_interface__` as CUDA torch does and wraps the host memory it points
+    to; CUDA streams are none. Device pointers handed to a plugin are then host addresses."""
+    as_tensor = torch.as_tensor
+
+    def as_host_tensor(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+        if device != "cuda":
+            return as_tensor(data, *args, device=device, **kwargs)
+        interface = data.__cuda_array_interface__  # raises where TensorRT's Tensor has no interface (BF16)
+        dtype, shape = np.dtype(interface["typestr"]), tuple(interface["shape"])
+        contiguous = tuple(int(np.prod(shape[i + 1:])) * dtype.itemsize for i in range(len(shape)))
+        if interface.get("strides") not in (None, contiguous):
+            raise ValueError(f"not contiguous: strides {interface['strides']} for shape {shape}")
+        size = int(np.prod(shape)) * dtype.itemsize
+        memory = (ctypes.c_byte * size).from_address(interface["data"][0])
+        return torch.from_numpy(np.frombuffer(memory, dtype=dtype).reshape(shape))
+
+    torch.as_tensor = as_host_tensor
+    torch.cuda.ExternalStream = lambda handle: None  # torch.cuda.stream(None) changes nothing

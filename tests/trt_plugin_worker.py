@@ -59,6 +59,19 @@ def network_dtypes(definition: Any, dtype: str) -> list[str]:
     return [chosen[a.group] for a in definition.inputs + definition.outputs]
 
 
+def parser_fields(trt: Any, creator: Any, values: dict[str, float | int]) -> tuple[Any, dict[str, Any]]:
+    """A node's attributes as the ONNX parser hands them to `creator` (onnx-tensorrt, onnxOpImporters.cpp
+    `loadFields`): in the order of the creator's field names, an INT attribute as INT32, a FLOAT one as
+    FLOAT32. Returns the field collection and its arrays, which the caller keeps referenced: a PluginField
+    points into its array's buffer."""
+    arrays = {f.name: np.array([values[f.name]], PARSER_TYPES[type(values[f.name])])
+              for f in creator.field_names}
+    collection = trt.PluginFieldCollection([
+        trt.PluginField(key, array, getattr(trt.PluginFieldType, array.dtype.name.upper()))
+        for key, array in arrays.items()])
+    return collection, arrays
+
+
 def main() -> None:
     trtp = trt_plugin_shim.load()
     import tensorrt as trt
@@ -78,14 +91,7 @@ def main() -> None:
     for definition in (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4):
         name = definition.name
         creator = registry.get_creator(name, "1", "k3")
-        # As the ONNX parser hands them over (onnx-tensorrt, onnxOpImporters.cpp `loadFields`): in the order
-        # of the creator's field names, an INT attribute as INT32, a FLOAT one as FLOAT32. The arrays stay
-        # referenced: a PluginField points into its array's buffer.
-        arrays = {f.name: np.array([fields[name][f.name]], PARSER_TYPES[type(fields[name][f.name])])
-                  for f in creator.field_names}
-        collection = trt.PluginFieldCollection([
-            trt.PluginField(key, array, getattr(trt.PluginFieldType, array.dtype.name.upper()))
-            for key, array in arrays.items()])
+        collection, arrays = parser_fields(trt, creator, fields[name])
         op: dict[str, Any] = {"fields": list(arrays), "dtypes": {}}
         for dtype in ("float32", "float16", "bfloat16"):
             plugin = creator.create_plugin(name, "k3", collection, trt.TensorRTPhase.BUILD,
@@ -134,5 +140,71 @@ def main() -> None:
     print("RESULT " + json.dumps(result))
 
 
+def jit_inputs(torch: Any, name: str, dtype: Any) -> list[Any]:
+    """Small inputs of KDA (T = 5: the chunked launch) and LatentMLA (a cache of 8 rows, 3 of them new) in a
+    `dtype` model (KDA's g, beta and state float32)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int, dtype: Any = dtype) -> Any:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if name == "KDA":
+        q, k, v = (randn(1, 5, 2, 32) * 0.2 for _ in range(3))
+        g, beta = -torch.rand(1, 5, 2, 32, generator=gen), torch.rand(1, 5, 2, generator=gen)
+        return [q, k, v, g, beta, randn(1, 2, 32, 32, dtype=torch.float32)]
+    return [randn(1, 3, 2, 48), randn(1, 1, 8, 48), torch.tensor([4])]
+
+
+def tensor_desc(trt: Any, dtype: Any, shape: Any) -> Any:
+    """What TensorRT hands a plugin's enqueue of each tensor: a linear PluginTensorDesc."""
+    desc = trt.PluginTensorDesc()
+    desc.dims, desc.type, desc.format = trt.Dims(list(shape)), dtype, trt.TensorFormat.LINEAR
+    return desc
+
+
+def jit_main() -> None:
+    """The JIT `impl`s of KDA and LatentMLA through TensorRT's own JIT plugin class, in each model dtype:
+    its `enqueue` wraps TensorRT's pointers in `tensorrt.plugin` Tensors and calls our impl, which launches
+    the kernels (Triton's interpreter, host memory: run with TRITON_INTERPRET=1). Prints, per op and dtype,
+    whether every output equals the definition's own launch on copies of the inputs, or the error the
+    enqueue raised."""
+    import torch
+
+    trt_plugin_shim.load()
+    import tensorrt as trt
+
+    from k3plugins import trt_aot
+    from k3plugins.definitions import KDA, LATENT_MLA
+
+    trt_aot.register(trt)
+    trt_plugin_shim.use_host_memory(torch)
+    types = {torch.float32: trt.DataType.FLOAT, torch.float16: trt.DataType.HALF,
+             torch.bfloat16: trt.DataType.BF16, torch.int64: trt.DataType.INT64}
+    result: dict[str, Any] = {}
+    for definition, fields in ((KDA, {}), (LATENT_MLA, {"v_dim": 32, "scale": 48**-0.5})):
+        creator = trt.get_plugin_registry().get_creator(definition.name, "1", "k3")
+        collection, _arrays = parser_fields(trt, creator, fields)  # the arrays kept while it is used
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            plugin = creator.create_plugin(definition.name, "k3", collection, trt.TensorRTPhase.RUNTIME,
+                                           trt.QuickPluginCreationRequest.STRICT_JIT)
+            inputs = jit_inputs(torch, definition.name, dtype)
+            plugin.get_output_data_types([types[t.dtype] for t in inputs], [t.dim() for t in inputs])
+            # o, and KDA's state aliased to its initial state (one buffer, as TensorRT hands it).
+            o = torch.full((*inputs[0].shape[:3], fields.get("v_dim", 32)), float("nan"), dtype=dtype)
+            outputs = [o, inputs[5]] if definition is KDA else [o]
+            expected_inputs = [t.clone() for t in inputs]
+            expected = [torch.empty_like(o), *([expected_inputs[5]] if definition is KDA else [])]
+            definition.launch(expected_inputs, expected, fields)
+            descs = [[tensor_desc(trt, types[t.dtype], t.shape) for t in ts] for ts in (inputs, outputs)]
+            key = f"{definition.name} {str(dtype).removeprefix('torch.')}"
+            try:
+                plugin.enqueue(*descs, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
+                               [t.stride() for t in inputs], [t.stride() for t in outputs], 0)
+                result[key] = all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
+            except Exception as error:  # reported to the test, which names it
+                result[key] = f"{type(error).__name__}: {error}"
+    print("RESULT " + json.dumps(result))
+
+
 if __name__ == "__main__":
-    main()
+    jit_main() if sys.argv[1:] == ["jit"] else main()

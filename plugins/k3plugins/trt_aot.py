@@ -49,7 +49,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import triton
 import triton.language as tl
 
@@ -58,6 +57,7 @@ from k3plugins.aot import compile_variant, device_target
 from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, PluginDefinition
 from k3plugins.mla import PREFILL, _mla_attn_kernel, block_dims
 from k3plugins.moe import _tanh, _weight_tile
+from k3plugins.trt import launch_from_pointers
 from k3plugins.variants import KernelVariant
 
 # Any recurrent variant gives the kernel function; dtype and block sizes are chosen when compiling.
@@ -278,11 +278,15 @@ def output_descs(trtp: Any, trt: Any, definition: PluginDefinition, descs: Seque
                  for i, (s, t) in enumerate(zip(shapes, dtypes, strict=True)))
 
 
-def _run(definition: PluginDefinition, tensors: Sequence[Any], fields: dict[str, Any],
+def _run(definition: PluginDefinition, names: dict[Any, str], tensors: Sequence[Any], fields: dict[str, Any],
          outputs: Sequence[Any], stream: int) -> None:
-    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        definition.launch([torch.as_tensor(t, device="cuda") for t in tensors],
-                          [torch.as_tensor(t, device="cuda") for t in outputs], fields)
+    """The JIT `impl`: `tensorrt.plugin` Tensors wrapped from their data pointers, as the IPluginV3 adapters
+    do (a Tensor's `__cuda_array_interface__` raises for BF16); `names` maps TensorRT's dtypes to ours."""
+    def descs(ts: Sequence[Any]) -> list[tuple[tuple[int, ...], str]]:
+        return [(tuple(t.shape), names[t.dtype]) for t in ts]
+
+    launch_from_pointers(definition, fields, descs(tensors), descs(outputs), [t.data_ptr for t in tensors],
+                         [t.data_ptr for t in outputs], stream)
 
 
 def _aot_result(trtp: Any, variant: KernelVariant, grid: tuple[Any, Any],
@@ -339,7 +343,7 @@ def register(trt: Any) -> dict[str, Any]:
 
     @trtp.impl("k3::KDA")
     def kda_impl(q, k, v, g, beta, initial_state, outputs, stream: int) -> None:
-        _run(KDA, (q, k, v, g, beta, initial_state), {}, outputs, stream)
+        _run(KDA, names, (q, k, v, g, beta, initial_state), {}, outputs, stream)
 
     @trtp.aot_impl("k3::KDA")
     def kda_aot(q, k, v, g, beta, initial_state, outputs, tactic: int) -> AotResult:
@@ -358,7 +362,7 @@ def register(trt: Any) -> dict[str, Any]:
 
     @trtp.impl("k3::LatentMLA")
     def latent_mla_impl(q, kv, cache_lengths, v_dim: int, scale: float, outputs, stream: int) -> None:
-        _run(LATENT_MLA, (q, kv, cache_lengths), {"v_dim": v_dim, "scale": scale}, outputs, stream)
+        _run(LATENT_MLA, names, (q, kv, cache_lengths), {"v_dim": v_dim, "scale": scale}, outputs, stream)
 
     @trtp.aot_impl("k3::LatentMLA")
     def latent_mla_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs, tactic: int) -> AotResult:
