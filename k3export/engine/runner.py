@@ -84,6 +84,12 @@ class BindingPlan:
         """Every engine output, in the order a call returns them."""
         return [*(s.name for s in self.returned), *self.in_place, *self.swapped]
 
+    def dtypes(self) -> dict[str, str]:
+        """Every binding's dtype: a present's is its past's."""
+        dtypes = {s.name: s.dtype for s in [*self.feeds, *self.caches, *self.returned]}
+        dtypes.update({p: dtypes[past] for p, past in {**self.in_place, **self.swapped}.items()})
+        return dtypes
+
     def shapes(self, sizes: dict[str, int]) -> dict[str, list[int]]:
         """Every binding's shape for a call of `sizes` (batch, seq, capacity)."""
         specs = [*self.feeds, *self.caches, *self.returned]
@@ -177,12 +183,40 @@ def engine_record(engine: Path) -> dict[str, Any]:
 ALIGNMENT = 256
 
 
+def device_allocation(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`count` elements of new device memory: the runner's one allocation, whose blocks CUDA's caching
+    allocator starts on 512-byte boundaries (TensorRT's 256 met). The CPU stand-in of the tests puts its
+    own device memory here."""
+    return torch.empty(count, dtype=dtype, device=device)
+
+
+def device_buffer(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new buffer of `shape` on `device` that TensorRT can be given: one element at least, because
+    CUDA gives no memory (a null pointer) for zero bytes, and TensorRT refuses a null address even for a
+    zero-element tensor (`binding_address`)."""
+    count = prod(shape)
+    return device_allocation(max(count, 1), dtype, device)[:count].view(shape)
+
+
+def binding_address(tensor: torch.Tensor) -> int:
+    """The address TensorRT is given for `tensor`: its data, or for a zero-element tensor (whose
+    data_ptr() torch reports as null) where its data would start in its memory (non-null for a
+    `device_buffer`)."""
+    if tensor.numel():
+        return tensor.data_ptr()
+    return tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+
+
 def device_tensor(value: np.ndarray | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A feed as a contiguous tensor of the engine's dtype on `device` (copied only if it is not one,
-    or if it starts off TensorRT's alignment: a view into another tensor can)."""
+    """A feed as the engine reads it: a device tensor of the engine's dtype, contiguous, at a non-null
+    aligned address, as it is; anything else (host memory, which TensorRT cannot read, another dtype,
+    a strided or misaligned view) copied into a new `device_buffer`."""
     tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
-    tensor = tensor.to(device=device, dtype=dtype).contiguous()
-    return tensor.clone() if tensor.data_ptr() % ALIGNMENT else tensor
+    address = binding_address(tensor)
+    if tensor.device.type != "cpu" and tensor.device == device and tensor.dtype == dtype and \
+            tensor.is_contiguous() and address and address % ALIGNMENT == 0:
+        return tensor
+    return device_buffer(list(tensor.shape), dtype, device).copy_(tensor)
 
 
 def host_array(tensor: torch.Tensor) -> np.ndarray:
@@ -199,7 +233,7 @@ def device_caches(caches: list[TensorSpec], batch: int, capacity: int,
                   device: torch.device) -> dict[str, torch.Tensor]:
     """Zeroed caches for `batch` rows on `device`, each in its own dtype (bfloat16 included)."""
     sizes = {"batch": batch, "capacity": capacity}
-    return {s.name: torch.zeros(resolve_shape(s, sizes), dtype=torch_dtype(s), device=device) for s in caches}
+    return {s.name: device_buffer(resolve_shape(s, sizes), torch_dtype(s), device).zero_() for s in caches}
 
 
 # The engine's binding rules, each with its reason, in the two places they are checked: what the engine
@@ -235,10 +269,8 @@ def engine_bindings(engine: Any, trt: Any, plan: BindingPlan, where: Path) -> Bi
                 "engine, not in")
         raise UserError(f"{where}: {what} the binding plan of its export's export.json; it was built from "
                         "another export (or this one with other --routing-outputs); build it again")
-    specs = {s.name: s.dtype for s in [*plan.feeds, *plan.caches, *plan.returned]}
-    specs.update({p: specs[past] for p, past in {**plan.in_place, **plan.swapped}.items()})
     wrong = [f"{n}: the engine's {DTYPE_NAMES.get(engine.get_tensor_dtype(n).name, 'other')}, the plan's {d}"
-             for n, d in specs.items() if DTYPE_NAMES.get(engine.get_tensor_dtype(n).name) != d]
+             for n, d in plan.dtypes().items() if DTYPE_NAMES.get(engine.get_tensor_dtype(n).name) != d]
     if wrong:
         raise UserError(f"{where}: its tensors disagree with its export.json ({'; '.join(wrong)}); it was "
                         "built from another export")
@@ -263,7 +295,12 @@ def enqueue(context: Any, plan: BindingPlan, bound: dict[str, torch.Tensor], pro
       shared buffer would be read after it is written;
     - the profile held until set again (an execution context keeps it: "used in subsequent calls",
       setOptimizationProfileAsync), set before the input shapes, which are checked against its ranges
-      (setInputShape returns false outside them)."""
+      (setInputShape returns false outside them);
+    - every buffer of the shape the context gives its tensor once the input shapes are set
+      (getTensorShape), of the engine's dtype and contiguous: TensorRT is given an address alone and
+      writes an output's whole shape there in the engine's dtype and strides (getTensorStrides), past
+      the end of a smaller buffer, into a strided one's gaps, without a word;
+    - every address non-null (`binding_address`)."""
     expected = [s.name for s in [*plan.feeds, *plan.caches]] + plan.outputs
     unbound = [n for n in expected if n not in bound]
     stray = [n for n in bound if n not in expected]
@@ -271,9 +308,9 @@ def enqueue(context: Any, plan: BindingPlan, bound: dict[str, torch.Tensor], pro
         raise UserError(f"{name}: no buffer bound to the engine tensor {unbound[0]!r}")
     if stray:
         raise UserError(f"{name}: a buffer bound to {stray[0]!r}, which is not an engine tensor")
-    inputs = {bound[s.name].data_ptr(): s.name for s in [*plan.feeds, *plan.caches]}
+    inputs = {binding_address(bound[s.name]): s.name for s in [*plan.feeds, *plan.caches]}
     for output in plan.outputs:
-        shared = inputs.get(bound[output].data_ptr())
+        shared = inputs.get(binding_address(bound[output]))
         if shared != plan.in_place.get(output):
             raise UserError(f"{name}: the output {output!r} is bound to " + (
                 f"the buffer of the input {shared!r}, which the engine does not alias to it" if shared else
@@ -286,8 +323,19 @@ def enqueue(context: Any, plan: BindingPlan, bound: dict[str, torch.Tensor], pro
             low, _, high = plan.profiles[profile].get(spec.name, (None, None, None))
             raise UserError(f"{name}: TensorRT refused the shape {shapes[spec.name]} of {spec.name!r} in "
                             f"profile {profile} (its range {low} to {high})")
+    dtypes = plan.dtypes()
     for tensor, value in bound.items():
-        if not context.set_tensor_address(tensor, value.data_ptr()):
+        engine_shape = list(context.get_tensor_shape(tensor))
+        if list(value.shape) != engine_shape:
+            raise UserError(f"{name}: the buffer of {tensor!r} is {list(value.shape)}, the engine's "
+                            f"{engine_shape} for this call; the binding plan (export.json) disagrees with "
+                            "the engine: build it again from this export")
+        if value.dtype != getattr(torch, dtypes[tensor]) or not value.is_contiguous():
+            layout = "" if value.is_contiguous() else "strided "
+            raise UserError(f"{name}: the buffer of {tensor!r} is a {layout}{value.dtype} tensor; the engine "
+                            f"reads a contiguous {dtypes[tensor]} one")
+    for tensor, value in bound.items():
+        if not context.set_tensor_address(tensor, binding_address(value)):
             raise UserError(f"{name}: TensorRT refused the address of {tensor!r} (see the log above)")
     if not context.execute_async_v3(stream):
         raise UserError(f"{name}: TensorRT could not run the engine (see the log above)")
@@ -350,7 +398,8 @@ class EngineRunner(StatefulRunner):
     def reset(self, batch: int, rows: list[int] | None = None) -> None:
         super().reset(batch, rows)
         if rows is None:
-            self.spares = {p: torch.empty_like(self.caches[past]) for p, past in self.plan.swapped.items()}
+            pasts = {p: self.caches[past] for p, past in self.plan.swapped.items()}
+            self.spares = {p: device_buffer(list(c.shape), c.dtype, self.device) for p, c in pasts.items()}
 
     def call(self, feeds: dict[str, Any]) -> OrderedDict[str, Any]:
         sizes = self.signature.sizes(feeds)
@@ -359,7 +408,7 @@ class EngineRunner(StatefulRunner):
         bound.update(self.caches)
         bound.update({p: self.caches[past] for p, past in self.plan.in_place.items()})
         bound.update({p: self.spares[p] for p in self.plan.swapped})
-        bound.update({s.name: torch.empty(shapes[s.name], dtype=torch_dtype(s), device=self.device)
+        bound.update({s.name: device_buffer(shapes[s.name], torch_dtype(s), self.device)
                       for s in self.plan.returned})
         self.execute(bound, self.plan.profile(sizes), shapes)
         for present, past in self.plan.swapped.items():
