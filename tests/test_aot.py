@@ -9,10 +9,13 @@ import os
 import re
 
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 import k3plugins
 from k3export.config import K3Config
-from k3plugins import trt_aot
+from k3plugins import aot, trt_aot
 from k3plugins.aot import MAX_SHARED_BYTES, compile_variant, kernel_stats
 
 # Under the interpreter @triton.jit yields interpreted functions, which do not compile.
@@ -24,6 +27,12 @@ def assert_fits(kernel, target: str) -> None:
     stats = kernel_stats(kernel)
     assert stats.shared_bytes <= MAX_SHARED_BYTES[target], stats
     assert stats.spill_stores == 0 and stats.spill_loads == 0, stats
+
+
+def assert_no_scratch(kernel) -> None:
+    """Triton gives every kernel two trailing scratch pointers (global and profile), which TensorRT's AOT
+    launch does not pass: a kernel that uses either (a size above 0) would read a pointer never given."""
+    assert (kernel.metadata.global_scratch_size, kernel.metadata.profile_scratch_size) == (0, 0), kernel.name
 
 
 @pytest.mark.parametrize("variant", k3plugins.kernel_variants(), ids=lambda v: v.name)
@@ -45,6 +54,48 @@ def test_aot_kernel_compiles_for_datacenter_gpus(variant: k3plugins.KernelVarian
     arch = re.search(r"^\.target\s+(\w+)", kernel.asm["ptx"], re.MULTILINE).group(1)
     assert arch == {"sm90": "sm_90a", "sm100": "sm_100a"}[target]
     assert_fits(kernel, target)
+    assert_no_scratch(kernel)
+
+
+@triton.jit
+def _descriptor_kernel(x, n, BLOCK: tl.constexpr):
+    # A tensor descriptor made on the device: Triton keeps it in global scratch.
+    desc = tl.make_tensor_descriptor(x, shape=[n], strides=[1], block_shape=[BLOCK])
+    desc.store([0], desc.load([0]) + 1)
+
+
+def test_a_kernel_using_scratch_is_refused() -> None:
+    """The scratch check refuses a kernel that uses Triton's global scratch (128 B for a device-side TMA
+    descriptor on sm_90a), as a Triton upgrade that starts using scratch in the AOT kernels would be."""
+    signature = {"x": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    variant = k3plugins.KernelVariant("descriptor", _descriptor_kernel, signature, {"BLOCK": 64}, num_warps=4)
+    with pytest.raises(AssertionError, match="descriptor"):
+        assert_no_scratch(compile_variant(variant, "sm90"))
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+@pytest.mark.parametrize("preset", ["kimi-k3", "k3-seed"])
+def test_aot_kernels_fit_the_default_shared_memory(preset: str, target: str) -> None:
+    """A CUDA launch gets 48 KB of dynamic shared memory unless the kernel's limit was raised, and nothing in
+    TensorRT's sources says its AOT launch raises it: every AOT kernel of the published widths, one rank of 8,
+    asks at most that (what each aot_impl puts in KernelLaunchParams.shared_mem) in every dtype."""
+    c = K3Config.from_preset(preset)
+    shared = trt_aot.shared_memory(c, c.num_experts // 8, target)
+    assert len(shared) == 12  # KDA, LatentMLA, float and MXFP4 routed experts, in three dtypes
+    assert {name: size for name, size in shared.items() if size > trt_aot.DEFAULT_SHARED_BYTES} == {}
+
+
+def test_device_target_is_the_current_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AOT kernels are compiled for the GPU the build runs on: the current device (a rank's build makes
+    its own GPU current), not GPU 0."""
+    capabilities = {0: (8, 9), 1: (10, 0)}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+
+    def capability(device: int | None = None) -> tuple[int, int]:  # torch's default: the current device
+        return capabilities[torch.cuda.current_device() if device is None else device]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    assert aot.device_target() == "sm100"
 
 
 def test_routed_experts_aot_parameters_are_inputs_then_output() -> None:

@@ -38,11 +38,13 @@ class KernelStats(NamedTuple):
 
 
 def device_target() -> str:
-    """The TARGETS name of this machine's GPU 0 (GPU only: full TensorRT's AOT build runs there)."""
-    major, minor = torch.cuda.get_device_capability(0)
+    """The TARGETS name of the current CUDA device: the one the build runs on (GPU only: full TensorRT's
+    AOT build runs there; a rank's build makes its own GPU current, which need not be GPU 0)."""
+    device = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(device)
     name = f"sm{major}{minor}"
     if name not in TARGETS:
-        raise ValueError(f"GPU 0 is {name}: the k3 AOT kernels are compiled for {', '.join(TARGETS)}")
+        raise ValueError(f"GPU {device} is {name}: the k3 AOT kernels are compiled for {', '.join(TARGETS)}")
     return name
 
 

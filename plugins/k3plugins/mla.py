@@ -51,7 +51,7 @@ BLOCK_DIMS = ((32, 16), (128, 32), (512, 64))
 @triton.jit
 def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, D, v_dim, n_rows, split_rows, scale,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                     BDV: tl.constexpr, BDR: tl.constexpr):
+                     BDV: tl.constexpr, BDR: tl.constexpr, V_SLICES: tl.constexpr):
     n_tblocks = tl.cdiv(T, BLOCK_T)
     i_b = tl.program_id(0) // n_tblocks
     t0 = tl.program_id(0) % n_tblocks * BLOCK_T
@@ -61,10 +61,16 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, D, v_dim, n_rows, split_ro
     h = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
     mask_m = (t < T) & (h < H)
     row = (i_b * T + t).to(tl.int64) * H + h
-    offs_v = tl.arange(0, BDV)
+    # V_SLICES > 1 (the AOT float32 kernel, whose whole float32 value block needs more than the 48 KB of
+    # shared memory a launch gets): the value columns are taken BDO at a time, one pass over the cache each,
+    # the scores formed a slice of columns at a time.
+    BDO: tl.constexpr = BDV // V_SLICES
+    if V_SLICES == 1:
+        offs_v = tl.arange(0, BDV)
+        mask_v = mask_m[:, None] & (offs_v < v_dim)[None, :]
+        q_v = tl.load(q + row[:, None] * D + offs_v[None, :], mask=mask_v, other=0.0)
     offs_r = v_dim + tl.arange(0, BDR)
-    mask_v, mask_r = offs_v < v_dim, offs_r < D
-    q_v = tl.load(q + row[:, None] * D + offs_v[None, :], mask=mask_m[:, None] & mask_v[None, :], other=0.0)
+    mask_r = offs_r < D
     q_r = tl.load(q + row[:, None] * D + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
 
     # Query t of this row sees cache rows 0 .. cache_len + t; the program's queries together see
@@ -78,37 +84,51 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, D, v_dim, n_rows, split_ro
     split_len = tl.maximum(tl.cdiv(end, n_splits), split_rows)
     lo = i_split * split_len
     hi = tl.minimum(lo + split_len, end)
-    m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T * BLOCK_H, BDV], dtype=tl.float32)
-    for s0 in range(lo, hi, BLOCK_S):
-        cols = s0 + tl.arange(0, BLOCK_S)
-        mask_s = cols < hi
-        kv_row = (i_b * C + cols).to(tl.int64) * D
-        # Cache rows in q's dtype: the AOT plugin gets kv in its own dtype (latent_mla casts it first).
-        kv_v = tl.load(kv + kv_row[:, None] + offs_v[None, :], mask=mask_s[:, None] & mask_v[None, :],
-                       other=0.0).to(q.dtype.element_ty)
-        kv_r = tl.load(kv + kv_row[:, None] + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
-                       other=0.0).to(q.dtype.element_ty)
-        scores = tl.dot(q_v, tl.trans(kv_v), input_precision="ieee") \
-            + tl.dot(q_r, tl.trans(kv_r), input_precision="ieee")
-        visible = mask_s[None, :] & (cols[None, :] <= last[:, None])
-        scores = tl.where(visible, scores * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row that has seen no visible key keeps m = -inf: shift it by 0 so exp gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_shift[:, None])
-        alpha = tl.exp(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v, input_precision="ieee")
-        m_i = m_new
-
-    # A query with no visible key in this split writes lse = -inf (weight 0 in the combine) and, in a
-    # split that has rows at all, zeros; an empty split skips the store, which the combine never reads.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out_row = i_split * n_rows + row
-    tl.store(o + out_row[:, None] * v_dim + offs_v[None, :], (acc / l_safe[:, None]).to(o.dtype.element_ty),
-             mask=mask_m[:, None] & mask_v[None, :] & (lo < hi))
+    for i_slice in tl.static_range(V_SLICES):
+        offs_o = i_slice * BDO + tl.arange(0, BDO)  # the value columns of this pass
+        mask_o = offs_o < v_dim
+        m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_T * BLOCK_H, BDO], dtype=tl.float32)
+        for s0 in range(lo, hi, BLOCK_S):
+            cols = s0 + tl.arange(0, BLOCK_S)
+            mask_s = cols < hi
+            kv_row = (i_b * C + cols).to(tl.int64) * D
+            # Cache rows in q's dtype: the AOT plugin gets kv in its own dtype (latent_mla casts it first).
+            kv_o = tl.load(kv + kv_row[:, None] + offs_o[None, :], mask=mask_s[:, None] & mask_o[None, :],
+                           other=0.0).to(q.dtype.element_ty)
+            kv_r = tl.load(kv + kv_row[:, None] + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
+                           other=0.0).to(q.dtype.element_ty)
+            scores = tl.dot(q_r, tl.trans(kv_r), input_precision="ieee")
+            if V_SLICES == 1:
+                scores += tl.dot(q_v, tl.trans(kv_o), input_precision="ieee")
+            else:
+                for c0 in range(0, BDV, BDO):  # a runtime loop, so that its slices share one buffer
+                    offs_c = c0 + tl.arange(0, BDO)
+                    mask_c = offs_c < v_dim
+                    q_c = tl.load(q + row[:, None] * D + offs_c[None, :],
+                                  mask=mask_m[:, None] & mask_c[None, :], other=0.0)
+                    kv_c = tl.load(kv + kv_row[:, None] + offs_c[None, :],
+                                   mask=mask_s[:, None] & mask_c[None, :], other=0.0).to(q.dtype.element_ty)
+                    scores += tl.dot(q_c, tl.trans(kv_c), input_precision="ieee")
+            visible = mask_s[None, :] & (cols[None, :] <= last[:, None])
+            scores = tl.where(visible, scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # A row that has seen no visible key keeps m = -inf: shift it by 0 so exp gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_shift[:, None])
+            alpha = tl.exp(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv_o.dtype), kv_o, input_precision="ieee")
+            m_i = m_new
+
+        # A query with no visible key in this split writes lse = -inf (weight 0 in the combine) and, in a
+        # split that has rows at all, zeros; an empty split skips the store, which the combine never reads.
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        o_tile = (acc / l_safe[:, None]).to(o.dtype.element_ty)
+        tl.store(o + out_row[:, None] * v_dim + offs_o[None, :], o_tile,
+                 mask=mask_m[:, None] & mask_o[None, :] & (lo < hi))
     if lse is not None:  # None (a constexpr) for a single split that needs no combine: the AOT plugin
         tl.store(lse + out_row, m_i + tl.log(l_safe), mask=mask_m)
 
@@ -178,7 +198,7 @@ def latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: 
     grid = (B * triton.cdiv(T, tiles.block_t), triton.cdiv(H, tiles.block_h), n_splits)
     _mla_attn_kernel[grid](q, kv, lengths, part, lse, T, C, H, D, v_dim, n_rows, SPLIT_ROWS, scale,
                            BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_S=tiles.block_s,
-                           BDV=bdv, BDR=bdr, num_warps=tiles.num_warps)
+                           BDV=bdv, BDR=bdr, V_SLICES=1, num_warps=tiles.num_warps)
     if n_splits > 1:
         _mla_combine_kernel[(triton.cdiv(n_rows, COMBINE_BLOCK_R),)](
             part, lse, o, n_rows, v_dim, n_splits, BLOCK_R=COMBINE_BLOCK_R, BDV=bdv,
@@ -201,7 +221,7 @@ def kernel_variants() -> list[KernelVariant]:
                                  "D": "i32", "v_dim": "i32", "n_rows": "i32", "split_rows": "i32",
                                  "scale": "fp32"}
                     constexprs = {"BLOCK_T": tiles.block_t, "BLOCK_H": tiles.block_h,
-                                  "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr}
+                                  "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr, "V_SLICES": 1}
                     signature.update(dict.fromkeys(constexprs, "constexpr"))
                     variants.append(KernelVariant(f"mla_{mode}_{dtype}_o{out}_v{bdv}_r{bdr}",
                                                   _mla_attn_kernel, signature, constexprs,

@@ -31,13 +31,15 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   top-k, the expert offset and the SiTU betas are compiled in.
 - KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
   IPluginV3 adapters declare it: the recurrent kernel is safe in place.
-- The LatentMLA kernels ask for more dynamic shared memory than a CUDA launch gets by default (48 KB):
-  55,808 B in float16/bfloat16, 111,680 B in float32 at the published widths (`shared_memory`). Whether
-  TensorRT's AOT launch raises the kernel's limit is not in its open sources: only a launch on a GPU
-  settles it.
+- Every AOT kernel asks at most the 48 KB of dynamic shared memory a CUDA launch gets without raising the
+  kernel's limit (DEFAULT_SHARED_BYTES; `shared_memory`, tests/test_aot.py), since nothing in TensorRT's
+  open sources says its AOT launch raises it. LatentMLA takes two pipeline stages, and in float32 its value
+  columns in slices of 128, one pass over the cache each: at the published widths 37,376 B in float16 and
+  bfloat16, 28,672 B in float32 (55,808 and 111,680 B before).
 An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
 take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
-kernel also has Triton's two trailing scratch pointers (unused at size 0), which TensorRT does not pass.
+kernel also has Triton's two trailing scratch pointers, which TensorRT does not pass: tests/test_aot.py
+refuses an AOT kernel whose scratch sizes are not 0.
 
 `tensorrt.plugin` registers every plugin as version "1" (its plugin class sets plugin_version = "1":
 tensorrt_bindings/plugin/_plugin_class.py, which `tensorrt.plugin` re-exports), so every k3 node names
@@ -99,14 +101,19 @@ def kda_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[
     return (B * H, (V + BLOCK_V - 1) // BLOCK_V), [T, H, K, V]
 
 
+# Value columns a float32 LatentMLA AOT program accumulates at once (a pass over the cache each).
+MLA_FP32_SLICE = 128
+
+
 @triton.jit
 def _latent_mla_aot_kernel(q, kv, cache_lengths, T, C, H, o, D: tl.constexpr, V_DIM: tl.constexpr,
                            SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_S: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr):
+                           BLOCK_S: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr,
+                           V_SLICES: tl.constexpr):
     # One split (the grid has no third axis) of at least C rows, so covering each row's visible rows:
     # o is written directly, no lse; n_rows only offsets later splits (0 here).
     _mla_attn_kernel(q, kv, cache_lengths, o, None, T, C, H, D, V_DIM, 0, C, SCALE,
-                     BLOCK_T, BLOCK_H, BLOCK_S, BDV, BDR)
+                     BLOCK_T, BLOCK_H, BLOCK_S, BDV, BDR, V_SLICES)
 
 
 def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int,
@@ -114,17 +121,23 @@ def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int,
     """The AOT LatentMLA kernel for q and o in `dtype`, the cache in `kv_dtype` (cast to `dtype` as it
     is loaded, as `latent_mla` does), head dim `head_dim`, value width `v_dim` and softmax `scale`."""
     bdv, bdr = block_dims(head_dim, v_dim)
-    # 8 warps for every dtype: with the widths and scale compiled in, ptxas keeps float32 at 16 warps
-    # to 64 registers and spills at the published width (150 registers at 8, no spill).
+    # 8 warps for every dtype: with the widths and scale compiled in, ptxas kept float32 at 16 warps to
+    # 64 registers and spilled at the published width.
     tiles = PREFILL
+    # Two pipeline stages, and float32's value columns in slices of MLA_FP32_SLICE: within the 48 KB of
+    # dynamic shared memory a launch gets (DEFAULT_SHARED_BYTES) at the published widths on sm_90a and
+    # sm_100a (half precision 37,376 B, float32 28,672 B; with Triton's default three stages 55,808 B, and
+    # a whole 512-wide float32 block 73,728 B even at one stage).
+    value_slices = max(1, bdv // MLA_FP32_SLICE) if dtype == "float32" else 1
     t, t_kv = _TRITON_DTYPES[dtype], _TRITON_DTYPES[kv_dtype]
     signature = {"q": f"*{t}", "kv": f"*{t_kv}", "cache_lengths": "*i64", "T": "i32", "C": "i32", "H": "i32",
                  "o": f"*{t}"}
     constexprs = {"D": head_dim, "V_DIM": v_dim, "SCALE": scale, "BLOCK_T": tiles.block_t,
-                  "BLOCK_H": tiles.block_h, "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr}
+                  "BLOCK_H": tiles.block_h, "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr,
+                  "V_SLICES": value_slices}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return KernelVariant(f"latent_mla_aot_{t}_kv{t_kv}_d{head_dim}_v{v_dim}", _latent_mla_aot_kernel,
-                         signature, constexprs, tiles.num_warps)
+                         signature, constexprs, tiles.num_warps, num_stages=2)
 
 
 def latent_mla_aot_launch(q_dims: Sequence[Any], kv_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:

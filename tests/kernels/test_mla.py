@@ -130,9 +130,9 @@ def aot_latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, sca
 
 
 # Decode (T = 1, rows of different lengths) and ragged prefill with a partial token block; the cache
-# also in float32 under fp16.
-@pytest.mark.parametrize("case", [(3, 1, 3, 100, 48, 32, (0, 50, 99)), (2, 20, 2, 40, 48, 32, (0, 20))],
-                         ids=str)
+# also in float32 under fp16; the published widths (float32 takes the values in four slices).
+@pytest.mark.parametrize("case", [(3, 1, 3, 100, 48, 32, (0, 50, 99)), (2, 20, 2, 40, 48, 32, (0, 20)),
+                                  (2, 20, 1, 40, 576, 512, (3, 20))], ids=str)
 @pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.float32, torch.float32),
                                                  (torch.float16, torch.float16),
                                                  (torch.float16, torch.float32)])
