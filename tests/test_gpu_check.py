@@ -186,14 +186,23 @@ def test_the_preflight_runs_to_its_end_over_the_standin(tmp_path: Path,
     the loaded engine's place (tests/engine_standin.py; not an engine): the plugins registered twice, the
     dtype tables, a 2-layer k3-tiny with packed MXFP4 experts and routing outputs exported and built
     (a real TensorRT-RTX build), then loaded and called with every tensor bound and the engine's own
-    in-place pairs followed. Full TensorRT's shared-memory check needs it installed (GPU host only)."""
+    in-place pairs followed; then the layer pair at the published widths, exported, built (TensorRT-RTX's
+    plugins, whose launches on a GPU are the JIT kernels') and called so, its plugin layers given the
+    published shapes. Full TensorRT's shared-memory check needs it installed (GPU host only)."""
     from engine_standin import install
 
     engines = install(monkeypatch)
     numbers = gpu_engines.probe_preflight("tensorrt-rtx", "sm89", tmp_path / "preflight")
     assert numbers["registrations"] == 2 and "int32" in numbers["dtypes"].split(",")
     assert numbers["aliases"] == "kda_state,mla_latent" and numbers["swapped"] == "k_conv,q_conv,v_conv"
-    (context,) = engines[0].contexts
-    assert context.refusals == [] and len(context.calls) == 2
-    assert numbers["tensors bound"] == engines[0].num_io_tensors == len(context.addresses)
-    assert {n for n in context.addresses if n.startswith("routing.")} == {"routing.2", "routing.3"}
+    tiny, published = engines
+    for engine, key in ((tiny, "tensors bound"), (published, "published tensors bound")):
+        (context,) = engine.contexts
+        assert context.refusals == [] and len(context.calls) == 2
+        assert numbers[key] == engine.num_io_tensors == len(context.addresses)
+    assert {n for n in tiny.contexts[0].addresses if n.startswith("routing.")} == {"routing.2", "routing.3"}
+    assert numbers["published aliases"] == "kda_state,mla_latent"
+    # The plugin layers at the published widths: KDA's state 96 heads of 128 x 128, MLA's latent 576 wide.
+    shapes = {name.rsplit(".", 1)[-1]: tuple(published.inputs[name].shape) for name in published.inputs}
+    assert shapes["kda_state"] == (-1, 96, 128, 128) and shapes["mla_latent"][1:] == (1, 4096, 576)
+    assert published.outputs["logits"].dtype.name == "BF16"

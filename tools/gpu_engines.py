@@ -26,8 +26,10 @@ timeout (BUDGETS; they add up to 480, 8 minutes on one H200; --dry-run prints ea
     registered twice in one process; every plugin dtype in the flavour's tables; (full TensorRT) each AOT
     kernel's shared memory at the published widths against this GPU's limit, those over 48 KB listed; a
     2-layer k3-tiny (packed MXFP4 experts, routing outputs) built, loaded by the engine runner (its tensors
-    and in-place pairs as the engine reports them) and called with every tensor bound. Every step that
-    builds an engine needs it.
+    and in-place pairs as the engine reports them) and called with every tensor bound; then a KDA and an MLA
+    layer at the published widths (96 KDA heads of 128, latent 576, values 512) in bfloat16 built and called
+    so, its logits finite: the plugins' launches the published model makes. Every step that builds an engine
+    needs it.
  1. export float32 / float16 / bfloat16: `k3export export --preset k3-tiny --dtype D`, the half ones with
     --routing-outputs (each MoE layer's chosen experts as outputs, so the engine's half-precision check
     holds the eager routers to them). Runs on the CPU; the later steps read these folders.
@@ -98,6 +100,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from k3export.config import K3Config
 from k3export.engine.flavours import FLAVOURS, gpu_targets, target_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -510,23 +513,34 @@ def probe_preflight(backend: str, target: str, work: Path) -> dict[str, Any]:
     4. a 2-layer k3-tiny (a KDA and an MLA layer, routed experts packed MXFP4 from a written checkpoint,
        float16, routing outputs, AOT plugins) exported, built for this GPU, loaded by the engine runner
        (its tensors, dtypes and in-place pairs as the engine reports them, held to the export's plan),
-       then one prefill and one decode call with every tensor bound."""
+       then one prefill and one decode call with every tensor bound;
+    5. a KDA and an MLA layer at the published widths (`published_pair`: 96 KDA heads of 128, 96 MLA heads,
+       latent 576, values 512; the rest small), bfloat16, AOT plugins, exported with seeded weights, built
+       and called as in 4., its logits finite: the k3 plugins' launches as the published model makes them
+       (the LatentMLA kernels' 55.8 KB of shared memory among them)."""
     import importlib
 
     import numpy as np
     import torch
 
     from k3export.cli import main as k3export_main
-    from k3export.config import K3Config
     from k3export.engine.flavours import FLAVOURS, load_tensorrt, register_plugins
-    from k3export.engine.runner import EngineRunner
     from k3export.model import K3ForCausalLM
-    from k3export.onnx.export import resolve_shape
     from k3export.weights.published import write_published
     from k3plugins.definitions import DEFINITIONS
 
     def fault(check: str, why: str) -> RuntimeError:
         return RuntimeError(f"preflight: {check}: {why}")
+
+    def built(export_argv: list[str], export: Path) -> Path:
+        """The export of `export_argv` into `export`, and its engine for this GPU beside it."""
+        engine = export.with_suffix(".engine")
+        for argv in ([*export_argv, "--aot-plugins", "--quiet", "--out", str(export)],
+                     ["build", "--onnx", str(export), "--backend", backend, "--target", target, "--out",
+                      str(engine)]):
+            if k3export_main(argv) != 0:
+                raise fault(f"k3export {argv[0]} {export.name}", "failed (its message is above)")
+        return engine
 
     trt = load_tensorrt(backend)
     plugins = importlib.import_module(FLAVOURS[backend].plugins)
@@ -562,29 +576,58 @@ def probe_preflight(backend: str, target: str, work: Path) -> dict[str, Any]:
     model = K3ForCausalLM(K3Config.from_preset("k3-tiny"), torch.float32).eval()
     model.init_weights(0)
     write_published(model, work / "checkpoint", experts="mxfp4")
-    export, engine = work / "export", work / "preflight.engine"
-    for argv in (["export", "--checkpoint", str(work / "checkpoint"), "--layers", "2:4", "--packed-experts",
-                  "--dtype", "float16", "--routing-outputs", "--aot-plugins", "--quiet", "--out",
-                  str(export)],
-                 ["build", "--onnx", str(export), "--backend", backend, "--target", target, "--out",
-                  str(engine)]):
-        if k3export_main(argv) != 0:
-            raise fault(f"k3export {argv[0]}", "failed (its message is above)")
+    export = work / "export"
+    engine = built(["export", "--checkpoint", str(work / "checkpoint"), "--layers", "2:4", "--packed-experts",
+                    "--dtype", "float16", "--routing-outputs"], export)
+    plan, _ = called(engine, export)
+    numbers.update({"aliases": ",".join(sorted({n.rsplit(".", 1)[-1] for n in plan.in_place})),
+                    "swapped": ",".join(sorted({n.rsplit(".", 1)[-1] for n in plan.swapped})),
+                    "tensors bound": len(plan.feeds) + len(plan.caches) + len(plan.outputs)})
+
+    published_pair().to_json(work / "published.json")
+    export = work / "published"
+    engine = built(["export", "--config", str(work / "published.json"), "--seed", "0", "--layers", "2:4",
+                    "--dtype", "bfloat16"], export)
+    plan, outputs = called(engine, export)
+    if not np.isfinite(outputs["logits"]).all():
+        raise fault("the published widths' layer pair", "its logits are not finite")
+    return {**numbers, "published aliases": ",".join(sorted({n.rsplit(".", 1)[-1] for n in plan.in_place})),
+            "published tensors bound": len(plan.feeds) + len(plan.caches) + len(plan.outputs)}
+
+
+def published_pair() -> K3Config:
+    """kimi-k3's first 4 layers, whose layers 2 and 3 are a KDA and an MLA layer, at the published mixer
+    widths (96 KDA heads of 128; 96 MLA heads, latent 576 = 512 + 64, values 512) and everything else
+    small (vocabulary, hidden size, query rank, FFNs, 8 experts): the k3 plugins see the published model's
+    shapes, TensorRT's own projections and the export stay small."""
+    data = K3Config.from_preset("kimi-k3").first_layers(4).to_dict()
+    data.update(vocab_size=256, hidden_size=256, q_lora_rank=256, intermediate_size=256,
+                moe_intermediate_size=256, routed_expert_hidden_size=256, num_experts=8,
+                num_experts_per_token=2, num_shared_experts=1)
+    return K3Config.from_dict(data)
+
+
+def called(engine: Path, export: Path) -> tuple[Any, dict[str, Any]]:
+    """`engine` loaded by the engine runner (activation holds its tensors to the export's plan:
+    k3export.engine.runner.engine_bindings) and called twice, a prefill and a decode, the stage's boundary
+    at random; each call checks every binding and TensorRT's answers (enqueue) and reads every output
+    back. Returns the plan the runner bound and the decode call's outputs."""
+    import numpy as np
+
+    from k3export.engine.runner import EngineRunner
+    from k3export.onnx.export import resolve_shape
+
     random = np.random.default_rng(0)
-    # Activation holds the engine's tensors to the export's plan (k3export.engine.runner.engine_bindings);
-    # each call checks every binding and TensorRT's answers (enqueue), and reads every output back.
     with EngineRunner(engine, export) as runner:
         runner.reset(2)
-        for seq, cached in ((5, 0), (1, 5)):  # prefill, then decode: the stage's boundary at random
+        for seq, cached in ((5, 0), (1, 5)):
             sizes = {"batch": 2, "seq": seq, "capacity": runner.signature.capacity}
-            feeds = {s.name: random.standard_normal(resolve_shape(s, sizes)).astype(s.dtype)
+            # float32 whatever the engine's dtype (numpy has no bfloat16): the runner copies a feed into it.
+            feeds = {s.name: random.standard_normal(resolve_shape(s, sizes)).astype(np.float32)
                      for s in runner.plan.feeds if s.dtype != "int64"}
-            runner.infer({**feeds, "cache_lengths": np.full(2, cached), "input_lengths": np.full(2, seq)},
-                         check_inputs=False)
-        plan = runner.plan
-    return {**numbers, "aliases": ",".join(sorted({n.rsplit(".", 1)[-1] for n in plan.in_place})),
-            "swapped": ",".join(sorted({n.rsplit(".", 1)[-1] for n in plan.swapped})),
-            "tensors bound": len(plan.feeds) + len(plan.caches) + len(plan.outputs)}
+            outputs = runner.infer({**feeds, "cache_lengths": np.full(2, cached),
+                                    "input_lengths": np.full(2, seq)}, check_inputs=False)
+        return runner.plan, outputs
 
 
 def probe_caches(export: Path) -> dict[str, Any]:
