@@ -14,7 +14,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+import torch.distributed as dist
 from reference import without_headroom
 
 from k3export.artifacts import file_record, verify
@@ -42,6 +45,7 @@ from k3export.runtime import (
     random_prompts,
     stage_exports,
 )
+from k3export.runtime.faults import SILENCE_SECONDS, FaultBoard, process_name
 from k3export.runtime.schedule import default_micro_batches, last_positions, split_rows
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import MANIFEST, _previous, build_recipe
@@ -365,55 +369,105 @@ def started_worker(torchrun: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank}")
 
 
-def fault_a_worker(command: list[str], banner: str, rank: int, fault: str, named: str) -> tuple[int, str]:
+class Stderr:
+    """A process's stderr, read by a thread of its own as it comes, so that a test can wait for a line
+    with a deadline (a plain read blocks until the process writes or ends)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(proc.stderr), daemon=True)
+        self.reader.start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, patterns: list[str], seconds: float) -> float:
+        """Waits until every regular expression of `patterns` is in the text; returns when (monotonic)."""
+        deadline = time.monotonic() + seconds
+        while not all(re.search(p, self.text()) for p in patterns):
+            assert time.monotonic() < deadline and self.reader.is_alive(), (patterns, self.text()[-3000:])
+            time.sleep(0.05)
+        return time.monotonic()
+
+
+def fault_a_worker(command: list[str], banner: str, victim: int, fault: str, names: list[str],
+                   named: str = "") -> str:
     """Starts `command` (torchrun), waits until its processes print `banner` (their sessions loaded),
-    then kills (SIGKILL) or stops (SIGSTOP, a hang) the worker of `rank` while they decode. A hung
-    worker must be named (the regular expression `named`) within --timeout (3 s) + 5 s; it is then let
-    go, so that torchrun's SIGTERM ends it. Every process must be gone within 3 + 15 s. Returns
-    torchrun's exit code and everything the processes wrote to stderr."""
+    then kills (SIGKILL) or stops (SIGSTOP, a hang) the worker of process `victim` while they decode.
+    Every other process (`names`: each process's name as messages give it) must say what it met and then
+    name the victim as the process the run stopped for (runtime.faults), in that order, within
+    --timeout (3 s) + 15 s; a hung victim must be named by a missed deadline (the regular expression
+    `named`) within 3 + 5 s, and is let go once every other process has named it, so that torchrun's
+    SIGTERM ends it. Every process must be gone within 3 + 15 s; torchrun fails. Returns everything
+    the processes wrote to stderr."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err = []
-    for line in proc.stderr:
-        err.append(line)
-        if line.startswith(banner):
-            break
+    err = Stderr(proc)
+    err.wait_for([f"(?m)^{re.escape(banner)}"], 300)
     time.sleep(0.5)
-    victim = started_worker(proc, rank)
-    os.kill(victim, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    pid = started_worker(proc, victim)
+    os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     stopped = time.monotonic()
+    if named:
+        assert err.wait_for([named], 3 + 5) - stopped < 3 + 5
+    met = (r"stopped by SIGTERM: torchrun stops every process|the link with .+ broke|a sum with .+ failed"
+           r"|.+ (took nothing or sent nothing|did not join a sum) for 3 s \(--timeout\)")
+    cause = rf"the run stopped because {re.escape(names[victim])} went silent: no word and no heartbeat"
+    # Its two lines, in that order (other processes' lines may come between).
+    said = [rf"k3export.runtime: {re.escape(name)}: ({met})[^\n]*\n(?:[^\n]*\n)*?"
+            rf"k3export.runtime: {re.escape(name)}: {cause}" for p, name in enumerate(names) if p != victim]
+    err.wait_for(said, 3 + 15)
     if fault == "hung":
-        for line in proc.stderr:  # two processes' messages may share a line: their writes interleave
-            err.append(line)
-            if re.search(named, line):
-                break
-        assert time.monotonic() - stopped < 3 + 5, "".join(err)[-3000:]
-        os.kill(victim, signal.SIGCONT)
-    _, rest = proc.communicate(timeout=3 + 15)
-    assert time.monotonic() - stopped < 3 + 15
-    return proc.returncode, "".join(err) + rest
+        os.kill(pid, signal.SIGCONT)
+    assert proc.wait(timeout=max(stopped + 3 + 15 - time.monotonic(), 0.1)) != 0
+    err.reader.join()
+    return err.text()
 
 
 def test_a_killed_stage_stops_the_others(onnx_build) -> None:
-    """Stage 1 of 3 killed (SIGKILL) while the others decode: the others exit within the stated time,
-    non-zero, naming it through torchrun, which stops the others (each says so) and names it. (A hung
-    one, SIGSTOP, is named through the deadline by the same runtime.links code on the grid:
-    test_parallel_grid.py::test_a_failed_rank_stops_the_others[hung]; here it cost 10 s.)"""
+    """Stage 1 of 3 killed (SIGKILL) while the others decode: each other stage says what it met (its
+    link with the dead one broke, or torchrun's SIGTERM, whichever came first) and then names stage 1
+    as the process the run stopped for, and is gone within the stated time; torchrun names it too. (A
+    hung one, SIGSTOP, is named the same way: test_parallel_grid.py::test_a_failed_rank_stops_the_others.)"""
     out, _ = onnx_build
-    # torchrun polls every 2 s, so that the stages linked with a dead one meet its broken link before
-    # torchrun stops them (at its default 0.1 s, its SIGTERM may come first and name nobody).
     command = torchrun_command(out, "--prompt-len", "12", "--batch", "2", "--max-new-tokens", "200",
-                               "--timeout", "3", monitor_interval=2)
-    code, err = fault_a_worker(command, "k3export.runtime: 3 stages", 1, "killed", named="")
-    assert code != 0
-    # Each other stage says why it stops: torchrun stopped it, or its link with a dead stage broke.
-    for rank in (0, 2):
-        why = r"stopped by SIGTERM: torchrun stops every stage|the link with stage \d \(rank \d\) broke"
-        assert re.search(rf"k3export.runtime: stage {rank} \(rank {rank}\): ({why})", err), err
-    # A stage linked with it finds the link broken and names it, not only torchrun's report.
-    dead = r"the link with stage 1 \(rank 1\) broke"
-    assert re.search(rf"k3export.runtime: stage [02] \(rank [02]\): {dead}", err), err[-3000:]
+                               "--timeout", "3")
+    err = fault_a_worker(command, "k3export.runtime: 3 stages", 1, "killed",
+                         [process_name(p, 1) for p in range(3)])
     # torchrun lists every failed process (its "Root Cause" is whichever it saw first).
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", err), err[-2000:]
+
+
+def test_the_fault_board_names_the_process_the_run_stopped_for() -> None:
+    """runtime.faults.FaultBoard over a store of this process: a process that failed on its own is named
+    at once; one that never spoke and whose heartbeat stopped (killed) is named once it has been silent
+    for SILENCE_SECONDS, not before; processes that beat, or said they stopped or finished, never are."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    store = dist.PrefixStore("k3export.faults", dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    for process, said in [(1, ""), (2, FaultBoard.STOPPED + "the link broke"), (3, FaultBoard.FINISHED)]:
+        store.set(f"said/{process}", said)  # processes that no longer beat
+        store.add(f"beat/{process}", 1)
+    live = FaultBoard(store, 4, 5, 1)  # beats on its own thread
+    board = FaultBoard(store, 0, 5, 1)
+    started = time.monotonic()
+    cause = board.cause("stopped by SIGTERM")
+    assert SILENCE_SECONDS <= time.monotonic() - started < SILENCE_SECONDS + 1
+    assert cause == ("the run stopped because stage 1 (rank 1) went silent: no word and no heartbeat for 2 s "
+                     "(it was killed, crashed or hangs)")
+    assert store.get("said/0") == b"stopped: stopped by SIGTERM"
+    live.say(FaultBoard.FAILED + "ValueError: bad")
+    started = time.monotonic()
+    assert board.cause("the link with stage 4 (rank 4) broke") == (
+        "the run stopped because stage 4 (rank 4) failed (ValueError: bad)")
+    assert time.monotonic() - started < 1
+    class GoneStore:  # torchrun ended (a real client's failures also log C++ stacks: noise here)
+        def __getattr__(self, name: str) -> Any:
+            def fails(*_: Any) -> None:
+                raise dist.DistNetworkError("Connection refused\nException raised from ...")
+            return fails
+
+    board.store = live.store = GoneStore()
+    assert board.cause("stopped by SIGTERM") == ("the run stopped, and its store did not answer (Connection "
+                                                 "refused); torchrun's report lists each exit")
 
 
 def test_sampling_is_seeded() -> None:

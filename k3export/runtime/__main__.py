@@ -30,7 +30,7 @@ from k3export.errors import UserError
 from k3export.options import positive_int
 from k3export.runtime.builds import stage_ranks
 from k3export.runtime.engines import ENGINE, choose_runner, device_of
-from k3export.runtime.faults import StageFailed, process_name, watch_signals
+from k3export.runtime.faults import FaultBoard, StageFailed, process_name, watch_signals
 from k3export.runtime.nccl import abort
 from k3export.runtime.process import run_process
 from k3export.runtime.request import add_run_arguments
@@ -59,24 +59,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if process == 0:
         print(f"k3export.runtime: {choice.line()}", file=sys.stderr, flush=True)
-    name = process_name(process, len(exports[0]))
-    watch_signals(name)
+    ranks = len(exports[0])
     nccl_groups: list[dist.ProcessGroup] = []  # run_process makes them; every exit for a fault aborts them
-    watchdog = Watchdog(name, args.timeout, functools.partial(abort, nccl_groups))
+    watchdog = Watchdog(process_name(process, ranks), args.timeout, functools.partial(abort, nccl_groups))
+    watch_signals(watchdog)
     if device is not None:
         torch.cuda.set_device(device)  # before any NCCL group, which takes the current device
     dist.init_process_group("gloo")
+    board = watchdog.board = FaultBoard.of_run(process, dist.get_world_size(), ranks)
+    dist.barrier()  # every process's board is written before any reads it
     try:
         run_process(args, exports, choice, device, watchdog, nccl_groups)
     except UserError as e:
+        board.say(f"{board.FAILED}error: {e}")
         print(f"k3export.runtime: error: {e}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     except StageFailed as e:
         watchdog.stop(str(e))  # not destroy_process_group: its teardown can wait on a peer that is gone
+    except Exception as e:  # its traceback follows; the others name it
+        board.say(f"{board.FAILED}{type(e).__name__}: {e}")
+        raise
+    board.say(board.FINISHED)
     dist.destroy_process_group()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,5 @@
-"""How a process of the torchrun run names the process it waited for, and how it ends.
+"""How a process of the torchrun run names the process it waited for, the process that failed, and
+how it ends.
 
 Every wait for another process has a deadline (`--timeout`, 60 s): a stage that sends or
 takes nothing for that long, or a rank that does not join its stage's sum for that long (the timeout
@@ -10,6 +11,12 @@ NCCL has no deadline: an engine's call (its sums, the boundary it reads) runs un
 (runtime.watchdog), which ends the process after --timeout, and every exit for a fault aborts the
 NCCL communicators first. Ctrl-C (SIGINT to every process) stops each at once, exit 130. Loading the
 sessions and the closing exchange of timings use the default process group's own timeout.
+
+Which of those reaches a surviving process first is a race (on a loaded host torchrun's SIGTERM often
+wins), and what it meets first names only its neighbour. So every exit for a fault says two lines, in
+this order: what this process met (a broken link, a missed deadline, SIGTERM), then the process the
+run stopped for, read off the FaultBoard: one that failed on its own, or one that went silent (no
+word and no heartbeat for SILENCE_SECONDS: it was killed, crashed or hangs).
 """
 
 from __future__ import annotations
@@ -18,14 +25,21 @@ import functools
 import os
 import re
 import signal
-import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from k3export.runtime.watchdog import Watchdog
+
+BEAT_SECONDS = 0.2
+# Longer than a live process's heartbeat thread waits for a core on a loaded host (ten beats).
+SILENCE_SECONDS = 2.0
 
 
 def process_name(process: int, ranks: int) -> str:
@@ -97,11 +111,12 @@ def call_waits(process: int, ranks: int, timeout: int,
     return lambda: sums
 
 
-def watch_signals(name: str) -> None:
+def watch_signals(watchdog: Watchdog) -> None:
     """SIGINT (Ctrl-C) and SIGTERM (torchrun stopping the others when one fails) end this process at
     once with a message, even while its main thread is blocked in gloo or ONNX Runtime, where a
     Python handler would wait for the call to return: Python's C-level handler, in whichever thread
-    the signal lands, writes its number to a pipe that a thread of ours reads."""
+    the signal lands, writes its number to a pipe that a thread of ours reads. SIGTERM takes the
+    watchdog's exit for a fault (its two lines, the NCCL abort)."""
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write)
@@ -109,10 +124,85 @@ def watch_signals(name: str) -> None:
         signal.signal(number, lambda *_: None)  # the thread below acts
 
     def watch() -> None:
-        interrupted = os.read(read, 1)[0] == signal.SIGINT
-        why = ("interrupted (Ctrl-C)" if interrupted else
-               "stopped by SIGTERM: torchrun stops every stage when one fails (its report names which)")
-        print(f"k3export.runtime: {name}: {why}", file=sys.stderr, flush=True)
-        os._exit(130 if interrupted else 1)
+        if os.read(read, 1)[0] == signal.SIGINT:
+            watchdog.say("interrupted (Ctrl-C)")
+            os._exit(130)
+        watchdog.stop("stopped by SIGTERM: torchrun stops every process when one fails")
 
     threading.Thread(target=watch, name="signals", daemon=True).start()
+
+
+class FaultBoard:
+    """What each process of the run said when it stopped, and its heartbeat, kept in the run's store,
+    which torchrun's agent holds (TORCHELASTIC_USE_AGENT_STORE), so it outlives every worker. A
+    process that stops says why first ("failed: ..." on an error of its own, "stopped: ..." when it
+    met another's fault, "finished"); so a process that never said anything and whose heartbeat
+    stopped was killed, crashed or hangs. `cause` names the process the run stopped for from there,
+    the same whichever fault reached the caller first."""
+
+    FAILED, STOPPED, FINISHED = "failed: ", "stopped: ", "finished"
+
+    def __init__(self, store: dist.Store, process: int, world: int, ranks: int) -> None:
+        self.store, self.process, self.ranks = store, process, ranks
+        self.others = [p for p in range(world) if p != process]
+        # Both keys exist before the barrier that follows (runtime.__main__), so that `cause` reads every
+        # process's at once.
+        self.store.set(f"said/{process}", "")
+        self.store.add(f"beat/{process}", 1)
+        threading.Thread(target=self.beat, name="heartbeat", daemon=True).start()
+
+    @classmethod
+    def of_run(cls, process: int, world: int, ranks: int) -> FaultBoard:
+        """The board in the store of this torchrun run (MASTER_ADDR, MASTER_PORT), on a connection of its
+        own: the process group's waits on its connection must not hold up the heartbeat."""
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=5))
+        return cls(dist.PrefixStore("k3export.faults", store), process, world, ranks)
+
+    def beat(self) -> None:
+        while True:
+            time.sleep(BEAT_SECONDS)
+            try:
+                self.store.add(f"beat/{self.process}", 1)
+            except RuntimeError:  # the store is gone (torchrun ended): nobody reads the beats
+                return
+
+    def say(self, what: str) -> None:
+        """Records why this process stops: FAILED, STOPPED or FINISHED (with the reason)."""
+        self.store.set(f"said/{self.process}", what)
+
+    def read(self) -> tuple[list[bytes], list[bytes]]:
+        """What every other process said, and its heartbeat count, in one reading."""
+        values = self.store.multi_get([f"{key}/{p}" for key in ("said", "beat") for p in self.others])
+        return values[:len(self.others)], values[len(self.others):]
+
+    def cause(self, seen: str) -> str:
+        """Records that this process stopped for `seen` (another's fault), then names the processes the
+        run stopped for: those that failed on their own, at once; else those silent (no word, no beat)
+        for SILENCE_SECONDS, waited for. Its line starts "the run stopped because"."""
+        failed = self.FAILED.encode()
+        try:
+            self.say(self.STOPPED + seen)
+            _, beats_then = self.read()
+            first = time.monotonic()
+            while True:
+                said, beats = self.read()
+                causes = [f"{process_name(p, self.ranks)} failed ({s[len(failed):].decode()})"
+                          for p, s in zip(self.others, said, strict=True) if s.startswith(failed)]
+                if not causes and time.monotonic() - first >= SILENCE_SECONDS:
+                    causes = [f"{process_name(p, self.ranks)} went silent: no word and no heartbeat for "
+                              f"{SILENCE_SECONDS:g} s (it was killed, crashed or hangs)"
+                              for p, s, then, now in zip(self.others, said, beats_then, beats, strict=True)
+                              if not s and then == now]
+                    break
+                if causes:
+                    break
+                time.sleep(BEAT_SECONDS)
+        except RuntimeError as e:  # torchrun's store did not answer: torchrun itself is gone
+            reason = str(e).splitlines()[0]  # not the C++ stack that follows
+            return (f"the run stopped, and its store did not answer ({reason}); "
+                    "torchrun's report lists each exit")
+        if not causes:
+            return (f"the run stopped, and no other process failed on its own or went silent for "
+                    f"{SILENCE_SECONDS:g} s; torchrun's report lists each exit")
+        return "the run stopped because " + "; and ".join(causes)
