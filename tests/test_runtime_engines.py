@@ -24,7 +24,7 @@ from k3export.errors import UserError
 from k3export.runtime import __main__ as runtime
 from k3export.runtime.engines import ENGINE, ONNX, choose_runner, device_of
 from k3export.runtime.faults import engine_waits
-from k3export.runtime.nccl import pointer_capsule
+from k3export.runtime.nccl import abort, pointer_capsule
 from k3export.runtime.watchdog import Watchdog
 
 WATCHDOG_WORKER = Path(__file__).with_name("watchdog_worker.py")
@@ -182,6 +182,20 @@ def test_the_abort_hook_runs_once() -> None:
     watchdog.abort()
     watchdog.abort()
     assert calls == [1]
+
+
+def test_the_abort_skips_the_groups_this_process_is_not_in() -> None:
+    """Every process makes every stage's group; for the stages it is not in, torch gives it
+    NON_GROUP_MEMBER (-100), which has no abort: the others' communicators are still aborted."""
+    aborted = []
+
+    class Group:
+        def abort(self) -> None:
+            aborted.append(self)
+
+    own, data = Group(), Group()
+    abort([dist.GroupMember.NON_GROUP_MEMBER, own, dist.GroupMember.NON_GROUP_MEMBER, data])
+    assert aborted == [own, data]
 
 
 def test_the_watchdog_ends_a_process_blocked_on_a_silent_peer(tmp_path: Path) -> None:

@@ -48,7 +48,11 @@ def communicator_capsule(group: dist.ProcessGroup) -> object:
 
 
 def abort(groups: list[dist.ProcessGroup]) -> None:
-    """Aborts the NCCL communicators of `groups`, so that no kernel of this process waits on a peer
-    that is gone (NCCL has no deadline of its own)."""
+    """Aborts the NCCL communicators of `groups` this process is in, so that no kernel of this process
+    waits on a peer that is gone (NCCL has no deadline of its own). Every process makes every stage's
+    group (torch.distributed's rule), and for one it is not in `new_group` gives
+    `GroupMember.NON_GROUP_MEMBER` (an int, -100: torch/distributed/distributed_c10d.py), which has
+    no communicator."""
     for group in groups:
-        group.abort()
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            group.abort()
