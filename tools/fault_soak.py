@@ -4,21 +4,30 @@ torchrun's SIGTERM, a broken link and a missed deadline race): every run must pa
     python tools/fault_soak.py --times 10 --hogs 2
 
 One pytest process, so the builds the tests run on are made once; it stops at the first failure
-(-x) and prints pytest's summary. The hogs are pure-Python busy loops, one core each.
+(-x) and prints pytest's summary. This file is also the pytest plugin that repeats each test (pytest
+runs a test given twice once). The hogs are pure-Python busy loops, one core each.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-FAULT_TESTS = ["tests/test_shards.py::test_a_killed_stage_stops_the_others",
-               "tests/test_parallel_grid.py::test_a_failed_rank_stops_the_others[killed]",
-               "tests/test_parallel_grid.py::test_a_failed_rank_stops_the_others[hung]"]
+FILES = ["tests/test_shards.py", "tests/test_parallel_grid.py"]
+FAULT_TESTS = "test_a_killed_stage_stops_the_others or test_a_failed_rank_stops_the_others"
+TIMES = "K3EXPORT_SOAK_TIMES"
+
+
+def pytest_generate_tests(metafunc: object) -> None:
+    """As a pytest plugin: every test once per run asked for (a parameter `soak_run`)."""
+    if TIMES in os.environ:
+        metafunc.fixturenames.append("soak_run")
+        metafunc.parametrize("soak_run", range(int(os.environ[TIMES])))
 
 
 def busy() -> None:
@@ -36,14 +45,14 @@ def main() -> int:
         hog.start()
     started = time.monotonic()
     try:
-        # Test by test, each `times` times in a row (pytest keeps the order it is given).
-        tests = [test for test in FAULT_TESTS for _ in range(args.times)]
-        code = subprocess.call([sys.executable, "-m", "pytest", "-x", "-q", "--keep-duplicates",
-                                "-p", "no:cacheprovider", *tests], cwd=Path(__file__).parents[1])
+        root = Path(__file__).parents[1]
+        env = {**os.environ, TIMES: str(args.times), "PYTHONPATH": str(root / "tools")}
+        code = subprocess.call([sys.executable, "-m", "pytest", "-x", "-v", "-p", "fault_soak", "-p",
+                                "no:cacheprovider", *FILES, "-k", FAULT_TESTS], cwd=root, env=env)
     finally:
         for hog in hogs:
             hog.kill()
-    print(f"fault_soak: {len(FAULT_TESTS)} fault tests x {args.times} beside {args.hogs} busy processes: "
+    print(f"fault_soak: the fault tests x {args.times} beside {args.hogs} busy processes: "
           f"{'passed' if code == 0 else 'FAILED'} in {time.monotonic() - started:.0f} s")
     return code
 
