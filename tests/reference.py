@@ -66,3 +66,16 @@ def without_headroom(line: str) -> str:
     """A verdict line less its headroom ("; worst X at R of its bound, ..."), whose last digits move
     with the CPU's float32 kernels."""
     return re.sub(r"; worst [^;]*", "", line)
+
+
+def assert_eager_ran(streamed: dict, in_memory: dict, stages: list[list[int]]) -> None:
+    """What two checks' eager sides ran (their reports' "eager" "ran", recorded as each span ran, not
+    the plan): in memory, one span a stage; streamed, one layer a span, every layer once in order;
+    both read the same weights, and no streamed span read as much as the largest stage."""
+    ran = {name: [(r["layers"], r["bytes"]) for r in report["eager"]["ran"]]
+           for name, report in (("streamed", streamed), ("in-memory", in_memory))}
+    assert [layers for layers, _ in ran["in-memory"]] == stages
+    first, last = stages[0][0], stages[-1][1]
+    assert [layers for layers, _ in ran["streamed"]] == [[i, i + 1] for i in range(first, last)]
+    assert sum(n for _, n in ran["streamed"]) == sum(n for _, n in ran["in-memory"]) > 0
+    assert max(n for _, n in ran["streamed"]) < max(n for _, n in ran["in-memory"])

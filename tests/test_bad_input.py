@@ -374,19 +374,32 @@ def test_a_nan_weight_fails_the_check_naming_it(tiny_model, tmp_path):
 
 
 def test_an_eager_side_that_does_not_fit_is_refused_with_the_numbers(monkeypatch):
-    """check's eager side on a machine with too little memory: auto streams it when the stage does not
-    fit (k3-tiny float16: a few MB of weights with the float32 twin, under 1 MB a layer); a mode
-    that does not fit is refused before anything runs, naming both numbers."""
+    """check's eager side and the machine's memory: auto holds it in memory when its weights take at
+    most half of the memory available, and streams it otherwise, also where it would fit (k3-tiny
+    float16: a few MB of weights with the float32 twin, under 1 MB a layer); a mode that does not fit
+    is refused before anything runs, naming both numbers."""
     from k3export.check.runners import eager
     from k3export.config import K3Config
     from k3export.errors import UserError
 
     config = K3Config.from_preset("k3-tiny")
-    monkeypatch.setattr(eager, "available_memory", lambda: 1_000_000)
-    plan = eager.plan_eager("auto", config, "float16", {"seed": 0}, [range(0, 9)])
-    assert plan.mode == "streamed" and "do not fit in the 0.001 GB available" in plan.why
-    assert plan.spans == [range(i, i + 1) for i in range(9)]
+
+    def plan_with(available: float, choice: str = "auto") -> eager.EagerPlan:
+        monkeypatch.setattr(eager, "available_memory", lambda: round(available))
+        return eager.plan_eager(choice, config, "float16", {"seed": 0}, [range(0, 9)])
+
+    in_memory = plan_with(1e6).in_memory_bytes
+    plan = plan_with(2 * in_memory)
+    assert plan.mode == "in-memory" and plan.spans == [range(0, 9)] and "are within 50% of the" in plan.why
+    for available in (1.99 * in_memory, 1e6):  # fits, but without the headroom; does not fit
+        plan = plan_with(available)
+        assert plan.mode == "streamed" and "are more than 50% of the" in plan.why
+        assert plan.spans == [range(i, i + 1) for i in range(9)]
+    assert plan_with(1.99 * in_memory, "in-memory").mode == "in-memory"  # asked for, and it fits
     assert plan.streamed_bytes < 1e6 < plan.in_memory_bytes
+    assert (f"weights held at once: streamed {plan.streamed_bytes / 1e9:.3g} GB, in memory "
+            f"{plan.in_memory_bytes / 1e9:.3g} GB") in plan.line()
+    monkeypatch.setattr(eager, "available_memory", lambda: 1_000_000)
     with pytest.raises(UserError, match=r"--eager in-memory: the largest stage of the eager model and its "
                        r"float32 twin holds 0\.00\d+ GB of weights and this machine has 0\.001 GB "
                        "available; "

@@ -29,7 +29,7 @@ from pathlib import Path
 import onnx
 import pytest
 from cpu_verdict_worker import run_checks
-from reference import PERTURBED, rerecord_file, scaled_copy
+from reference import PERTURBED, assert_eager_ran, rerecord_file, scaled_copy
 
 from k3export.check.driver import run_check
 from k3export.check.machine import KNOBS, cpu_and_flags
@@ -186,7 +186,7 @@ def test_streamed_eager_side_gives_the_in_memory_numbers(legs: dict, dtype: str,
     inputs), held to the same expert choices."""
     streamed, in_memory = legs["streamed"][dtype, kind], legs["default"][dtype, kind, False, False]
     assert streamed["eager"]["mode"] == "streamed" and in_memory["eager"]["mode"] == "in-memory"
-    assert len(streamed["eager"]["spans"]) == K3Config.from_preset("k3-tiny").num_hidden_layers
+    assert_eager_ran(streamed, in_memory, [[0, K3Config.from_preset("k3-tiny").num_hidden_layers]])
     assert streamed["steps"] == in_memory["steps"] and streamed["passed"]
     assert streamed["routing_flips"] == in_memory["routing_flips"]
 
@@ -280,6 +280,7 @@ def test_float16_chain_is_checked_held_to_its_stages_routing_outputs(float16_cha
     assert main([*check, "--eager", "streamed"]) == 0
     streamed = json.loads(capsys.readouterr().out)
     assert streamed["eager"]["mode"] == "streamed" and streamed["steps"] == report["steps"]
+    assert_eager_ran(streamed, report, [m["layers"] for m in stages])
     bad = shutil.copytree(float16_chain, tmp_path / "bad")
     layer = stages[1]["layers"][0]
     scale_weight(bad, 1, None, f"layers.{layer}.block_sparse_moe.routed_expert_up_proj.weight", 1.5)

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from reference import assert_eager_ran
 from test_parallel import four_head_config
 from test_shards import corrupt_stage, fault_a_worker
 
@@ -256,6 +257,7 @@ def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Pa
     assert main([*check, "--eager", "streamed"]) == 0
     streamed = json.loads(capsys.readouterr().out)
     assert streamed["eager"]["mode"] == "streamed" and streamed["steps"] == report["steps"]
+    assert_eager_ran(streamed, report, report["stages"])
     assert main([*check, "--eager", "streamed", "--stage", "1"]) == 0
     alone = json.loads(capsys.readouterr().out)
     assert alone["passed"] and alone["stage_numbers"] == [1]

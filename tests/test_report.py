@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from k3export.artifacts import verify
+from k3export.check.driver import run_check
+from k3export.check.machine import peak_memory
 from k3export.cli import main
 from k3export.onnx.taps import SUBLAYERS
 
@@ -89,3 +92,13 @@ def test_report_folder_of_foreign_files_is_refused_before_the_check(tiny_export,
     err = capsys.readouterr()
     assert f"--report {folder}" in err.err and "notes.txt" in err.err and "eager reference" not in err.out
     assert "--overwrite" not in err.err  # check has no such option
+
+
+def test_the_eager_sides_peak_is_its_own(tiny_export):
+    """The report's eager peak is the process's high-water mark from the eager side's start, not
+    before it: 600 MB held and freed before the check (as an artifact's memory is) is not in it."""
+    resident = np.ones(600_000_000 // 8)  # every page written: resident
+    held = peak_memory()
+    del resident
+    report = run_check(tiny_export, steps=1, prompt_len=8, log=lambda _: None)
+    assert 0 < report["eager"]["peak_memory"] < held - 400e6

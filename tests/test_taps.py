@@ -15,7 +15,7 @@ import onnx.helper
 import onnx.numpy_helper
 import pytest
 import torch
-from reference import without_headroom
+from reference import assert_eager_ran, without_headroom
 
 from k3export.artifacts import file_record
 from k3export.check import driver
@@ -203,6 +203,8 @@ def test_half_precision_envelope_passes_the_export_and_names_a_corrupted_layer(f
                          eager="streamed")
     assert streamed["recorded_bytes_on_disk"] > 0 == clean["recorded_bytes_on_disk"]
     assert streamed["eager"]["mode"] == "streamed" and clean["eager"]["mode"] == "in-memory"
+    layers = json.loads((float16_taps_export / "export.json").read_text())["layers"]
+    assert_eager_ran(streamed, clean, [layers])
     assert streamed["held_routing"] and streamed["routing_flips"] == clean["routing_flips"]
     assert streamed["steps"] == clean["steps"] and streamed["taps"] == clean["taps"]
     broken = corrupt(float16_taps_export, tmp_path / "broken", CORRUPTIONS[2][0])

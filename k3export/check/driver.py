@@ -430,8 +430,7 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
         recording.close()
     report.update(verdict(report["steps"], side.nonfinite_weights))
     report["machine"] = machine()
-    report["eager"] = {**plan.as_dict(), "seconds": side.seconds, "bytes_read": side.bytes_read,
-                       "peak_memory": side.peak_memory}
+    report["eager"] = {**plan.as_dict(), **side.report()}
     report["tokens_from"] = "the artifact's greedy tokens" if streams[0] and not feeds else "drawn at random"
     report["routing_flips"] = sum(side.flips.get("eager", [])) if routing else 0
     report["greedy_streams_identical"] = streams[0] == streams[1]
