@@ -44,19 +44,31 @@ WY_BLOCK = 16
 # once would spill.
 STATE_BLOCK_V = 16
 STATE_ROWS = 16
+# A chunk whose cumulative gate falls below -STEEP_GATE has its scores formed from differences of the gates:
+# exp(-G) of a factored score would pass e^80 (float32 overflows at e^88.7), as in k3export/ops/kda.py.
+STEEP_GATE = tl.constexpr(80.0)
+# Key channels a factored score product takes at once.
+SCORE_COLUMNS = tl.constexpr(16)
 
 
 @triton.jit
-def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
-                          BK: tl.constexpr, BV: tl.constexpr):
+def _state_block(h0, H, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """The program's (batch, head) and its [BK, BV] block of the state: indices, masks, offsets and the
+    initial values (float32), for the kernels with one program per (batch, head, V-block)."""
     i_bh = tl.program_id(0).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
     offs_k = tl.arange(0, BK)
     offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_s = mask_k[:, None] & mask_v[None, :]
     s_offs = (i_bh * K + offs_k[:, None]) * V + offs_v[None, :]
     S = tl.load(h0 + s_offs, mask=mask_s, other=0.0)
+    return i_bh // H, i_bh % H, offs_k, offs_v, mask_k, mask_v, s_offs, mask_s, S
+
+
+@triton.jit
+def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
+                          BK: tl.constexpr, BV: tl.constexpr):
+    i_b, i_h, offs_k, offs_v, mask_k, mask_v, s_offs, mask_s, S = _state_block(h0, H, K, V, BK, BV)
     for t in range(T):
         tok = (i_b * T + t) * H + i_h
         b_q = tl.load(q + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -73,6 +85,59 @@ def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
 
 
 @triton.jit
+def _scores_from_differences(q, k, g, tok, mask_t, K, causal, BT: tl.constexpr):
+    """A_qk and A_kk [BT, BT] of one chunk (rows `tok`): sum_d x_id k_jd exp(G_id - G_jd), x = q, k, one
+    key channel at a time read from memory: the decay is formed from the difference of cumulative gates,
+    masked to j <= i before exponentiating, so it never overflows however long the chunk's decay."""
+    A_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    A_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for d in range(K):
+        k_d = tl.load(k + tok * K + d, mask=mask_t, other=0.0).to(tl.float32)
+        q_d = tl.load(q + tok * K + d, mask=mask_t, other=0.0).to(tl.float32)
+        G_d = tl.cumsum(tl.load(g + tok * K + d, mask=mask_t, other=0.0), axis=0)
+        decay_k = k_d[None, :] * tl.exp(tl.where(causal, G_d[:, None] - G_d[None, :], float("-inf")))
+        A_kk += k_d[:, None] * decay_k
+        A_qk += q_d[:, None] * decay_k
+    return A_qk, A_kk
+
+
+@triton.jit
+def _scores_factored(q, k, g, tok, mask_t, K, BT: tl.constexpr, BC: tl.constexpr):
+    """A_qk and A_kk [BT, BT] of one chunk as _scores_from_differences, for a chunk whose decay stays
+    within e^-STEEP_GATE: exp(G_i - G_j) = exp(G_i) exp(-G_j), as float32 products of BC key channels at a
+    time read from memory (a whole row of K channels per thread would not fit in registers)."""
+    offs_c = tl.arange(0, BC)
+    A_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    A_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for c0 in range(0, K, BC):
+        tc_offs = tok[:, None] * K + c0 + offs_c[None, :]
+        mask_tc = mask_t[:, None] & (c0 + offs_c < K)[None, :]
+        b_k = tl.load(k + tc_offs, mask=mask_tc, other=0.0).to(tl.float32)
+        b_q = tl.load(q + tc_offs, mask=mask_tc, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.cumsum(tl.load(g + tc_offs, mask=mask_tc, other=0.0), axis=0))
+        k_grown = tl.trans(b_k / decay)
+        A_kk += tl.dot(b_k * decay, k_grown, input_precision="ieee")
+        A_qk += tl.dot(b_q * decay, k_grown, input_precision="ieee")
+    return A_qk, A_kk
+
+
+@triton.jit
+def _ut_transform(A_kk, b_beta, BT: tl.constexpr):
+    """UT = (I + A)^-1 diag(beta), A = diag(beta) A_kk strictly below the diagonal, by forward substitution:
+    row i of UT = beta_i e_i - A[i, :] UT, where the rows not yet filled are zero."""
+    offs_t = tl.arange(0, BT)
+    A = tl.where(offs_t[:, None] > offs_t[None, :], A_kk * b_beta[:, None], 0.0)
+    UT = tl.zeros([BT, BT], dtype=tl.float32)
+    for i in range(BT):
+        row = offs_t == i
+        a_i = tl.sum(tl.where(row[:, None], A, 0.0), axis=0)
+        beta_i = tl.sum(tl.where(row, b_beta, 0.0))
+        ut_i = tl.where(row, beta_i, 0.0) - tl.sum(a_i[:, None] * UT, axis=0)
+        UT = tl.where(row[:, None], ut_i[None, :], UT)
+    return UT
+
+
+@triton.jit
 def _chunk_kda_intra_kernel(q, k, g, beta, a_qk, ut, T, H, K, BT: tl.constexpr):
     """Per chunk: A_qk (causal) and UT = (I + A_kk)^-1 diag(beta), each [BT, BT] per token row."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -83,33 +148,60 @@ def _chunk_kda_intra_kernel(q, k, g, beta, a_qk, ut, T, H, K, BT: tl.constexpr):
     tok = (i_b * T + i_t * BT + offs_t) * H + i_h
     causal = offs_t[:, None] >= offs_t[None, :]
     b_beta = tl.load(beta + tok, mask=mask_t, other=0.0)
-
-    # A_kk[i, j] = sum_d k_id k_jd exp(G_id - G_jd) (and A_qk with q_i), one key channel at a
-    # time: the decay is formed from the difference of cumulative gates, masked to j <= i
-    # before exponentiating, so it never overflows however long the chunk's decay.
-    A_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    A_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for d in range(K):
-        k_d = tl.load(k + tok * K + d, mask=mask_t, other=0.0).to(tl.float32)
-        q_d = tl.load(q + tok * K + d, mask=mask_t, other=0.0).to(tl.float32)
-        G_d = tl.cumsum(tl.load(g + tok * K + d, mask=mask_t, other=0.0), axis=0)
-        decay_k = k_d[None, :] * tl.exp(tl.where(causal, G_d[:, None] - G_d[None, :], float("-inf")))
-        A_kk += k_d[:, None] * decay_k
-        A_qk += q_d[:, None] * decay_k
+    A_qk, A_kk = _scores_from_differences(q, k, g, tok, mask_t, K, causal, BT)
     tt_offs = tok[:, None] * BT + offs_t[None, :]
     tl.store(a_qk + tt_offs, A_qk, mask=mask_t[:, None])
-    A_kk = tl.where(causal & (offs_t[:, None] != offs_t[None, :]), A_kk * b_beta[:, None], 0.0)
+    tl.store(ut + tt_offs, _ut_transform(A_kk, b_beta, BT), mask=mask_t[:, None])
 
-    # Forward substitution: row i of UT = beta_i e_i - A_kk[i, :] UT, where the rows not yet
-    # filled are zero.
-    UT = tl.zeros([BT, BT], dtype=tl.float32)
-    for i in range(BT):
-        row = offs_t == i
-        a_i = tl.sum(tl.where(row[:, None], A_kk, 0.0), axis=0)
-        beta_i = tl.sum(tl.where(row, b_beta, 0.0))
-        ut_i = tl.where(row, beta_i, 0.0) - tl.sum(a_i[:, None] * UT, axis=0)
-        UT = tl.where(row[:, None], ut_i[None, :], UT)
-    tl.store(ut + tt_offs, UT, mask=mask_t[:, None])
+
+@triton.jit
+def _fused_chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
+                            BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Prefill in one launch: one program per (batch, head, V-block) walks the chunks of BT tokens with
+    S [BK, BV] float32 in registers, each chunk in the UT-transform form (as the four chunk kernels):
+        A_qk, A_kk = (Q, K) exp(G) (K exp(-G))^T;  UT = (I + A_kk)^-1 diag(beta)
+        W = UT (K exp(G));  V' = UT V - W S;  O = (Q exp(G)) S + A_qk V'
+        S <- exp(G_last) S + (K exp(G_last - G))^T V'
+    The scores take float32 FMA products (exp(-G) reaches e^80 in a chunk, past float16's range); every
+    other product takes the inputs' dtype: tensor cores in float16 / bfloat16 (the float32 operands, the
+    state among them, rounded to it), float32 FMA for float32 inputs; all accumulate in float32."""
+    i_b, i_h, offs_k, offs_v, mask_k, mask_v, s_offs, mask_s, S = _state_block(h0, H, K, V, BK, BV)
+    x = v.dtype.element_ty
+    offs_t = tl.arange(0, BT)
+    causal = offs_t[:, None] >= offs_t[None, :]
+    for t0 in range(0, T, BT):
+        # Rows past T load k = 0, beta = 0 and g = 0: they add nothing to the state.
+        mask_t = t0 + offs_t < T
+        tok = (i_b * T + t0 + offs_t) * H + i_h
+        tk_offs = tok[:, None] * K + offs_k[None, :]
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        tv_offs = tok[:, None] * V + offs_v[None, :]
+        mask_tv = mask_t[:, None] & mask_v[None, :]
+        b_q = tl.load(q + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
+        b_v = tl.load(v + tv_offs, mask=mask_tv, other=0.0)
+        b_g = tl.load(g + tk_offs, mask=mask_tk, other=0.0)
+        b_beta = tl.load(beta + tok, mask=mask_t, other=0.0)
+        G = tl.cumsum(b_g, axis=0)
+        G_last = tl.sum(b_g, axis=0)
+        decay = tl.exp(G)
+        # exp(G_i - G_j) = exp(G_i) exp(-G_j) unless the chunk decays past e^-STEEP_GATE (then exp(-G_j)
+        # could overflow): such a chunk's scores are formed from the differences, as the eager op does.
+        if tl.min(G) > -STEEP_GATE:
+            A_qk, A_kk = _scores_factored(q, k, g, tok, mask_t, K, BT, SCORE_COLUMNS)
+        else:
+            A_qk, A_kk = _scores_from_differences(q, k, g, tok, mask_t, K, causal, BT)
+        UT = _ut_transform(A_kk, b_beta, BT).to(x)
+        W = tl.dot(UT, (b_k * decay).to(x), input_precision="ieee")
+        S_x = S.to(x)
+        V_new = tl.dot(UT, b_v, input_precision="ieee") - tl.dot(W.to(x), S_x, input_precision="tf32x3")
+        V_x = V_new.to(x)
+        b_o = tl.dot((b_q * decay).to(x), S_x, input_precision="ieee") \
+            + tl.dot(tl.where(causal, A_qk, 0.0).to(x), V_x, input_precision="ieee")
+        tl.store(o + tv_offs, b_o.to(o.dtype.element_ty), mask=mask_tv)
+        k_tail = b_k * tl.exp(G_last[None, :] - G)  # keys decayed to the chunk's end (<= 1: G_last <= G)
+        S = S * tl.exp(G_last)[:, None] + tl.dot(tl.trans(k_tail.to(x)), V_x, input_precision="ieee")
+    tl.store(ht + s_offs, S, mask=mask_s)
 
 
 @triton.jit

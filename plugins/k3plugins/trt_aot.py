@@ -54,43 +54,55 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from k3plugins import kernel_variants
 from k3plugins.aot import compile_variant, device_target
 from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, PluginDefinition
+from k3plugins.kda import _fused_chunk_kda_kernel, _recurrent_kda_kernel
 from k3plugins.mla import PREFILL, _mla_attn_kernel, block_dims
 from k3plugins.moe import _tanh, _weight_tile
 from k3plugins.trt import launch_from_pointers
 from k3plugins.variants import KernelVariant
-
-# Any recurrent variant gives the kernel function; dtype and block sizes are chosen when compiling.
-_RECURRENT = next(v for v in kernel_variants() if v.name.startswith("recurrent_kda_"))
-_recurrent_kda_kernel = _RECURRENT.fn
-BLOCK_V = _RECURRENT.constexprs["BV"]
 
 _TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # The dynamic shared memory a CUDA kernel may take without cudaFuncSetAttribute(
 # cudaFuncAttributeMaxDynamicSharedMemorySize): 48 KB on every GPU since Volta.
 DEFAULT_SHARED_BYTES = 48 * 1024
 
+# KDA's chunk (tokens) and value columns per program. Chunks of 16 keep a chunk's decay within e^-80 at
+# the published gate bound (g >= -5), so the factored scores always apply.
+KDA_CHUNK = 16
+BLOCK_V = 32
+
 
 @triton.jit
-def _kda_aot_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BK: tl.constexpr, BV: tl.constexpr):
+def _kda_aot_chunk_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BT: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr):
+    _fused_chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BT, BK, BV)
+
+
+@triton.jit
+def _kda_aot_recurrent_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BK: tl.constexpr, BV: tl.constexpr):
     _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV)
 
 
 def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
     """The AOT KDA kernel for q, k, v, o in `dtype` ("float32", ...) and key head dim `head_dim`;
-    g, beta and the states are float32."""
+    g, beta and the states are float32. Float16 and bfloat16 walk chunks of KDA_CHUNK tokens, their
+    products on tensor cores (kda.py's `_fused_chunk_kda_kernel`; a decode step is one chunk of one token);
+    float32 runs the recurrence, token by token: its chunked form's float32 products over 128 key channels
+    spill registers (88 bytes at the best setting tried, 8 warps and TF32x3)."""
     block_k = next((bk for bk in (32, 64, 128) if bk >= head_dim), None)
     if block_k is None:
         raise ValueError(f"KDA head dim K={head_dim}: the kernels support K <= 128")
     t = _TRITON_DTYPES[dtype]
     signature = {"q": f"*{t}", "k": f"*{t}", "v": f"*{t}", "g": "*fp32", "beta": "*fp32", "h0": "*fp32",
                  "T": "i32", "H": "i32", "K": "i32", "V": "i32", "o": f"*{t}", "ht": "*fp32"}
-    constexprs = {"BK": block_k, "BV": BLOCK_V}
+    if dtype == "float32":
+        fn, constexprs, num_warps = _kda_aot_recurrent_kernel, {"BK": block_k, "BV": BLOCK_V}, 4
+    else:
+        # 8 warps: at 4 the chunk's tiles spill (255 registers either way).
+        fn, constexprs, num_warps = _kda_aot_chunk_kernel, {"BT": KDA_CHUNK, "BK": block_k, "BV": BLOCK_V}, 8
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return KernelVariant(f"kda_aot_{t}_k{block_k}", _kda_aot_kernel, signature, constexprs,
-                         _RECURRENT.num_warps)
+    return KernelVariant(f"kda_aot_{t}_k{block_k}", fn, signature, constexprs, num_warps, num_stages=1)
 
 
 def kda_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:

@@ -11,20 +11,26 @@ from reference import kda_inputs, rel_error
 
 import k3export.ops as ref
 import k3plugins
+from k3plugins import trt_aot
 
 # float16 inputs are rounded before both sides see them, so the kernel's error is its float32
 # arithmetic plus rounding o to float16 (relative 2^-11 per element, about 5e-4), and the float32
 # state carries no rounding at all.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-5)}
+# The AOT kernel in float16 is chunked, its products taking float16 operands (the state and the chunk's
+# float32 terms rounded to float16, 2^-11 relative each) and accumulating in float32; in float32 it is the
+# recurrence.
+AOT_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 3e-3)}
 
 
-def check(kernel, reference, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def check(kernel, reference, shape: tuple[int, ...], dtype: torch.dtype,
+          tolerances: dict = TOLERANCES) -> None:
     inputs = kda_inputs(*shape, dtype, seed=sum(shape))
     o, state = kernel(*inputs)
     o_ref, state_ref = reference(*(t.double() for t in inputs))
     assert o.dtype == dtype and o.shape == o_ref.shape
     assert state.dtype == torch.float32 and state.shape == state_ref.shape
-    o_tol, state_tol = TOLERANCES[dtype]
+    o_tol, state_tol = tolerances[dtype]
     assert rel_error(o, o_ref) < o_tol
     assert rel_error(state, state_ref) < state_tol
 
@@ -78,3 +84,55 @@ def test_padded_positions_leave_the_state(kernel, dtype: torch.dtype) -> None:
         o_ref, state_ref = ref.recurrent_kda(*row, state[b:b + 1].double())
         assert rel_error(final[b:b + 1], state_ref) < state_tol
         assert rel_error(o[b:b + 1, :n], o_ref) < o_tol
+
+
+def aot_kda(q, k, v, g, beta, initial_state, final_state=None):
+    """The AOT plugin's kernel, launched as TensorRT would: inputs, int32 scalars, outputs."""
+    variant = trt_aot.kda_aot_kernel(str(v.dtype).removeprefix("torch."), q.shape[-1])
+    grid, scalars = trt_aot.kda_aot_launch(q.shape, v.shape)
+    o = torch.full_like(v, float("nan"))
+    ht = torch.full_like(initial_state, float("nan")) if final_state is None else final_state
+    variant.fn[grid](q, k, v, g, beta, initial_state, *scalars, o, ht, **variant.constexprs,
+                     num_warps=variant.num_warps)
+    return o, ht
+
+
+# Every edge of the AOT kernel's chunk: one token, a chunk less one, one chunk, one more, several and ragged;
+# K and V not multiples of the blocks; the published head dim.
+C = trt_aot.KDA_CHUNK
+AOT_SHAPES = [(2, 1, 2, 32, 32), (1, C - 1, 2, 32, 48), (2, C, 1, 48, 32), (1, C + 1, 2, 32, 32),
+              (2, 3 * C + 5, 1, 64, 40), (1, 2 * C + 3, 1, 128, 128)]
+
+
+@pytest.mark.parametrize("shape", AOT_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["recurrent", "chunked"])
+def test_aot_kernel(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """The single-launch kernel the KDA aot_impl embeds, against the eager op (float64), final state
+    included."""
+    check(aot_kda, ref.recurrent_kda, shape, dtype, AOT_TOLERANCES)
+
+
+def test_aot_kernel_steep_gates() -> None:
+    """The chunked kernel (float16) with chunks whose gates sum far below -80 (exp(-G) would overflow
+    float32 if factored) next to mild ones: it takes the differences there, as the eager op does, and
+    stays finite and within the float16 bound."""
+    inputs = list(kda_inputs(1, 3 * C + 2, 2, 32, 32, torch.float16, seed=3))
+    inputs[3][:, C:2 * C] = -30.0  # a whole chunk at -30 a token: its gates sum to -480
+    inputs[3][:, 2 * C + 3, 0] = -1000.0  # one channel of one token all but erases its state
+    o, state = aot_kda(*inputs)
+    o_ref, state_ref = ref.recurrent_kda(*(t.double() for t in inputs))
+    assert o.isfinite().all() and state.isfinite().all()
+    o_tol, state_tol = AOT_TOLERANCES[torch.float16]
+    assert rel_error(o, o_ref) < o_tol and rel_error(state, state_ref) < state_tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["recurrent", "chunked"])
+def test_aot_kernel_state_in_place(dtype: torch.dtype) -> None:
+    """TensorRT aliases the final state to the initial state: one buffer for both."""
+    inputs = kda_inputs(2, C + 3, 2, 32, 48, dtype, seed=5)
+    o_ref, state_ref = ref.recurrent_kda(*(t.double() for t in inputs))
+    state = inputs[5].clone()
+    o, final = aot_kda(*inputs[:5], state, final_state=state)
+    assert final is state
+    o_tol, state_tol = AOT_TOLERANCES[dtype]
+    assert rel_error(o, o_ref) < o_tol and rel_error(state, state_ref) < state_tol
