@@ -18,8 +18,10 @@ engine holds the PTX, so it runs with no Python. KDA and LatentMLA also keep a j
 routed experts have the AOT form only.
 
 An AOT plugin is one kernel launch with no workspace and int32 scalar arguments only, so:
-- KDA runs the recurrence (exact for any T, the decode kernel) also for prefill: the chunked form is
-  four kernels with intermediate buffers.
+- KDA in float16 and bfloat16 walks chunks of 16 tokens in one launch, the state on chip and the
+  products on tensor cores (kda.py's `_fused_chunk_kda_kernel`; a decode step is one chunk of one token),
+  where the JIT form's `chunk_kda` is four kernels with intermediate buffers (`tensorrt.plugin`'s AOT
+  interface has no workspace); float32 runs the recurrence (its chunked form spills registers).
 - LatentMLA runs the attention kernel as one split over each row's visible cache (prefill tiles;
   exact for any T, T = 1 included): the split-KV decode needs a log-sum-exp buffer and a combine
   kernel. Decode is thus slower than under the JIT plugin. `scale`, the head dim and `v_dim` are
@@ -30,7 +32,7 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   block (14 times at kimi-k3's L = 3584), which the grouped JIT kernels avoid. Widths, expert count,
   top-k, the expert offset and the SiTU betas are compiled in.
 - KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
-  IPluginV3 adapters declare it: the recurrent kernel is safe in place.
+  IPluginV3 adapters declare it: both KDA kernels are safe in place.
 - Every AOT kernel asks at most the 48 KB of dynamic shared memory a CUDA launch gets without raising the
   kernel's limit (DEFAULT_SHARED_BYTES; `shared_memory`, tests/test_aot.py), since nothing in TensorRT's
   open sources says its AOT launch raises it. LatentMLA takes two pipeline stages, and in float32 its value
