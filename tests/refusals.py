@@ -55,6 +55,14 @@ def past_capacity(args: argparse.Namespace, program: str) -> bool:
     return prompt + args.max_new_tokens - 1 > CAPACITY
 
 
+def drafts_past_capacity(args: argparse.Namespace) -> bool:
+    """Whether `run --speculate K`'s longest prompt, new tokens and K drafts overflow a 256-token cache."""
+    if not given(args, "speculate"):
+        return False
+    prompt = len(args.prompt_ids) if args.prompt_ids else args.prompt_len
+    return prompt + args.max_new_tokens + args.speculate > CAPACITY
+
+
 def onnx_build(args: argparse.Namespace) -> bool:
     """`build --onnx DIR` (an engine from one export), not `build RECIPE`."""
     return bool(args.onnx) and not args.recipe
@@ -152,4 +160,11 @@ REFUSALS = [
             lambda p, a: p == "run" and a.runner == "engine"),
     Refusal(("run", "{build}", "--max-new-tokens", "1000"), "--max-new-tokens 1000: the longest row holds "
             "32 + 999 = 1031 tokens", lambda p, a: p == "run" and past_capacity(a, p)),
+    Refusal(("run", "{build}", "--speculate", "1000000000"), "--speculate 1000000000: a row's cache holds "
+            "its prompt, its new tokens and a call's drafts: 32 + 16 + 1000000000 > the cache capacity 256; "
+            "at most --speculate 208", lambda p, a: p == "run" and drafts_past_capacity(a)),
+    Refusal(("run", "{build}", "--speculate", "2", "--temperature", "0.5"), "--speculate 2: greedy decoding "
+            "only", lambda p, a: p == "run" and bool(given(a, "speculate")) and a.temperature > 0),
+    Refusal(("run", "{build}", "--drafts", "suffix"), "--drafts suffix: expected --speculate K",
+            lambda p, a: p == "run" and bool(given(a, "drafts")) and not given(a, "speculate")),
 ]

@@ -6,8 +6,9 @@ A runner is a Polygraphy runner that holds its caches between calls, as a servin
 `infer(feeds)` takes one call's feeds (token ids or AttnRes tensors, and the lengths; never the
 caches) and returns every output, present caches included. `StatefulRunner` does once what every
 artifact shares: the caches' reset, the input metadata, refusing a request that does not fit the
-cache, the call's time, and carrying present caches over to the next call's past. A runner only says
-how its caches are held (`empty_caches`) and how one call runs (`call`):
+cache, the rollback of rejected drafts (`Rollback`), the call's time, and carrying present caches over
+to the next call's past. A runner only says how its caches are held (`empty_caches`) and how one call
+runs (`call`):
 
     BoundOnnxrtRunner            here: ONNX Runtime through IO binding, the MLA cache written in place
     EagerRunner                  k3export.check.runners.eager: the PyTorch model
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ import torch
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 
+from k3export.errors import UserError
 from k3export.model.cache import check_request
 from k3export.onnx.export import TensorSpec, resolve_shape
 from k3export.onnx.taps import parse_tap
@@ -89,6 +92,67 @@ class Signature:
         return meta
 
 
+def copy_into(buffer: Any, value: Any) -> Any:
+    """`value` (a numpy array or a torch tensor, on whatever device) copied into `buffer` when it has
+    the same shape, else into a new one; returns the copy."""
+    if buffer is None or buffer.shape != value.shape:
+        return value.copy() if isinstance(value, np.ndarray) else value.clone()
+    buffer[...] = value
+    return buffer
+
+
+@dataclass
+class Rollback:
+    """What a runner can go back to after a verify call (a call that also fed drafted tokens, some of
+    which the caller may reject): its caches as they were before its last call of more than one token,
+    and each row's cache length before and after that call. No message says what was accepted: the
+    next call's cache_lengths does. A row fed the length it had after the call goes on; a row fed the
+    length it had before it is taken back to its state then (its caller feeds the accepted tokens again,
+    with the next one: runtime.speculation). The MLA latent rows need nothing: a length hides the rows
+    past it, and the next call writes over them. The KDA states and conv tails are copied before the
+    call into buffers of the runner's own, which no graph or engine output is ever bound to (an engine
+    writes a KDA state in place: the copy is taken before it does)."""
+
+    before: np.ndarray  # [batch] the last call's cache_lengths
+    after: np.ndarray  # [batch] its cache_lengths + input_lengths
+    kept: dict[str, Any] | None = None  # caches before the last call; None after a call of one token
+
+    @classmethod
+    def fresh(cls, batch: int) -> Rollback:
+        return cls(np.zeros(batch, np.int64), np.zeros(batch, np.int64))
+
+    def rewind(self, caches: dict[str, Any], cache_lengths: np.ndarray, name: str) -> None:
+        """Takes back to their kept state the rows whose `cache_lengths` is the last call's, before that
+        call; refuses a length that is neither, nor 0 (a fresh sequence), naming the row."""
+        cache_lengths = np.asarray(cache_lengths)
+        rewound = (cache_lengths == self.before) & (cache_lengths != self.after)
+        lost = (cache_lengths != self.after) & (cache_lengths != 0) & (~rewound | (self.kept is None))
+        if lost.any():
+            row = int(np.flatnonzero(lost)[0])
+            reachable = f" or {self.before[row]}" if self.kept is not None else ""
+            raise UserError(f"{name}: row {row} comes with cache_lengths {cache_lengths[row]}, but its "
+                            f"caches hold {self.after[row]} tokens; a row goes on from {self.after[row]}"
+                            f"{reachable}, or starts fresh from 0 (a rollback goes back one call of more "
+                            "than one token)")
+        rows = np.flatnonzero(rewound).tolist()
+        if rows:
+            for cache_name, kept in self.kept.items():
+                caches[cache_name][rows] = kept[rows]
+
+    def keep(self, caches: dict[str, Any], cache_lengths: np.ndarray, input_lengths: np.ndarray,
+             seq: int) -> None:
+        """Before a call: its lengths, and for a call of more than one token (only such a call can have
+        fed drafts) a copy of the caches that a rejection takes back."""
+        self.before = np.array(cache_lengths, np.int64)
+        self.after = self.before + np.asarray(input_lengths)
+        if seq == 1:
+            self.kept = None
+            return
+        kept = self.kept or {}
+        self.kept = {name: copy_into(kept.get(name), cache) for name, cache in caches.items()
+                     if not name.endswith("mla_latent")}
+
+
 class StatefulRunner(BaseRunner):
     """The base of every runner: a graph of `signature` that holds its caches between calls.
     Subclasses give `call` (one call with `self.caches`, returning every output by name as numpy)
@@ -102,6 +166,7 @@ class StatefulRunner(BaseRunner):
         # After a call: did each output that aliases a past input keep that input's buffer (written in
         # place)? Only runners that bind outputs to inputs fill it.
         self.aliased: dict[str, bool] = {}
+        self.rollback = Rollback.fresh(0)
 
     def empty_caches(self, batch: int) -> dict[str, Any]:
         """Zeroed caches for `batch` rows, as the signature's numpy arrays."""
@@ -112,16 +177,22 @@ class StatefulRunner(BaseRunner):
         and conv tails zeroed (their latent rows need nothing: a cache length of 0 hides them)."""
         if rows is None:
             self.caches = self.empty_caches(batch)
+            self.rollback = Rollback.fresh(batch)
             return
         for name, cache in self.caches.items():
             if not name.endswith("mla_latent"):
                 cache[rows] = 0
+        self.rollback.before[rows] = self.rollback.after[rows] = 0
 
     def get_input_metadata_impl(self) -> TensorMetadata:
         return self.signature.metadata()
 
     def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         self.signature.check(feed_dict)
+        if self.caches:  # a chain's or a grid's are its stages' and ranks', which roll back themselves
+            self.rollback.rewind(self.caches, feed_dict["cache_lengths"], self.name)
+            self.rollback.keep(self.caches, feed_dict["cache_lengths"], feed_dict["input_lengths"],
+                               self.signature.sizes(feed_dict)["seq"])
         start = time.perf_counter()
         outputs = self.call(feed_dict)
         self.inference_time = time.perf_counter() - start

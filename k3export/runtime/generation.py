@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from k3export.runtime.pipeline import Pipeline, passed_on
-from k3export.runtime.schedule import StageTimes, Tokens, nbytes, round_robin, split_prompts
+from k3export.runtime.schedule import MicroBatch, StageTimes, Tokens, nbytes, round_robin, split_prompts
 
 
 @dataclass
@@ -61,15 +61,34 @@ class Generation:
     micro_batches: int = 1
     stages: list[dict[str, Any]] = field(default_factory=list)  # StageTimes.summary() each
     threads: int | None = None  # ONNX Runtime intra-op threads of each stage (None: engines)
+    drafts: dict[str, int] | None = None  # speculation's tokens "drafted" and "accepted" (None: none)
 
     def summary(self) -> dict[str, Any]:
         new = sum(len(t) for t in self.tokens)
-        return {"tokens": self.tokens, "prefill_seconds": self.prefill_seconds,
+        return {"tokens": self.tokens, "prefill_seconds": self.prefill_seconds, "drafts": self.drafts,
                 "decode_seconds": self.decode_seconds, "decode_steps": self.decode_steps,
                 "decode_tokens_per_second": (new - len(self.tokens)) / self.decode_seconds
                 if self.decode_seconds else None,
                 "stage_seconds": self.stage_seconds, "micro_batches": self.micro_batches,
                 "threads": self.threads, "stages": self.stages}
+
+
+def through_stages(pipeline: Pipeline, batch: MicroBatch, times: list[StageTimes],
+                   waits: Callable[[], AbstractContextManager[None]]) -> dict[str, np.ndarray]:
+    """`batch`'s next call through the pipeline's stages, each with the micro-batch's caches, each
+    call's time recorded in `times`; the last stage's outputs."""
+    outputs: dict[str, np.ndarray] = {}
+    stages = pipeline.stages
+    for i, stage in enumerate(stages):
+        stage.use(batch.index)
+        started = time.perf_counter()
+        with waits():
+            outputs = stage(stage.feeds(batch.request(), outputs))
+        # What would cross to the next stage (the last: the tokens back to the first).
+        last = i + 1 == len(stages)
+        sent = 8 * batch.size if last else nbytes([outputs[n] for n in passed_on(stages, i)])
+        times[i].record(batch, started, stage.runner.inference_time, sent, stage.runner.collective_time)
+    return outputs
 
 
 def generate(pipeline: Pipeline, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler,
@@ -87,16 +106,7 @@ def generate(pipeline: Pipeline, prompts: list[list[int]], max_new_tokens: int, 
     times = [StageTimes(s.runner.name) for s in stages]
     start = time.perf_counter()
     for batch in round_robin(batches):
-        outputs: dict[str, np.ndarray] = {}
-        for i, stage in enumerate(stages):
-            stage.use(batch.index)
-            started = time.perf_counter()
-            with waits():
-                outputs = stage(stage.feeds(batch.request(), outputs))
-            # What would cross to the next stage (the last: the tokens back to the first).
-            last = i + 1 == len(stages)
-            sent = 8 * batch.size if last else nbytes([outputs[n] for n in passed_on(stages, i)])
-            times[i].record(batch, started, stage.runner.inference_time, sent, stage.runner.collective_time)
+        outputs = through_stages(pipeline, batch, times, waits)
         ids = tokens.take(batch, outputs["logits"])
         batch.advance()
         batch.input_ids = ids[:, None].astype(np.int64)

@@ -66,16 +66,16 @@ class Stage:
     def reset_slots(self, sizes: list[int]) -> None:
         """Empty caches for each micro-batch of `sizes` rows: every micro-batch its own rows of every
         cache, as if each were the only batch; `use(i)` picks micro-batch i's for the next calls.
-        Every runner (ONNX Runtime's, an engine's) holds its caches in `caches` and its double buffers
-        in `spares` and reads both at each call."""
+        Every runner (ONNX Runtime's, an engine's) holds its caches in `caches`, its double buffers
+        in `spares` and what a rejected draft takes back in `rollback`, and reads them at each call."""
         self.slots = []
         for size in sizes:
             self.runner.reset(size)
             # The runner swaps its double-buffered caches inside these two dicts, so they stay its own.
-            self.slots.append((self.runner.caches, self.runner.spares))
+            self.slots.append((self.runner.caches, self.runner.spares, self.runner.rollback))
 
     def use(self, index: int) -> None:
-        self.runner.caches, self.runner.spares = self.slots[index]
+        self.runner.caches, self.runner.spares, self.runner.rollback = self.slots[index]
 
 
 def passed_on(stages: list[Stage], index: int) -> list[str]:

@@ -122,6 +122,9 @@ def report(args: argparse.Namespace, result: Generation, names: list[str]) -> No
           + f"; {result.micro_batches} micro-batch{'es' if result.micro_batches > 1 else ''}"
           + (f", {result.threads} thread{'s' if result.threads != 1 else ''} a stage" if result.threads
              else ", engines"))
+    if result.drafts is not None:
+        print(f"drafts: {result.drafts['accepted']} of {result.drafts['drafted']} accepted; "
+              f"{sum(len(t) for t in result.tokens) / (result.decode_steps + 1):.2f} tokens a call a batch")
     for name, seconds, times in zip(names, result.stage_seconds, result.stages, strict=True):
         line = f"  {name}: {seconds:.3f} s in its graph"
         if times["busy_fraction"] is not None:

@@ -1,0 +1,276 @@
+"""Speculative decoding (runtime.speculation, runtime.drafts) and the rollback every runner shares
+(onnx.runner.Rollback), on k3-tiny's 3-layer cut (2 KDA layers, 1 MLA layer) built in 2 stages. The
+reference is the eager model's plain greedy decoding, each prompt alone; drafts come from the test's
+own drafters (the true continuation, with a wrong token where a row should reject) and from the n-gram
+and suffix drafters."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_parallel_grid import short_config, short_recipe
+
+from k3export.check.runners.eager import EagerRunner
+from k3export.cli import main
+from k3export.errors import UserError
+from k3export.model import K3ForCausalLM
+from k3export.onnx import runner as onnx_runner
+from k3export.onnx.export import ExportGraph
+from k3export.onnx.runner import BoundOnnxrtRunner, Signature
+from k3export.runtime import Pipeline, stage_exports
+from k3export.runtime import speculation as speculation_module
+from k3export.runtime.drafts import NgramDrafter, SuffixDrafter, earlier_match
+from k3export.runtime.speculation import speculate
+from k3export.shards.recipe import load_recipe
+from k3export.shards.stages import build_recipe
+
+VOCAB = 256
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 3-layer cut in 2 stages (onnx backend, float32, capacity 256), seed 0."""
+    folder = tmp_path_factory.mktemp("speculation")
+    out = folder / "build"
+    build_recipe(load_recipe(short_recipe(folder, "float32", 2, 1)), out, log=lambda _: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model() -> K3ForCausalLM:
+    """The eager model the build was exported from (the recipe's seed 0)."""
+    model = K3ForCausalLM(short_config()).eval()
+    model.init_weights(0)
+    return model
+
+
+def prompts_of(lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
+
+
+@torch.no_grad()
+def greedy(model: K3ForCausalLM, prompt: list[int], steps: int) -> list[int]:
+    """Plain greedy decoding of one prompt alone through the eager model: its `steps` new tokens."""
+    logits, cache = model(torch.tensor([prompt]), model.empty_cache(1, capacity=256))
+    tokens = [int(logits[0, -1].argmax())]
+    while len(tokens) < steps:
+        logits, cache = model(torch.tensor([[tokens[-1]]]), cache)
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+class TrueDrafter:
+    """Drafts the row's true continuation (`truth`: prompt and reference tokens), with the draft at
+    `wrong(n)` replaced by another token (n: the text's length; None: every draft right), so that the
+    row accepts exactly that many."""
+
+    def __init__(self, truth: list[int], wrong) -> None:
+        self.truth, self.wrong = truth, wrong
+
+    def propose(self, text: list[int], count: int) -> list[int]:
+        drafts = self.truth[len(text):len(text) + count]
+        at = self.wrong(len(text))
+        if at is not None and at < len(drafts):
+            drafts[at] = (drafts[at] + 1) % VOCAB
+        return drafts
+
+
+def every_right(n: int) -> None:
+    return None
+
+
+def first_wrong(n: int) -> int:
+    return 0
+
+
+def varying(n: int) -> int:
+    return n % 5  # 0 up to 4: some calls reject at once, some accept all of K = 4
+
+
+class EagerStageRunner(EagerRunner):
+    """The eager runner as a runtime stage's: no double buffers (a Stage's slots hold them), no sums."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.spares: dict = {}
+        self.collective_time = 0.0
+
+
+def stage_pipeline(build: Path, model: K3ForCausalLM, eager: bool) -> Pipeline:
+    """The build's stages in ONNX Runtime, or each stage's layers of the eager model (the same
+    Rollback, in EagerRunner: the chunked KDA of the eager op)."""
+    pipeline = Pipeline(stage_exports(build))
+    if eager:
+        for stage in pipeline.stages:
+            graph = ExportGraph(model, stage.layers, last_logits=False)
+            stage.runner.deactivate()
+            stage.runner = EagerStageRunner(graph, stage.runner.name, stage.signature)
+            stage.runner.activate()
+    return pipeline
+
+
+def run_speculation(build: Path, model: K3ForCausalLM, prompts: list[list[int]], drafters, drafts: int,
+                    micro_batches: int = 1, eager: bool = False, new_tokens: int = NEW_TOKENS):
+    pipeline = stage_pipeline(build, model, eager)
+    try:
+        return speculate(pipeline, prompts, new_tokens, drafters, drafts, micro_batches=micro_batches)
+    finally:
+        pipeline.close()
+
+
+@pytest.fixture(scope="module")
+def references(model: K3ForCausalLM) -> dict[tuple[int, ...], list[list[int]]]:
+    """Plain greedy tokens of the prompts of each length set the tests use."""
+    return {lengths: [greedy(model, p, NEW_TOKENS) for p in prompts_of(lengths)]
+            for lengths in ((13, 5, 30), (13, 29))}
+
+
+@pytest.mark.parametrize(("micro_batches", "eager"), [(1, False), (2, False), (1, True)],
+                         ids=["onnxrt", "onnxrt-2-micro-batches", "eager"])
+def test_rows_accepting_none_some_and_all_give_plain_greedy_tokens(build, model, references, micro_batches,
+                                                                   eager):
+    """Three rows in one batch: one accepts every draft (K = 4), one none, one 0 to 4 by call; each
+    row's tokens are those of plain greedy decoding of its prompt alone, and the drafts were accepted
+    exactly as drawn."""
+    lengths = (13, 5, 30)
+    prompts, expected = prompts_of(lengths), references[lengths]
+    drafters = [TrueDrafter(p + e, wrong) for p, e, wrong in
+                zip(prompts, expected, (every_right, first_wrong, varying), strict=True)]
+    result = run_speculation(build, model, prompts, drafters, 4, micro_batches, eager)
+    assert result.tokens == expected
+    assert 0 < result.drafts["accepted"] < result.drafts["drafted"]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["onnxrt", "eager"])
+def test_long_verifies_cross_kda_chunks_from_unaligned_lengths(build, model, references, eager):
+    """K = 16: verifies of 17 tokens from cache lengths 13 and 29 (not multiples of the eager KDA's
+    16-token chunks) span two or three chunks; rows reject at varying places and re-feed up to 17."""
+    lengths = (13, 29)
+    prompts, expected = prompts_of(lengths), references[lengths]
+    drafters = [TrueDrafter(p + e, lambda n: None if n % 3 == 0 else n % 17)
+                for p, e in zip(prompts, expected, strict=True)]
+    result = run_speculation(build, model, prompts, drafters, 16, eager=eager)
+    assert result.tokens == expected
+
+
+def test_a_broken_rollback_gives_other_tokens(build, model, references, monkeypatch):
+    """What the tests above would see of a broken rollback: no state taken back (as if the kept state
+    were one an in-place output had overwritten), or one rejected draft kept (off by one token)."""
+    lengths = (13, 5, 30)
+    prompts, expected = prompts_of(lengths), references[lengths]
+
+    def drafters():
+        return [TrueDrafter(p + e, varying) for p, e in zip(prompts, expected, strict=True)]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(onnx_runner.Rollback, "rewind", lambda self, caches, lengths, name: None)
+        assert run_speculation(build, model, prompts, drafters(), 4).tokens != expected
+    with monkeypatch.context() as patch:
+        real = speculation_module.accepted
+        patch.setattr(speculation_module, "accepted", lambda d, c: min(real(d, c) + 1, len(d)))
+        assert run_speculation(build, model, prompts, drafters(), 4).tokens != expected
+
+
+def stage0_runner(build: Path, model: K3ForCausalLM, kind: str):
+    folder = stage_exports(build)[0]
+    manifest = json.loads((folder / "export.json").read_text())
+    signature = Signature(manifest)
+    if kind == "eager":
+        graph = ExportGraph(model, range(*manifest["layers"]), last_logits=False)
+        return EagerRunner(graph, "eager", signature)
+    return BoundOnnxrtRunner(folder / "model.onnx", signature)
+
+
+def feeds(rows: list[list[int]], cache_lengths: list[int]) -> dict[str, np.ndarray]:
+    lengths = [len(r) for r in rows]
+    ids = np.zeros((len(rows), max(max(lengths), 1)), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)] = row
+    return {"input_ids": ids, "cache_lengths": np.array(cache_lengths, np.int64),
+            "input_lengths": np.array(lengths, np.int64)}
+
+
+@pytest.mark.parametrize("kind", ["onnxrt", "eager"])
+def test_the_rollback_restores_the_state_before_the_verify(build, model, kind):
+    """A runner that verified 5 tokens of row 0 and is then given row 0's length of before, with 3 of
+    them again, computes what a runner that never saw the 5 computes, to the bit; row 1, which kept
+    its 5, goes on. A length it cannot go back to is refused, naming the row."""
+    verified, straight = stage0_runner(build, model, kind), stage0_runner(build, model, kind)
+    prompts = prompts_of((13, 5))
+    for runner in (verified, straight):
+        runner.activate()
+        runner.reset(2)
+        runner.infer(feeds(prompts, [0, 0]), check_inputs=False)
+    verified.infer(feeds([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [13, 5]), check_inputs=False)
+    straight.infer(feeds([[], [6, 7, 8, 9, 10]], [13, 5]), check_inputs=False)
+    again = feeds([[1, 2, 11], [12]], [13, 10])
+    ours, theirs = (dict(r.infer(again, check_inputs=False)) for r in (verified, straight))
+    for name, value in theirs.items():
+        if name.startswith("present.") and not name.endswith("mla_latent"):
+            assert np.array_equal(ours[name], value), name
+    logits = next(n for n in theirs if not n.startswith("present."))
+    assert np.array_equal(ours[logits][0, :3], theirs[logits][0, :3])
+    with pytest.raises(UserError, match="row 0 comes with cache_lengths 14"):
+        verified.infer(feeds([[1], [1]], [14, 11]), check_inputs=False)
+    for runner in (verified, straight):
+        runner.deactivate()
+
+
+def test_drafts_find_the_longest_earlier_suffix():
+    """The suffix automaton's match is the naive search's longest (any length), and both drafters
+    propose what followed an earlier occurrence of the text's end, within `count`."""
+    rng = random.Random(0)
+    for _ in range(60):
+        text = [rng.randrange(3) for _ in range(rng.randrange(1, 50))]
+        suffix = SuffixDrafter()
+        for n in range(1, len(text) + 1):
+            prefix = text[:n]
+            proposal = suffix.propose(prefix, 4)
+            length, end = suffix.match()
+            assert length == earlier_match(prefix, n)[0]
+            if length:
+                assert prefix[end - length + 1:end + 1] == prefix[n - length:] and end < n - 1
+            assert proposal == (prefix[end + 1:end + 5] if length else [])
+            longest, at = earlier_match(prefix, 3)
+            assert NgramDrafter().propose(prefix, 4) == (prefix[at + 1:at + 5] if longest else [])
+    assert NgramDrafter().propose([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+    assert SuffixDrafter().propose([5, 6], 3) == []
+
+
+def test_run_speculate_gives_the_tokens_of_run(build, capsys):
+    """`k3export run --speculate 4` (both drafters) prints the tokens `run` prints, on rows of
+    different lengths and a repeating prompt that the drafters find matches in."""
+    common = ["run", str(build), "--batch", "3", "--prompt-len", "24", "--max-new-tokens", "24", "--json"]
+    assert main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for drafts in ("ngram", "suffix"):
+        assert main([*common, "--speculate", "4", "--drafts", drafts]) == 0
+        spec = json.loads(capsys.readouterr().out)
+        assert spec["tokens"] == plain["tokens"] and spec["drafts"]["drafted"] > 0
+    repeating = ",".join(["3", "1", "4", "1", "5"] * 6)
+    results = []
+    for extra in ([], ["--speculate", "4", "--drafts", "suffix"]):
+        argv = ["run", str(build), "--prompt-ids", repeating, "--max-new-tokens", "24", "--json", *extra]
+        assert main(argv) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert results[0]["tokens"] == results[1]["tokens"]
+
+
+def test_drafts_up_to_the_cache_capacity(build, capsys):
+    """The longest prompt, its new tokens and K drafts may fill the 256-token cache exactly (a finished
+    row's padding included); one more draft is refused before any stage loads, naming the limit."""
+    common = ["run", str(build), "--batch", "2", "--prompt-len", "200", "--max-new-tokens", "52", "--json"]
+    assert main(common) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*common, "--speculate", "4", "--drafts", "suffix"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == plain["tokens"]
+    assert main([*common, "--speculate", "5"]) == 2
+    refusal = capsys.readouterr().err
+    assert "--speculate 5: " in refusal and "at most --speculate 4" in refusal
