@@ -17,6 +17,7 @@ from test_parallel_grid import short_config, short_recipe
 
 from k3export.check.runners.eager import EagerRunner
 from k3export.cli import main
+from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
 from k3export.onnx import runner as onnx_runner
@@ -26,6 +27,7 @@ from k3export.runtime import Pipeline, stage_exports
 from k3export.runtime import speculation as speculation_module
 from k3export.runtime.drafts import NgramDrafter, SuffixDrafter, earlier_match
 from k3export.runtime.speculation import speculate
+from k3export.shards.plan import rollback_bytes
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
 
@@ -274,3 +276,11 @@ def test_drafts_up_to_the_cache_capacity(build, capsys):
     assert main([*common, "--speculate", "5"]) == 2
     refusal = capsys.readouterr().err
     assert "--speculate 5: " in refusal and "at most --speculate 4" in refusal
+
+
+def test_the_rollback_costs_the_kda_caches_at_the_published_widths():
+    """`plan`'s rollback bytes for kimi-k3 in bfloat16: the 69 KDA layers' states (96 x 128 x 128
+    float32) and three conv tails (3 x 12288 bfloat16) per sequence, ARCHITECTURE.md's numbers."""
+    config = K3Config.from_preset("kimi-k3")
+    per_layer = 96 * 128 * 128 * 4 + 3 * 3 * 12288 * 2
+    assert rollback_bytes(config, range(93), "bfloat16") == 69 * per_layer == 449_372_160

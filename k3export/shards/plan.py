@@ -243,6 +243,13 @@ def layer_cache_bytes(config: K3Config, layer: int, context: int, elem: int) -> 
     return state + 3 * (lac.short_conv_kernel_size - 1) * channels * elem
 
 
+def rollback_bytes(config: K3Config, layers: range, dtype: str) -> int:
+    """What speculative decoding's rollback copies per sequence before a verify call: the KDA layers'
+    caches (state and conv tails) of `layers`; the MLA latent rows past a cache length need no copy."""
+    elem = getattr(torch, dtype).itemsize
+    return sum(layer_cache_bytes(config, i, 0, elem) for i in layers if not config.is_mla(i))
+
+
 def layer_working_bytes(config: K3Config, layer: int, elem: int) -> int:
     """Per token, the intermediates one layer holds at once in the served engine: the mixers as k3
     plugins (no attention matrix: MLA queries and latent outputs, KDA's q, k, v, g in float32), and
@@ -355,6 +362,13 @@ def format_plan(plan: Plan) -> str:
         f"balance: heaviest / lightest stage = {heavy / light:.3f}; heaviest - mean = "
         f"{_gb(heavy - total / len(plan.stages))} GB <= the heaviest layer, "
         f"{_gb(plan.heaviest_layer_bytes)} GB",
+        "speculative decoding (run --speculate K): the rollback keeps a copy of a stage's KDA states and "
+        "conv tails from before each verify call (onnx.runner.Rollback; the MLA latents need none), per "
+        "sequence "
+        + ", ".join(f"stage {s.index} {_gb(rollback_bytes(c, s.layers, plan.dtype))} GB" for s in plan.stages)
+        + f" (x {plan.batch} sequences: copied once a verify, held beside the caches); a row that rejects a "
+        "draft feeds its accepted tokens again in its next call (at most K + 1 tokens a call, no call of its "
+        "own)",
         "boundaries: a stage receives the AttnRes bank [rows, batch, seq, hidden] and partial block [batch, "
         "seq, hidden] (the first: token ids) and sends the next stage's (the last: logits)",
         "activations assume the served engine: the k3 mixer plugins and the grouped routed-experts plugin "
@@ -410,6 +424,7 @@ class RankStage(GpuMemory):
     replicated_weight_bytes: int  # held whole by every rank
     cache_bytes_per_sequence: int  # its KDA heads, the whole MLA latent cache
     cache_bytes: int  # x the plan's batch
+    rollback_bytes_per_sequence: int  # its KDA heads' caches, copied before a verify (rollback_bytes)
     activation_bytes: int  # the unsplit stage's estimate (an upper bound for a rank)
     collective_bytes_per_token: list[int]  # per all-reduce, in layer order
     collective_seconds_per_token: float
@@ -460,6 +475,7 @@ def rank_stages(plan: Plan, ranks: int, collective_gb_per_s: float = COLLECTIVE_
             split_weight_bytes=sum(split_bytes[i] for i in layers),
             replicated_weight_bytes=sum(replicated_bytes[i] for i in layers),
             cache_bytes_per_sequence=per_sequence, cache_bytes=per_sequence * plan.batch,
+            rollback_bytes_per_sequence=rollback_bytes(local, layers, plan.dtype),
             activation_bytes=stage.activation_bytes, collective_bytes_per_token=sums,
             collective_seconds_per_token=ring * sum(sums) / (collective_gb_per_s * 1e9)))
     return result
@@ -490,6 +506,9 @@ def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float, host_b
         "[u | shared] in float32, latent + hidden values; the dense layer's output in the model dtype)",
         "the MLA latent cache is the same on every rank (one key head); KDA state and conv tails are "
         "split by heads; activations are the unsplit stage's estimate (an upper bound)",
+        "speculative decoding's rollback, per GPU: a copy of its KDA heads' states and conv tails before "
+        "each verify call, per sequence " + ", ".join(
+            f"stage {s.index} {_gb(s.rollback_bytes_per_sequence)} GB" for s in stages),
         "host memory to build one rank (a process, peak resident; of it anonymous): " + ", ".join(
             f"stage {s.index} {_gb(s.build_host_bytes)} GB ({_gb(s.build_anon_bytes)} GB)" for s in stages)
         + f"; builds at once (build --stage I --rank R, one per GPU) within {HOST_BUILD_SHARE:.0%} of a "
