@@ -16,8 +16,10 @@ import torch
 from test_parallel_grid import short_config, short_recipe
 
 from k3export.check.runners.eager import EagerRunner
+from k3export.check.runners.network import NetworkRunner
 from k3export.cli import main
 from k3export.config import K3Config
+from k3export.engine.network import parse_network
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
 from k3export.onnx import runner as onnx_runner
@@ -180,14 +182,24 @@ def test_a_broken_rollback_gives_other_tokens(build, model, references, monkeypa
         assert run_speculation(build, model, prompts, drafters(), 4).tokens != expected
 
 
-def stage0_runner(build: Path, model: K3ForCausalLM, kind: str):
-    folder = stage_exports(build)[0]
-    manifest = json.loads((folder / "export.json").read_text())
+def stage0_runner(build: Path, model: K3ForCausalLM, kind: str, folder: Path):
+    """Stage 0 of the build (2 KDA layers) in the runner of `kind`: ONNX Runtime, the eager model, the
+    parsed TensorRT network on CPU, or the engine runner over the CPU stand-in of an engine (whose KDA
+    state output is written in place of its input, as an engine's is)."""
+    export = stage_exports(build)[0]
+    manifest = json.loads((export / "export.json").read_text())
     signature = Signature(manifest)
     if kind == "eager":
         graph = ExportGraph(model, range(*manifest["layers"]), last_logits=False)
         return EagerRunner(graph, "eager", signature)
-    return BoundOnnxrtRunner(folder / "model.onnx", signature)
+    if kind == "network":
+        return NetworkRunner(parse_network(export / "model.onnx"), signature)
+    if kind == "engine":
+        from engine_standin import CpuMemoryEngineRunner
+        from test_engine_runner import standin_record
+
+        return CpuMemoryEngineRunner(standin_record(export, folder), export)
+    return BoundOnnxrtRunner(export / "model.onnx", signature)
 
 
 def feeds(rows: list[list[int]], cache_lengths: list[int]) -> dict[str, np.ndarray]:
@@ -199,12 +211,17 @@ def feeds(rows: list[list[int]], cache_lengths: list[int]) -> dict[str, np.ndarr
             "input_lengths": np.array(lengths, np.int64)}
 
 
-@pytest.mark.parametrize("kind", ["onnxrt", "eager"])
-def test_the_rollback_restores_the_state_before_the_verify(build, model, kind):
+@pytest.mark.parametrize("kind", ["onnxrt", "eager", "network", "engine"])
+def test_the_rollback_restores_the_state_before_the_verify(build, model, kind, monkeypatch, tmp_path):
     """A runner that verified 5 tokens of row 0 and is then given row 0's length of before, with 3 of
     them again, computes what a runner that never saw the 5 computes, to the bit; row 1, which kept
     its 5, goes on. A length it cannot go back to is refused, naming the row."""
-    verified, straight = stage0_runner(build, model, kind), stage0_runner(build, model, kind)
+    if kind in ("network", "engine"):
+        pytest.importorskip("tensorrt_rtx")
+        from engine_standin import install
+
+        install(monkeypatch)
+    verified, straight = (stage0_runner(build, model, kind, tmp_path) for _ in range(2))
     prompts = prompts_of((13, 5))
     for runner in (verified, straight):
         runner.activate()
