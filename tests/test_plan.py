@@ -157,6 +157,18 @@ def test_host_memory_of_a_build(capsys) -> None:
         assert rank["builds_at_once"] == 8 and 0.8 * 2e12 // rank["build_host_bytes"] == 5
 
 
+def test_builds_at_once_take_80_percent_of_the_host(capsys) -> None:
+    """--host-gb where the share decides, not the 8 ranks: a 1 TB host runs as many of kimi-k3's rank
+    builds at once as 80% of it holds by their anonymous memory (4), not all of it (5)."""
+    recipe = Path(__file__).resolve().parents[1] / "engines/kimi-k3.toml"
+    assert main(["plan", str(recipe), "--host-gb", "1000", "--json"]) == 0
+    parallel = json.loads(capsys.readouterr().out)["parallel"]
+    assert parallel["host_bytes"] == 1e12
+    for rank in parallel["stages"]:
+        assert rank["builds_at_once"] == 0.8e12 // rank["build_anon_bytes"] == 4
+        assert 1e12 // rank["build_anon_bytes"] == 5
+
+
 BUILD_AND_PEAK = """
 import sys
 from k3export.cli import main

@@ -3,7 +3,8 @@ the chunked KDA (`chunk_kda`, and `torch.ops.k3.kda`, which dispatches to it or 
 the contract's token recurrence, and `torch.ops.k3.latent_mla` against a plain softmax attention.
 
 Draws: random shapes within small limits, T at the chunk's edges (1, 15, 16, 17), decays at the lower bound
-(g near -5), mixed steep and mild decays, no decay, beta near 0 and near 1. float64 must agree to
+(g near -5), mixed steep and mild decays, no decay, chunks that decay past float32's steep-chunk threshold,
+beta near 0 and near 1. float64 must agree to
 rounding; float32 within the bounds stated beside each test.
 """
 
@@ -28,7 +29,7 @@ def kda_cases(draw) -> dict:
     return {"B": draw(st.integers(1, 2)), "T": draw(lengths), "H": draw(st.integers(1, 3)),
             "K": draw(st.integers(1, 40)), "V": draw(st.integers(1, 24)),
             "seed": draw(st.integers(0, 2**16)),
-            "decay": draw(st.sampled_from(["mild", "lower_bound", "mixed", "none"])),
+            "decay": draw(st.sampled_from(["mild", "lower_bound", "mixed", "none", "steep_chunk"])),
             "beta": draw(st.sampled_from(["uniform", "near_0", "near_1"]))}
 
 
@@ -46,6 +47,11 @@ def kda_case_inputs(case: dict) -> tuple[Tensor, ...]:
         g = torch.where(steep, -5 * (1 - near), -near)
     elif case["decay"] == "none":
         g = torch.zeros_like(g)
+    elif case["decay"] == "steep_chunk":
+        # A chunk's decay sums to between -81 and -97 (past the bound of -5 a token), around float32's
+        # exp(-G) overflow at 88.7, which the chunked form's steep-chunk threshold keeps a margin of 8
+        # from (k3export/ops/kda.py): a threshold past the overflow (-89.7 or -92.7 tried) gives inf.
+        g = -(81 + 16 * torch.rand(g.shape, generator=gen, dtype=torch.float64)) / CHUNK
     small = 1e-3 * (1 - torch.rand(beta.shape, generator=gen, dtype=torch.float64))
     if case["beta"] == "near_0":
         beta = small
@@ -104,6 +110,19 @@ def test_chunk_kda_float32_within_bound(case: dict) -> None:
         assert torch.isfinite(o).all() and torch.isfinite(state).all()
         assert rel_error(o, o_ref) < FLOAT32_BOUND
         assert rel_error(state, state_ref) < FLOAT32_BOUND
+
+
+@FAST
+@given(case=kda_cases())
+def test_chunk_kda_float32_steep_chunks(case: dict) -> None:
+    """Chunks whose decay sums to between -81 and -97, where the steep-chunk threshold's margin decides
+    (the drawn kinds rarely fill a chunk there): finite, and within the float32 bound."""
+    case = {**case, "decay": "steep_chunk", "T": max(case["T"], CHUNK)}
+    inputs = tuple(t.float() for t in kda_case_inputs(case))
+    o_ref, state_ref = token_recurrence(*inputs)
+    o, state = chunk_kda(*inputs)
+    assert torch.isfinite(o).all() and torch.isfinite(state).all()
+    assert rel_error(o, o_ref) < FLOAT32_BOUND and rel_error(state, state_ref) < FLOAT32_BOUND
 
 
 @settings(max_examples=15, deadline=None)
