@@ -28,7 +28,7 @@ from k3export.onnx.runner import BoundOnnxrtRunner, Signature
 from k3export.runtime import Pipeline, stage_exports
 from k3export.runtime import speculation as speculation_module
 from k3export.runtime.drafts import NgramDrafter, SuffixDrafter, earlier_match
-from k3export.runtime.speculation import speculate
+from k3export.runtime.speculation import Speculation, speculate
 from k3export.shards.plan import rollback_bytes
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
@@ -124,7 +124,7 @@ def run_speculation(build: Path, model: K3ForCausalLM, prompts: list[list[int]],
                     micro_batches: int = 1, eager: bool = False, new_tokens: int = NEW_TOKENS):
     pipeline = stage_pipeline(build, model, eager)
     try:
-        return speculate(pipeline, prompts, new_tokens, drafters, drafts, micro_batches=micro_batches)
+        return speculate(pipeline, Speculation(prompts, new_tokens, drafters, drafts), micro_batches)
     finally:
         pipeline.close()
 
@@ -301,3 +301,20 @@ def test_the_rollback_costs_the_kda_caches_at_the_published_widths():
     config = K3Config.from_preset("kimi-k3")
     per_layer = 96 * 128 * 128 * 4 + 3 * 3 * 12288 * 2
     assert rollback_bytes(config, range(93), "bfloat16") == 69 * per_layer == 449_372_160
+
+
+def test_torchrun_speculates_across_stages_and_micro_batches(build):
+    """`torchrun -m k3export.runtime --speculate 4`, one process a stage, the rows in 2 micro-batches in
+    flight together: the lengths each call's rows were given by the last stage's acceptance ride with
+    every message, and the tokens are those of plain decoding in one process (100 tokens a row, so
+    that some drafts are accepted and most are rejected)."""
+    from test_shards import in_process, torchrun
+
+    from k3export.runtime import Sampler, random_prompts
+
+    options = ["--runner", "onnx", "--batch", "3", "--prompt-len", "40", "--max-new-tokens", "100"]
+    speculative = torchrun(build, *options, "--speculate", "4", "--drafts", "suffix", "--micro-batches", "2")
+    plain = in_process(build, random_prompts(3, 40, VOCAB, seed=0), 100, Sampler())
+    assert speculative["tokens"] == plain.tokens
+    assert 0 < speculative["drafts"]["accepted"] < speculative["drafts"]["drafted"]
+    assert speculative["decode_steps"] < plain.decode_steps

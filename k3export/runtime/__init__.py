@@ -39,10 +39,7 @@ from typing import Any
 import torch
 
 from k3export.artifacts import BUILD_MANIFEST
-from k3export.errors import UserError
-from k3export.options import positive_int
 from k3export.runtime.builds import stage_exports, stage_ranks, verify_build
-from k3export.runtime.drafts import DRAFTS
 from k3export.runtime.engines import ENGINE, choose_runner, device_of
 from k3export.runtime.generation import Generation, Sampler, generate
 from k3export.runtime.pipeline import Pipeline, Stage
@@ -55,7 +52,7 @@ from k3export.runtime.request import (
     report,
     stage_name,
 )
-from k3export.runtime.speculation import require_speculation_fits, speculate
+from k3export.runtime.speculation import speculate, speculation_of
 
 # The names other packages, tests and tools import from k3export.runtime.
 __all__ = ["BUILD_MANIFEST", "Generation", "Pipeline", "Sampler", "Stage", "add_parser", "generate",
@@ -68,10 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(choice.line(), file=sys.stderr, flush=True)
     threads = intra_op_threads(args, 1) if choice.kind != ENGINE else None  # ONNX Runtime's
     prompts = prompts_of(args, exports)
-    if args.drafts and not args.speculate:
-        raise UserError(f"--drafts {args.drafts}: expected --speculate K (drafts are made to be verified)")
-    if args.speculate:
-        require_speculation_fits(args, exports, max(len(p) for p in prompts))
+    speculation = speculation_of(args, exports, prompts)
     batches = micro_batches_of(args, prompts, len(exports))
     engines = None
     if choice.kind == ENGINE:  # every stage on this process's GPU
@@ -79,10 +73,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         engines = [choice.place(i, 0, device) for i in range(len(exports))]
     pipeline = Pipeline(exports, threads, engines=engines)
     try:
-        if args.speculate:
-            drafters = [DRAFTS[args.drafts or "ngram"]() for _ in prompts]
-            result = speculate(pipeline, prompts, args.max_new_tokens, drafters, args.speculate,
-                               frozenset(args.stop), len(batches))
+        if speculation:
+            result = speculate(pipeline, speculation, len(batches))
         else:
             sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
             result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop),
@@ -99,10 +91,4 @@ def add_parser(sub: Any) -> None:
     run = sub.add_parser("run", help="generate with a sharded build: its stages in order, in this process "
                                      "(torchrun -m k3export.runtime: one process a stage)")
     add_run_arguments(run)
-    run.add_argument("--speculate", type=positive_int, metavar="K",
-                     help="speculative greedy decoding: up to K drafted tokens a row checked in each call "
-                     "(the same tokens as without; --temperature 0 only)")
-    run.add_argument("--drafts", choices=DRAFTS,
-                     help="with --speculate: ngram (prompt lookup, the default) or suffix (a suffix "
-                     "automaton of the text)")
     run.set_defaults(run=cmd_run)

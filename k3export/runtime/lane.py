@@ -28,6 +28,13 @@ from k3export.onnx.export import TensorSpec
 from k3export.runtime.links import FINISHED, RUN, STOP, TOKENS, Links
 from k3export.runtime.pipeline import Stage, passed_on
 from k3export.runtime.schedule import MicroBatch, StageTimes, Tokens, round_robin
+from k3export.runtime.speculation import Speculation
+
+# A speculative run's calls have the lengths the last stage decides (runtime.speculation): they go with
+# every message on the control plane, and the last stage sends the first the next call's token ids.
+LENGTHS = [TensorSpec("cache_lengths", "int64", ["batch"], "each row's tokens in its caches"),
+           TensorSpec("input_lengths", "int64", ["batch"], "each row's tokens in this call")]
+REQUEST = [TensorSpec("input_ids", "int64", ["batch", "seq"], "the next call's tokens"), *LENGTHS]
 
 
 @dataclass(frozen=True)
@@ -71,13 +78,29 @@ class Part:
         self.clock.record(batch, started, runner.inference_time, sent, runner.collective_time)
 
 
-def first_stage(part: Part, batches: list[MicroBatch], passed: list[str]) -> None:
-    """Stage 0: each micro-batch's prefill, then its decode steps as its tokens come back from the last."""
+def lengths_of(batch: MicroBatch, speculative: bool) -> list:
+    """What a message carries on the control plane: a speculative call's lengths (nothing otherwise:
+    every process advances them alike)."""
+    return [batch.cache_lengths, batch.input_lengths] if speculative else []
+
+
+def next_call(batch: MicroBatch, speculative: bool) -> None:
+    """After a call: a speculative one's next lengths come in a message; a plain one's advance."""
+    if speculative:
+        batch.calls += 1
+    else:
+        batch.advance()
+
+
+def first_stage(part: Part, batches: list[MicroBatch], passed: list[str], speculative: bool) -> None:
+    """Stage 0: each micro-batch's prefill, then its decode steps as its tokens come back from the last
+    (speculative: the next call's tokens and lengths)."""
     links, peers = part.links, part.peers
     links.expect(peers.last)  # the first tokens, posted ahead as every later message
     for batch in round_robin(batches):
         if batch.calls:
-            kind, index, received = links.receive(peers.last, [TOKENS])
+            kind, index, received = links.receive(peers.last, [] if speculative else [TOKENS],
+                                                  control=REQUEST if speculative else [])
             assert index == batch.index, "the last stage's tokens come in round-robin order"
             batch.finished = kind == FINISHED
             if not all(b.finished for b in batches):
@@ -85,22 +108,29 @@ def first_stage(part: Part, batches: list[MicroBatch], passed: list[str]) -> Non
             if batch.finished:
                 links.send(peers.next, STOP, batch, [])
                 continue
-            batch.input_ids = received["tokens"][:, None]
+            if speculative:
+                request = [received[s.name] for s in REQUEST]
+                batch.input_ids, batch.cache_lengths, batch.input_lengths = request
+            else:
+                batch.input_ids = received["tokens"][:, None]
         outputs, started = part.compute(batch, batch.request())
-        sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed], links.data)
+        sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed], links.data,
+                          lengths_of(batch, speculative))
         part.record(batch, started, sent)
-        batch.advance()
+        next_call(batch, speculative)
 
 
 def later_stage(part: Part, batches: list[MicroBatch], passed: list[str], received: list[TensorSpec],
-                tokens: Tokens) -> None:
+                tokens: Tokens | Speculation) -> None:
     """Stages 1..: what comes in, in order, sent on; the last one samples and sends the tokens back to
-    the first."""
+    the first (speculative: takes the drafts its logits accept and sends the next call's request)."""
     links, peers = part.links, part.peers
+    speculative = isinstance(tokens, Speculation)
     running = len(batches)
     links.expect(peers.previous)
     while running:
-        kind, index, tensors = links.receive(peers.previous, received, links.data)
+        kind, index, tensors = links.receive(peers.previous, received, links.data,
+                                             LENGTHS if speculative else [])
         batch = batches[index]
         running -= kind == STOP
         if running:
@@ -109,24 +139,34 @@ def later_stage(part: Part, batches: list[MicroBatch], passed: list[str], receiv
             if peers.next is not None:
                 links.send(peers.next, STOP, batch, [])
             continue
+        if speculative:
+            batch.cache_lengths, batch.input_lengths = (tensors.pop(s.name) for s in LENGTHS)
         outputs, started = part.compute(batch, {**batch.lengths(), **tensors})
-        if peers.next is None:
+        if peers.next is None and speculative:
+            tokens.take(batch, outputs["logits"])
+            if not batch.finished:
+                tokens.request(batch)
+            sent = links.send(peers.first, FINISHED if batch.finished else RUN, batch, [],
+                              control=[batch.input_ids, batch.cache_lengths, batch.input_lengths])
+        elif peers.next is None:
             ids = tokens.take(batch, outputs["logits"])
             sent = links.send(peers.first, FINISHED if batch.finished else RUN, batch, [ids])
         else:
-            sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed], links.data)
+            sent = links.send(peers.next, RUN, batch, [outputs[n] for n in passed], links.data,
+                              lengths_of(batch, speculative))
         part.record(batch, started, sent)
-        batch.advance()
+        next_call(batch, speculative)
 
 
 def pipelined(part: Part, lane: list[Stage], index: int, batches: list[MicroBatch],
-              tokens: Tokens) -> dict[str, Any]:
-    """Stage `index` of `lane` (S > 1) walks the schedule; its timings, and the last stage's tokens."""
+              tokens: Tokens | Speculation) -> dict[str, Any]:
+    """Stage `index` of `lane` (S > 1) walks the schedule; its timings, and the last stage's tokens
+    (and drafts)."""
     part.stage.reset_slots([b.size for b in batches])
     start = time.perf_counter()
     passed = passed_on(lane, index) if index + 1 < len(lane) else []
     if index == 0:
-        first_stage(part, batches, passed)
+        first_stage(part, batches, passed, isinstance(tokens, Speculation))
     else:
         previous = {s.name for s in lane[index - 1].signature.outputs}
         received = [s for s in part.stage.signature.feeds if s.name in previous]
@@ -135,5 +175,6 @@ def pipelined(part: Part, lane: list[Stage], index: int, batches: list[MicroBatc
     mine = {"seconds": part.stage.seconds, "times": part.clock.summary()}
     if index + 1 == len(lane):
         mine.update(tokens=tokens.rows, prefill=tokens.prefilled_at - start, decode=tokens.decode_seconds(),
-                    steps=max(b.calls for b in batches) - 1)
+                    steps=max(b.calls for b in batches) - 1,
+                    drafts=tokens.counts if isinstance(tokens, Speculation) else None)
     return mine

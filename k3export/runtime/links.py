@@ -63,11 +63,12 @@ class Links:
         self.sending: deque[tuple[int, list[tuple[dist.Work, torch.Tensor]]]] = deque()  # kept until sent
 
     def send(self, peer: int, kind: int, batch: MicroBatch, values: list[np.ndarray | torch.Tensor],
-             plane: Plane = CONTROL) -> int:
-        """Sends a message about `batch`'s current call (before its `advance`), its tensors on `plane`;
-        returns its bytes."""
+             plane: Plane = CONTROL, control: list[np.ndarray] = ()) -> int:
+        """Sends a message about `batch`'s current call (before its `advance`), its tensors on `plane`,
+        then `control`'s on the control plane; returns its bytes."""
         header = torch.tensor([kind, batch.index, batch.size, batch.seq])
-        tensors = [(header, CONTROL), *((as_tensor(v), plane) for v in values)]
+        tensors = [(header, CONTROL), *((as_tensor(v), plane) for v in values),
+                   *((as_tensor(v), CONTROL) for v in control)]
         while len(self.sending) >= self.window:
             self.wait_sent()
         self.sending.append((peer, [(self.post(dist.isend, t, peer, p), t) for t, p in tensors]))
@@ -84,19 +85,23 @@ class Links:
         header = torch.empty(4, dtype=torch.int64)
         self.header = (self.post(dist.irecv, header, peer, CONTROL), header)
 
-    def receive(self, peer: int, specs: list[TensorSpec],
-                plane: Plane = CONTROL) -> tuple[int, int, dict[str, np.ndarray | torch.Tensor]]:
-        """The expected message from `peer`: its kind, micro-batch and (RUN) tensors by name, taken on
-        `plane`: numpy arrays on the CPU, CUDA tensors on a GPU."""
+    def receive(self, peer: int, specs: list[TensorSpec], plane: Plane = CONTROL,
+                control: list[TensorSpec] = ()) -> tuple[int, int, dict[str, np.ndarray | torch.Tensor]]:
+        """The expected message from `peer`: its kind, micro-batch and (RUN) tensors by name, `specs`
+        taken on `plane` (numpy arrays on the CPU, CUDA tensors on a GPU), then `control`'s."""
         work, header = self.header
         self.wait(work, peer)
         kind, index, rows, seq = header.tolist()
         tensors = {}
         if kind != STOP:
             sizes = {"batch": rows, "seq": seq}
-            tensors = {s.name: torch.empty(resolve_shape(s, sizes), dtype=getattr(torch, s.dtype),
-                                           device=plane.device) for s in specs}
-            for work in [self.post(dist.irecv, t, peer, plane) for t in tensors.values()]:
+            posted = []
+            for specs_on, where in ((specs, plane), (control, CONTROL)):
+                for s in specs_on:
+                    tensors[s.name] = torch.empty(resolve_shape(s, sizes), dtype=getattr(torch, s.dtype),
+                                                  device=where.device)
+                    posted.append(self.post(dist.irecv, tensors[s.name], peer, where))
+            for work in posted:
                 self.wait(work, peer)
         return kind, index, {name: t.numpy() if t.device.type == "cpu" else t for name, t in tensors.items()}
 

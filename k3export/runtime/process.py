@@ -23,6 +23,7 @@ from k3export.runtime.nccl import communicator_capsule
 from k3export.runtime.pipeline import Pipeline, Stage
 from k3export.runtime.request import intra_op_threads, micro_batches_of, prompts_of, report, stage_name
 from k3export.runtime.schedule import StageTimes, Tokens
+from k3export.runtime.speculation import speculate, speculation_of
 from k3export.runtime.watchdog import Watchdog
 
 
@@ -43,8 +44,9 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
     prompts = prompts_of(args, lane)  # on every process, so that all refuse a bad request alike
     batches = micro_batches_of(args, prompts, stages)
     count = len(batches)
+    speculation = speculation_of(args, lane, prompts)
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
-    tokens = Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
+    tokens = speculation or Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
     # The ranks of each stage sum over a group of their own, which every process creates, in the same
     # order (torch.distributed's rule). ONNX Runtime's pieces sum over gloo, whose timeout names a rank
     # that does not join; engines sum over NCCL inside TensorRT, where the watchdog keeps the deadline
@@ -75,11 +77,11 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
                   f"{work}, --timeout {args.timeout:g} s",
                   file=sys.stderr, flush=True)
         if stages == 1:
-            result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop), count,
-                              waits)
+            result = speculate(pipeline, speculation, count, waits) if speculation else \
+                generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop), count, waits)
             mine = {"seconds": result.stage_seconds[0], "times": result.stages[0], "tokens": result.tokens,
                     "prefill": result.prefill_seconds, "decode": result.decode_seconds,
-                    "steps": result.decode_steps}
+                    "steps": result.decode_steps, "drafts": result.drafts}
         else:
             stage = lane_stages[index]
             part = Part(stage, Links(args.timeout, count, ranks, data), Peers.of(process, stages, ranks),
@@ -91,7 +93,7 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
             last = gathered[-1]
             result = Generation(last["tokens"], last["prefill"], last["decode"], last["steps"],
                                 [g["seconds"] for g in gathered], count, [g["times"] for g in gathered],
-                                threads)
+                                threads, last["drafts"])
             label = "rank {p}" if ranks == 1 else "stage {s} rank {r}"
             report(args, result, [label.format(p=p, s=p // ranks, r=p % ranks)
                                   + f": {stage_name(lane_stages[p // ranks])}" for p in range(world)])

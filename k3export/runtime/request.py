@@ -24,6 +24,7 @@ from k3export.options import (
     seed,
     token_ids,
 )
+from k3export.runtime.drafts import DRAFTS
 from k3export.runtime.engines import RUNNERS
 from k3export.runtime.generation import Generation
 from k3export.runtime.pipeline import Stage
@@ -78,6 +79,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine: the stages' TensorRT engines on GPUs (a GPU a process, LOCAL_RANK); "
                         "onnx: their ONNX graphs in ONNX Runtime on CPU (default: engine when the build "
                         "holds engines for every stage, else onnx)")
+    parser.add_argument("--speculate", type=positive_int, metavar="K",
+                        help="speculative greedy decoding: up to K drafted tokens a row checked in each call "
+                        "(the same tokens as without; --temperature 0 only)")
+    parser.add_argument("--drafts", choices=DRAFTS,
+                        help="with --speculate: ngram (prompt lookup, the default) or suffix (a suffix "
+                        "automaton of the text)")
     parser.add_argument("--json", action="store_true")
 
 

@@ -64,7 +64,9 @@ class MicroBatch:
 
     @property
     def seq(self) -> int:
-        return self.input_ids.shape[1] if self.calls == 0 else 1
+        """Tokens a row of the next call, padding included: the longest row's (every process knows the
+        lengths; only the first stage has the token ids)."""
+        return int(self.input_lengths.max())
 
     def lengths(self) -> dict[str, np.ndarray]:
         return {"cache_lengths": self.cache_lengths, "input_lengths": self.input_lengths}

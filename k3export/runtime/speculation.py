@@ -23,22 +23,28 @@ import json
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from k3export.errors import UserError
 from k3export.onnx.export import MANIFEST_FILE
-from k3export.runtime.drafts import Drafter
+from k3export.runtime.drafts import DRAFTS, Drafter
 from k3export.runtime.generation import Generation, through_stages
 from k3export.runtime.pipeline import Pipeline
-from k3export.runtime.schedule import StageTimes, round_robin, split_prompts
+from k3export.runtime.schedule import MicroBatch, StageTimes, round_robin, split_prompts
 
 
-def require_speculation_fits(args: argparse.Namespace, exports: list[Path], prompt_len: int) -> None:
-    """Refuses `run --speculate K`, before any stage loads, unless decoding is greedy, the last stage
-    gives every position's logits, and each row's caches hold its prompt (the longest: `prompt_len`),
-    its new tokens and K drafts."""
+def speculation_of(args: argparse.Namespace, exports: list[Path],
+                   prompts: list[list[int]]) -> Speculation | None:
+    """The request's speculation (None without --speculate), refused before any stage loads unless
+    decoding is greedy, the last stage gives every position's logits, and each row's caches hold its
+    prompt, its new tokens and K drafts."""
+    if args.drafts and not args.speculate:
+        raise UserError(f"--drafts {args.drafts}: expected --speculate K (drafts are made to be verified)")
+    if not args.speculate:
+        return None
     option = f"--speculate {args.speculate}"
     if args.temperature > 0:
         raise UserError(f"{option}: greedy decoding only (--temperature 0); sampling with drafts is not "
@@ -48,12 +54,15 @@ def require_speculation_fits(args: argparse.Namespace, exports: list[Path], prom
         raise UserError(f"{option}: the build's last stage gives each row's last logits only "
                         "(--last-logits); a verify needs every position's")
     capacity = min(m["capacity"] for m in manifests)
+    prompt_len = max(len(p) for p in prompts)
     limit = capacity - prompt_len - args.max_new_tokens
     if args.speculate > limit:
         room = f"at most --speculate {limit}" if limit > 0 else "no room for drafts"
         raise UserError(f"{option}: a row's cache holds its prompt, its new tokens and a call's drafts: "
                         f"{prompt_len} + {args.max_new_tokens} + {args.speculate} > the cache capacity "
                         f"{capacity}; {room}")
+    drafters = [DRAFTS[args.drafts or "ngram"]() for _ in prompts]
+    return Speculation(prompts, args.max_new_tokens, drafters, args.speculate, frozenset(args.stop))
 
 
 def accepted(drafts: list[int], choices: np.ndarray) -> int:
@@ -64,58 +73,89 @@ def accepted(drafts: list[int], choices: np.ndarray) -> int:
     return count
 
 
-def speculate(pipeline: Pipeline, prompts: list[list[int]], max_new_tokens: int, drafters: list[Drafter],
-              drafts: int, stop_tokens: frozenset[int] = frozenset(), micro_batches: int = 1,
-              waits: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> Generation:
-    """Greedy decoding of `prompts` with up to `drafts` tokens a call from each row's drafter, micro-batch
-    after micro-batch as `generate` runs them. Each row's caches must hold its prompt, `max_new_tokens`
-    and `drafts` more (a call of K+1 writes K+1 latent rows, padding included, at a finished row too)."""
-    batches = split_prompts(prompts, micro_batches)
-    pipeline.reset_slots([b.size for b in batches])
-    texts = [list(p) for p in prompts]
-    cached = [0] * len(prompts)  # tokens of each row's text in its caches
-    new = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    times = [StageTimes(s.runner.name) for s in pipeline.stages]
-    drafted = accepted_drafts = 0
-    start = time.perf_counter()
-    prefilled_at = last_at = start
-    for batch in round_robin(batches):
-        fed, proposals = [], []
+@dataclass
+class Speculation:
+    """Each row's text (prompt and new tokens), its tokens in the caches and its drafts, on the process
+    that sees the logits: what a micro-batch's next call feeds (`request`) and what its logits accept
+    (`take`). Its `rows`, `prefilled_at` and `decode_seconds` are schedule.Tokens' (what a run reports)."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    drafters: list[Drafter]
+    drafts: int  # K: drafts a row proposes at most a call
+    stop_tokens: frozenset[int] = frozenset()
+    prefilled_at: float | None = None  # when the last prefill's tokens were taken
+    last_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.texts = [list(p) for p in self.prompts]
+        self.cached = [0] * len(self.prompts)  # tokens of each row's text in its caches
+        self.rows: list[list[int]] = [[] for _ in self.prompts]  # new tokens
+        self.done = [False] * len(self.prompts)
+        self.proposals: list[list[int]] = [[] for _ in self.prompts]  # the drafts of each row's last call
+        self.counts = {"drafted": 0, "accepted": 0}
+
+    def fed(self, r: int) -> list[int]:
+        """What row r's call feeds: its pending tokens and its drafts (nothing once it is done)."""
+        return [] if self.done[r] else self.texts[r][self.cached[r]:] + self.proposals[r]
+
+    def request(self, batch: MicroBatch) -> None:
+        """Sets `batch`'s next call: each row's pending tokens and, when that is one, its drafts."""
         for r in batch.rows:
-            pending = texts[r][cached[r]:]
-            room = max_new_tokens - len(new[r]) - 1  # tokens a verify may add beyond its own
-            proposal = drafters[r].propose(texts[r], min(drafts, room)) if len(pending) == 1 else []
-            proposals.append(proposal)
-            fed.append([] if done[r] else pending + proposal)
+            pending = len(self.texts[r]) - self.cached[r]
+            room = self.max_new_tokens - len(self.rows[r]) - 1  # tokens a verify may add beyond its own
+            self.proposals[r] = self.drafters[r].propose(self.texts[r], min(self.drafts, room)) \
+                if pending == 1 and not self.done[r] else []
+        fed = [self.fed(r) for r in batch.rows]
         lengths = np.array([len(f) for f in fed], np.int64)
         batch.input_ids = np.zeros((batch.size, max(lengths.max(), 1)), np.int64)
         for i, row in enumerate(fed):
             batch.input_ids[i, :len(row)] = row
-        batch.cache_lengths = np.array([cached[r] for r in batch.rows], np.int64)
+        batch.cache_lengths = np.array([self.cached[r] for r in batch.rows], np.int64)
         batch.input_lengths = lengths
-        logits = through_stages(pipeline, batch, times, waits)["logits"]
+
+    def take(self, batch: MicroBatch, logits: np.ndarray) -> None:
+        """Accepts each row's drafts that its call's greedy choices confirm, then one token of those
+        choices; marks the micro-batch finished when every row is."""
         for i, r in enumerate(batch.rows):
-            if done[r]:
+            fed, proposal = self.fed(r), self.proposals[r]
+            if not fed:
                 continue
-            proposal = proposals[i]
-            first = len(fed[i]) - len(proposal) - 1  # the last pending token's position
-            choices = logits[i, first:len(fed[i])].argmax(-1)
+            first = len(fed) - len(proposal) - 1  # the last pending token's position
+            choices = logits[i, first:len(fed)].argmax(-1)
             kept = accepted(proposal, choices)
-            drafted, accepted_drafts = drafted + len(proposal), accepted_drafts + kept
-            if kept == len(proposal):
-                cached[r] += len(fed[i])
+            self.counts["drafted"] += len(proposal)
+            self.counts["accepted"] += kept
+            if kept == len(proposal):  # else the caches hold rejected drafts: the next call goes back
+                self.cached[r] += len(fed)
             for token in [*proposal[:kept], int(choices[kept])]:
-                texts[r].append(token)
-                new[r].append(token)
-                done[r] = len(new[r]) >= max_new_tokens or token in stop_tokens
-                if done[r]:
+                self.texts[r].append(token)
+                self.rows[r].append(token)
+                self.done[r] = len(self.rows[r]) >= self.max_new_tokens or token in self.stop_tokens
+                if self.done[r]:
                     break
-        batch.finished = all(done[r] for r in batch.rows)
+        batch.finished = all(self.done[r] for r in batch.rows)
+        self.last_at = time.perf_counter()
+        if batch.calls == 0:
+            self.prefilled_at = self.last_at
+
+    def decode_seconds(self) -> float:
+        return self.last_at - self.prefilled_at
+
+
+def speculate(pipeline: Pipeline, speculation: Speculation, micro_batches: int = 1,
+              waits: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> Generation:
+    """Greedy decoding of `speculation`'s prompts with its drafts, micro-batch after micro-batch as
+    `generate` runs them. Each row's caches must hold its prompt, its new tokens and K more (a call of
+    K+1 writes K+1 latent rows, padding included, at a finished row too)."""
+    batches = split_prompts(speculation.prompts, micro_batches)
+    pipeline.reset_slots([b.size for b in batches])
+    times = [StageTimes(s.runner.name) for s in pipeline.stages]
+    start = time.perf_counter()
+    for batch in round_robin(batches):
+        speculation.request(batch)
+        speculation.take(batch, through_stages(pipeline, batch, times, waits)["logits"])
         batch.calls += 1
-        last_at = time.perf_counter()
-        if batch.calls == 1:
-            prefilled_at = last_at
-    return Generation(new, prefilled_at - start, last_at - prefilled_at, max(b.calls for b in batches) - 1,
-                      [s.seconds for s in pipeline.stages], len(batches), [t.summary() for t in times],
-                      drafts={"drafted": drafted, "accepted": accepted_drafts})
+    return Generation(speculation.rows, speculation.prefilled_at - start, speculation.decode_seconds(),
+                      max(b.calls for b in batches) - 1, [s.seconds for s in pipeline.stages], len(batches),
+                      [t.summary() for t in times], drafts=speculation.counts)
