@@ -5,9 +5,12 @@ model of the op that the parser turns into it (the test asserts the parser did),
 graphs use; then the k3-tiny exports' whole networks against the eager model, and the same check
 failing after a weight, a plugin field or a shuffle's permutation is changed."""
 
+import gc
 import importlib.util
 import json
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -17,7 +20,6 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from reference import PERTURBED, kda_inputs, scaled_copy
 
-from k3export.check.runners import network as network_runner
 from k3export.check.runners.eager import EagerSide
 from k3export.check.runners.network import run_network_check
 from k3export.cli import main
@@ -25,6 +27,7 @@ from k3export.engine.network import (
     LAYERS,
     NetworkEvaluator,
     NotImplementedLayer,
+    ParsedNetwork,
     evaluate_network,
     parse_network,
     to_numpy,
@@ -344,16 +347,28 @@ def test_unimplemented_mode_is_an_error_naming_it(tmp_path: Path) -> None:
 def test_float32_network_matches_eager(tiny_export: Path, capsys: pytest.CaptureFixture[str],
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`k3export check --network`: prefill and 3 decode steps, logits within 1e-4 of eager. The
-    network and the weights read from it are freed before the eager side runs (it follows the
-    network's every step), so that the eager side has the host's memory to itself."""
-    parsed, when_eager_runs = [], []
-    monkeypatch.setattr(network_runner, "parse_network",
-                        lambda path: parsed.append(parse_network(path)) or parsed[0])
+    network, its parser (which owns the weights), its builder and the constants read from it are
+    freed before the eager side runs (it follows the network's every step), so that the eager side
+    has the host's memory to itself: weak references to each are dead by then."""
+    held, when_eager_runs = [], []
+
+    def close(net: ParsedNetwork) -> None:
+        held.extend(weakref.ref(x) for x in (net.network, *net.keep_alive[1:], *net.constants.values()))
+        closing(net)
+
+    closing = ParsedNetwork.close
+    monkeypatch.setattr(ParsedNetwork, "close", close)
     run = EagerSide.run
-    monkeypatch.setattr(EagerSide, "run", lambda side, *args: when_eager_runs.append(
-        (parsed[0].network, parsed[0].keep_alive, len(parsed[0].constants))) or run(side, *args))
+
+    def eager_run(side: EagerSide, *args: Any) -> Any:
+        gc.collect()
+        when_eager_runs.append([ref() for ref in held])
+        return run(side, *args)
+
+    monkeypatch.setattr(EagerSide, "run", eager_run)
     assert main(["check", "--network", str(tiny_export), "--steps", "3", "--json"]) == 0
-    assert when_eager_runs == [(None, None, 0)]
+    assert len(when_eager_runs) == 1 and len(held) > 100  # network, builder, parser, the constants
+    assert not any(when_eager_runs[0])
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and len(report["steps"]) == 4
     for step in report["steps"]:
