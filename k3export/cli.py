@@ -294,7 +294,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     # One engine's profile sizes; a recipe's [profiles] size its engines: not silently ignored.
     profile_sizes = [option for option, value in (("--max-batch", args.max_batch),
                                                   ("--max-seq", args.max_seq),
-                                                  ("--decode-batch", args.decode_batch)) if value is not None]
+                                                  ("--decode-batch", args.decode_batch),
+                                                  ("--verify-seq", args.verify_seq)) if value is not None]
     if args.recipe:
         if profile_sizes:
             raise UserError(f"build {args.recipe} {profile_sizes[0]}: expected --onnx DIR with it (a "
@@ -332,12 +333,15 @@ def cmd_build(args: argparse.Namespace) -> int:
     require_machine(flavour, target, strip=args.strip)
     out = OutputFile(args.out, "build", overwrite=args.overwrite)
     max_batch = args.max_batch or Limits.prefill_batch
-    limits = Limits(max_batch, args.max_seq or Limits.prefill_seq, args.decode_batch or max_batch)
+    limits = Limits(max_batch, args.max_seq or Limits.prefill_seq, args.decode_batch or max_batch,
+                    args.verify_seq or 0)
     # Verified and the limits refused before the engine's record is begun (build_engine's are then cheap).
     profile_shapes(verify(args.onnx, MANIFEST_FILE), limits)
+    verify_profile = f", verify batch 1..{limits.decode_batch} x seq 1..{limits.verify_seq}" \
+        if limits.verify_seq else ""
     print(f"building a {flavour.title} engine for {target} from {args.onnx} with the k3 plugins "
           f"(profiles: prefill batch 1..{limits.prefill_batch} x seq 1..{limits.prefill_seq}, decode batch "
-          f"1..{limits.decode_batch} x 1; the export's cache capacity)")
+          f"1..{limits.decode_batch} x 1{verify_profile}; the export's cache capacity)")
     out.begin()
     result = build_engine(args.onnx, args.out, load_tensorrt(flavour.backend), target=target, limits=limits,
                           strip=args.strip)
@@ -531,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"prefill tokens per call (default {Limits.prefill_seq}); with --onnx")
     build.add_argument("--decode-batch", type=positive_int, metavar="N",
                        help="sequences per decode call; with --onnx")
+    build.add_argument("--verify-seq", type=positive_int, metavar="N",
+                       help="a verify profile too: --decode-batch sequences x N tokens (run --speculate K's "
+                       "calls: N = K + 1); with --onnx")
     build.add_argument("--strip", action="store_true",
                        help="weight-stripped engines (STRIP_PLAN, REFIT_IDENTICAL): the engine file holds no "
                        "weights; loading refits it from its export's model.onnx. Needs a GPU where it builds")

@@ -119,7 +119,10 @@ REFUSALS = [
             and a.backend in (None, "tensorrt-rtx")),
     Refusal(("build", "{recipe}", "--max-seq", "64", "--out", "{missing}"),  # was ignored
             "--max-seq: expected --onnx DIR with it", lambda p, a: p == "build" and bool(a.recipe)
-            and any(v is not None for v in (a.max_batch, a.max_seq, a.decode_batch))),
+            and any(v is not None for v in (a.max_batch, a.max_seq, a.decode_batch, a.verify_seq))),
+    Refusal(("build", "--onnx", "{export}", "--verify-seq", "1", "--out", "{missing}"),
+            "--verify-seq 1: expected 2 <= seq <= the export's capacity 256", lambda p, a: p == "build"
+            and onnx_build(a) and a.verify_seq is not None and not 2 <= a.verify_seq <= CAPACITY),
     Refusal(("build", "{recipe}", "--rank", "0", "--stage", "0", "--out", "{missing}"),
             "--rank 0: ", lambda p, a: p == "build" and bool(a.recipe) and a.rank is not None),
     Refusal(("build", "{recipe}", "--stage", "2", "--out", "{missing}"), "--stage 2: expected a stage of",

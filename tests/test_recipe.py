@@ -39,6 +39,10 @@ def write(tmp_path: Path, text: str) -> Path:
     ('target = "sm89"', 'target = "sm90"', "TensorRT-RTX's targets"),
     ('experts = "as-stored"', 'experts = "mxfp4-packed"', "only a checkpoint's MXFP4 experts"),
     ("decode = { batch = 2 }", "decode = { batch = 3 }", "key 'profiles.decode.batch' = 3: expected at most"),
+    ("decode = { batch = 2 }", "decode = { batch = 2 }\nverify = { seq = 1 }",
+     "key 'profiles.verify.seq' = 1: expected 2 up to cache.capacity (256)"),
+    ("decode = { batch = 2 }", "decode = { batch = 2 }\nverify = { batch = 2 }",
+     "key 'profiles.verify.seq' missing"),
     ('preset = "k3-tiny"', 'preset = "k3-huge"', "key 'model.preset' = 'k3-huge'"),
     ("[cache]", "[cash]", "unknown table [cash]"),
     ('target = "sm89"', 'target = "sm89"\ntaps = 1', "key 'build.taps' = 1: expected true or false"),
@@ -62,6 +66,14 @@ def test_explicit_ranges_and_relative_config(tmp_path: Path) -> None:
     recipe = load_recipe(write(tmp_path, text))
     assert recipe.stage_ranges == (range(0, 3), range(3, 7), range(7, 9))
     assert recipe.config == K3Config.from_preset("k3-tiny")
+
+
+def test_verify_profile_key(tmp_path: Path) -> None:
+    """[profiles] verify = { seq = N }: a third engine profile (run --speculate K: N = K + 1); none by
+    default."""
+    assert load_recipe(write(tmp_path, TINY)).verify_seq == 0
+    text = TINY.replace("decode = { batch = 2 }", "decode = { batch = 2 }\nverify = { seq = 5 }")
+    assert load_recipe(write(tmp_path, text)).verify_seq == 5
 
 
 def test_taps_key(tmp_path: Path) -> None:

@@ -318,3 +318,63 @@ def test_torchrun_speculates_across_stages_and_micro_batches(build):
     assert speculative["tokens"] == plain.tokens
     assert 0 < speculative["drafts"]["accepted"] < speculative["drafts"]["drafted"]
     assert speculative["decode_steps"] < plain.decode_steps
+
+
+@pytest.fixture(scope="module")
+def verify_engine(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stage 0's TensorRT-RTX engine (sm89) with a verify profile: 3 rows x 5 tokens (K = 4)."""
+    pytest.importorskip("tensorrt_rtx")
+    out = tmp_path_factory.mktemp("verify") / "stage0.engine"
+    assert main(["build", "--onnx", str(stage_exports(build)[0]), "--out", str(out), "--max-batch", "3",
+                 "--max-seq", "64", "--decode-batch", "3", "--verify-seq", "5"]) == 0
+    return out
+
+
+def test_a_verify_profile_is_built_recorded_and_taken(build, verify_engine, monkeypatch):
+    """build --verify-seq 5 gives the engine a third profile, decode's batch x 5 tokens, in its build
+    record with its device memory; the engine runner (over the CPU stand-in) takes it for a verify
+    call, prefill's for the prefill and decode's for a token."""
+    from engine_standin import CpuMemoryEngineRunner, install
+
+    record = json.loads(verify_engine.with_name(f"{verify_engine.name}.json").read_text())
+    prefill, decode, verify = record["profiles"]
+    assert [p["input_ids"][2] for p in (prefill, decode, verify)] == [[3, 64], [3, 1], [3, 5]]
+    assert [m["profile"] for m in record["device_memory"]] == ["prefill", "decode", "verify"]
+    engine = install(monkeypatch)
+    runner = CpuMemoryEngineRunner(verify_engine, stage_exports(build)[0])
+    runner.activate()
+    runner.reset(3)
+    runner.infer(feeds(prompts_of((13, 5, 30)), [0, 0, 0]), check_inputs=False)
+    runner.infer(feeds([[1, 2, 3, 4, 5]] * 3, [13, 5, 30]), check_inputs=False)
+    runner.infer(feeds([[1, 2], [6], [7]], [13, 10, 35]), check_inputs=False)  # row 0 rewound
+    runner.infer(feeds([[1]] * 3, [15, 11, 36]), check_inputs=False)
+    (context,) = engine[0].contexts
+    assert [profile for profile, _ in context.calls] == [0, 2, 2, 1] and not context.refusals
+    runner.deactivate()
+
+
+@pytest.mark.parametrize("verify_seq", [5, 0], ids=["verify-profile", "none"])
+def test_run_speculate_on_engines(build, tmp_path, monkeypatch, capsys, verify_seq):
+    """`run --speculate 4 --runner engine` over the CPU stand-in of each stage's engine gives the tokens
+    of plain `run` on the ONNX graphs; on engines whose profiles take no verify call of 2 x 5 tokens (a
+    prefill of at most 4, no verify profile) it is refused before any engine loads."""
+    pytest.importorskip("tensorrt_rtx")
+    from engine_standin import engines_recorded, install
+
+    from k3export.engine.build import Limits
+
+    out = engines_recorded(build, tmp_path / "engines", Limits(3, 64 if verify_seq else 4, 3, verify_seq))
+    common = ["run", str(out), "--batch", "3", "--prompt-len", "4", "--max-new-tokens", "12", "--json"]
+    assert main([*common, "--runner", "onnx"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    engines = install(monkeypatch, gpus=1)
+    code = main([*common, "--runner", "engine", "--speculate", "4"])
+    captured = capsys.readouterr()
+    if not verify_seq:
+        assert code == 2 and not engines
+        # 3 rows in 2 micro-batches (as many as stages): the larger has 2.
+        assert "--speculate 4: a verify call of 2 rows x 5 tokens fits none of stage 0's" in captured.err
+        return
+    assert code == 0 and json.loads(captured.out)["tokens"] == plain["tokens"]
+    calls = [profile for e in engines for c in e.contexts for profile, _ in c.calls]
+    assert 2 in calls and not any(c.refusals for e in engines for c in e.contexts)

@@ -52,19 +52,26 @@ _CACHE_PRESERVING = ("CAST", "IDENTITY", "SHUFFLE", "SLICE", "CONCATENATION", "K
 
 @dataclass(frozen=True)
 class Limits:
-    """The largest shapes each profile takes: prefill batch x seq tokens, decode batch x 1 (the cache
-    capacity is the export's). A profile sized for the other's batch would make TensorRT reserve
-    context memory for shapes never served (kimi-k3: 8 x 8192 prefill tokens instead of 1 x 8192)."""
+    """The largest shapes each profile takes: prefill batch x seq tokens, decode batch x 1, and with
+    `verify_seq` a verify profile, decode batch x verify_seq tokens (`run --speculate K`'s calls, K+1
+    tokens a row; the cache capacity is the export's). A profile sized for the other's batch would make
+    TensorRT reserve context memory for shapes never served (kimi-k3: 8 x 8192 prefill tokens instead of
+    1 x 8192)."""
 
     prefill_batch: int = 4
     prefill_seq: int = 256  # prefill tokens per call, at most the capacity
     decode_batch: int = 4
+    verify_seq: int = 0  # tokens a row of a verify call, at most the capacity; 0: no verify profile
 
     def ranges(self) -> dict[str, dict[str, tuple[int, int, int]]]:
         """Profile name -> dim name -> (min, opt, max)."""
-        return {"prefill": {"batch": (1, self.prefill_batch, self.prefill_batch),
-                            "seq": (1, self.prefill_seq, self.prefill_seq)},
-                "decode": {"batch": (1, self.decode_batch, self.decode_batch), "seq": (1, 1, 1)}}
+        ranges = {"prefill": {"batch": (1, self.prefill_batch, self.prefill_batch),
+                              "seq": (1, self.prefill_seq, self.prefill_seq)},
+                  "decode": {"batch": (1, self.decode_batch, self.decode_batch), "seq": (1, 1, 1)}}
+        if self.verify_seq:
+            ranges["verify"] = {"batch": (1, self.decode_batch, self.decode_batch),
+                                "seq": (1, self.verify_seq, self.verify_seq)}
+        return ranges
 
 
 @dataclass
@@ -177,7 +184,7 @@ def cache_census(network: Any) -> tuple[list[str], list[str]]:
 
 
 def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, list[list[int]]]]:
-    """[prefill, decode]: input name -> [min, opt, max] shapes from export.json's named dims
+    """[prefill, decode(, verify)]: input name -> [min, opt, max] shapes from export.json's named dims
     ("batch", "seq" dynamic, each profile its own ranges; "capacity" the export's static cache rows)."""
     capacity = manifest.get("capacity")
     if capacity is None:
@@ -187,18 +194,23 @@ def profile_shapes(manifest: dict[str, Any], limits: Limits) -> list[dict[str, l
         raise UserError(f"build: --max-seq {limits.prefill_seq}, --max-batch {limits.prefill_batch} and "
                         f"--decode-batch {limits.decode_batch}: expected batches >= 1 and 1 <= seq <= the "
                         f"export's capacity {capacity} (every call writes its seq rows into the cache)")
+    if limits.verify_seq and not 2 <= limits.verify_seq <= capacity:
+        raise UserError(f"build: --verify-seq {limits.verify_seq}: expected 2 <= seq <= the export's "
+                        f"capacity {capacity} (a verify call feeds a token and at least one draft)")
     ranges = limits.ranges()
     # An engine whose inputs and outputs alone outgrow the largest GPU could run nowhere (and a
     # profile far past it makes the TensorRT-RTX builder abort the process).
     options = {"prefill": f"--max-batch {limits.prefill_batch} --max-seq {limits.prefill_seq}",
-               "decode": f"--decode-batch {limits.decode_batch}"}
+               "decode": f"--decode-batch {limits.decode_batch}",
+               "verify": f"--verify-seq {limits.verify_seq} --decode-batch {limits.decode_batch}"}
     for name, dims in ranges.items():
         needed = call_bytes([manifest], dims["batch"][2], dims["seq"][2])
         if needed > H200_BYTES:
             raise UserError(f"build: {options[name]} (the {name} profile, batch {dims['batch'][2]} x seq "
                             f"{dims['seq'][2]}): the engine's inputs and outputs at that shape hold "
                             f"{needed / 1e9:,.1f} GB, more than an H200's {H200_BYTES / 1e9:.0f} GB; lower "
-                            f"{options[name].split()[0]}{' or --max-seq' if name == 'prefill' else ''}")
+                            f"{options[name].split()[0]}{' or --max-seq' if name == 'prefill' else ''}"
+                            f"{' or --decode-batch' if name == 'verify' else ''}")
     profiles = []
     for dims in ranges.values():
         dims["capacity"] = (capacity,) * 3
@@ -232,7 +244,8 @@ def build_engine(export_dir: str | Path, out: str | Path, trt: ModuleType, *, ta
                  limits: Limits | None = None, strip: bool = False,
                  manifest: dict[str, Any] | None = None) -> BuildResult:
     """Parses export_dir/model.onnx with the k3 plugins of `trt`'s flavour registered and writes an
-    engine to `out` (through a temporary name) for `target`, with the prefill and decode profiles.
+    engine to `out` (through a temporary name) for `target`, with the prefill and decode profiles
+    (and verify: `limits`).
     `trt` is `tensorrt_rtx` or `tensorrt` (flavours.load_tensorrt); a target the flavour cannot build
     on this machine is refused first. `strip`: a weight-stripped engine (STRIP_PLAN, REFIT_IDENTICAL),
     which `load_engine` refits from the export's model.onnx. The folder is verified against its

@@ -111,7 +111,7 @@ class BindingPlan:
             limits = "; ".join(f"profile {i}: {feed} up to {p[feed][2]}" for i, p in enumerate(self.profiles))
             raise UserError(f"a call of batch {sizes['batch']} x seq {sizes['seq']} fits none of the "
                             f"engine's profiles ({limits}); build it with larger --max-batch / --max-seq / "
-                            "--decode-batch")
+                            "--decode-batch / --verify-seq")
         return min(fits, key=lambda i: prod(self.profiles[i][feed][2]))
 
 

@@ -52,7 +52,7 @@ from k3export.runtime.request import (
     report,
     stage_name,
 )
-from k3export.runtime.speculation import speculate, speculation_of
+from k3export.runtime.speculation import require_verify_profiles, speculate, speculation_of
 
 # The names other packages, tests and tools import from k3export.runtime.
 __all__ = ["BUILD_MANIFEST", "Generation", "Pipeline", "Sampler", "Stage", "add_parser", "generate",
@@ -71,6 +71,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if choice.kind == ENGINE:  # every stage on this process's GPU
         device = device_of(os.environ, torch.cuda.device_count())
         engines = [choice.place(i, 0, device) for i in range(len(exports))]
+        if speculation:
+            require_verify_profiles(speculation, [e.path for e in engines], exports, batches[0].size)
     pipeline = Pipeline(exports, threads, engines=engines)
     try:
         if speculation:

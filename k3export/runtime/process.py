@@ -23,7 +23,7 @@ from k3export.runtime.nccl import communicator_capsule
 from k3export.runtime.pipeline import Pipeline, Stage
 from k3export.runtime.request import intra_op_threads, micro_batches_of, prompts_of, report, stage_name
 from k3export.runtime.schedule import StageTimes, Tokens
-from k3export.runtime.speculation import speculate, speculation_of
+from k3export.runtime.speculation import require_verify_profiles, speculate, speculation_of
 from k3export.runtime.watchdog import Watchdog
 
 
@@ -58,6 +58,9 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
         else CONTROL
     nccl_groups.extend(g for g in [*groups, data.group] if engine and g is not None)
     waits = call_waits(process, ranks, args.timeout, watchdog if engine else None)
+    if engine and speculation:
+        lane_engines = [choice.engines[s][process % ranks] for s in range(stages)]
+        require_verify_profiles(speculation, lane_engines, lane, batches[0].size)
     place = None
     if engine:  # the stage's communicator: a collective of its ranks, as the engines' set_communicator
         place = choice.place(index, process % ranks, device,

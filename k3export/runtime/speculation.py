@@ -65,6 +65,26 @@ def speculation_of(args: argparse.Namespace, exports: list[Path],
     return Speculation(prompts, args.max_new_tokens, drafters, args.speculate, frozenset(args.stop))
 
 
+def require_verify_profiles(speculation: Speculation, engines: list[Path], exports: list[Path],
+                            rows: int) -> None:
+    """Refuses `--speculate K` on engines, before any loads, unless each stage's engine has a profile
+    that takes a verify call of `rows` (the largest micro-batch) x K + 1 tokens (a verify profile, or a
+    prefill profile that happens to)."""
+    from k3export.engine.runner import binding_plan, engine_record
+
+    tokens = speculation.drafts + 1
+    for stage, (engine, export) in enumerate(zip(engines, exports, strict=True)):
+        plan = binding_plan(export, engine_record(engine)["profiles"])
+        capacity = json.loads((export / MANIFEST_FILE).read_text())["capacity"]
+        try:
+            plan.profile({"batch": rows, "seq": tokens, "capacity": capacity})
+        except UserError:
+            raise UserError(f"--speculate {speculation.drafts}: a verify call of {rows} rows x {tokens} "
+                            f"tokens fits none of stage {stage}'s engine profiles ({engine}); build it with "
+                            f"[profiles] verify = {{seq = {tokens}}} (build --onnx: --verify-seq {tokens})") \
+                from None
+
+
 def accepted(drafts: list[int], choices: np.ndarray) -> int:
     """How many leading drafts are the greedy choices before them (`choices[i]` follows draft i-1)."""
     count = 0

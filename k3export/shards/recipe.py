@@ -7,7 +7,8 @@
     [stages]    count = 2                 or ranges = [[0, 4], [4, 9]] (0-based, stop-exclusive)
     [cache]     capacity = 256            tokens per sequence; batch = 2 sequences
     [profiles]  prefill = {batch = 2, seq = 64}, decode = {batch = 2}: each optimization profile
-                covers 1 up to these
+                covers 1 up to these; optional verify = {seq = 5}: a third, decode's batch x seq
+                tokens (`run --speculate K`'s calls: seq = K + 1)
     [parallel]  ranks = 8                 optional: GPUs per stage, every stage split over them
                                           (tensor-parallel heads, expert-parallel experts; default 1)
     [links]     stages_gb_per_s = 50      optional, for `plan`: between stages (hosts: InfiniBand), and
@@ -46,7 +47,7 @@ _KEYS: dict[str, set[str]] = {
     "weights": {"seed", "checkpoint", "dtype", "experts"},
     "stages": {"count", "ranges"},
     "cache": {"capacity", "batch"},
-    "profiles": {"prefill", "decode"},
+    "profiles": {"prefill", "decode", "verify"},
     "build": {"backend", "target", "taps", "routing_outputs"},
     "parallel": {"ranks"},
     "links": {"stages_gb_per_s", "ranks_gb_per_s"},
@@ -79,6 +80,7 @@ class Recipe:
     ranks: int = 1  # GPUs per stage (k3export/model/parallel.py); 1: stages are not split
     stages_gb_per_s: float | None = None  # link between stages; None: the plan's default
     ranks_gb_per_s: float | None = None  # link among a stage's ranks (the collectives); None: default
+    verify_seq: int = 0  # tokens a row of the verify profile (run --speculate K: K + 1); 0: none
 
     @property
     def weights(self) -> dict[str, Any]:
@@ -233,6 +235,9 @@ def load_recipe(path: str | Path) -> Recipe:
     prefill_seq = r.integer("profiles.prefill.seq")
     if prefill_seq > capacity:
         raise r.fail("profiles.prefill.seq", f"at most cache.capacity ({capacity})")
+    verify_seq = r.integer("profiles.verify.seq") if r.get("profiles.verify") is not None else 0
+    if verify_seq and not 2 <= verify_seq <= capacity:
+        raise r.fail("profiles.verify.seq", f"2 up to cache.capacity ({capacity}): a token and its drafts")
 
     backend = r.choice("build.backend", BACKENDS)
     target = r.get("build.target")
@@ -258,4 +263,4 @@ def load_recipe(path: str | Path) -> Recipe:
                   backend=backend, target=target, taps=bool(r.get("build.taps")),
                   routing_outputs=bool(r.get("build.routing_outputs")), ranks=ranks,
                   stages_gb_per_s=r.bandwidth("links.stages_gb_per_s"),
-                  ranks_gb_per_s=r.bandwidth("links.ranks_gb_per_s"))
+                  ranks_gb_per_s=r.bandwidth("links.ranks_gb_per_s"), verify_seq=verify_seq)

@@ -177,7 +177,7 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
         if backend in FLAVOURS:
             engine = staged / f"{name.replace('/', '.')}.{recipe.target}.engine"
             # Each profile its own ranges, as served; the cache capacity is the export's.
-            limits = Limits(recipe.prefill_batch, recipe.prefill_seq, recipe.decode_batch)
+            limits = Limits(recipe.prefill_batch, recipe.prefill_seq, recipe.decode_batch, recipe.verify_seq)
             result = build_engine(staged, engine, load_tensorrt(backend), target=recipe.target, limits=limits,
                                   strip=strip, manifest=export)
     files = {f"{name}/{f}": record for f, record in folder.manifest["files"].items()}
@@ -327,7 +327,9 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         "backend": backend, "target": recipe.target if backend != "onnx" else None,
         "dtype": recipe.dtype, "taps": taps, "cache": {"capacity": recipe.capacity, "batch": recipe.batch},
         "profiles": {"prefill": {"batch": recipe.prefill_batch, "seq": recipe.prefill_seq},
-                     "decode": {"batch": recipe.decode_batch}},
+                     "decode": {"batch": recipe.decode_batch},
+                     **({"verify": {"batch": recipe.decode_batch, "seq": recipe.verify_seq}}
+                        if recipe.verify_seq else {})},
         "versions": _versions(backend), "stages": [], "files": {},
     }
     if rank is not None:
