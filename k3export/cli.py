@@ -182,6 +182,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from k3export.check.driver import run_check
 
     extra = {"taps": True} if args.taps else {}
+    if args.speculate:
+        extra["speculate"] = args.speculate
     if args.stage is not None and not args.build:
         raise UserError("--stage: expected --build DIR (one stage of a sharded build, with all its ranks)")
     if args.runner and not args.build:
@@ -232,6 +234,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         from k3export.check.runners.chain import stage_lines
         print("\n".join(stage_lines(report)))
     print(machine_line(report["machine"]))
+    if "speculation" in report:
+        spec = report["speculation"]
+        print(f"speculation: {spec['calls']} calls, {spec['accepted']} of {spec['drafted']} drafts accepted; "
+              f"its tokens are the artifact's plain greedy ones: {spec['streams_identical']}")
     print(verdict)
     if args.report:
         print(f"report: {out.path / 'report.md'}, plots layers.png and steps.png beside it")
@@ -505,6 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
     check.add_argument("--batch", type=positive_int, default=2)
     check.add_argument("--prompt-len", type=positive_int, default=70)
+    check.add_argument("--speculate", type=positive_int, metavar="K",
+                       help="after the prefill, the artifact's speculative decoding with up to K drafts a "
+                       "call (drafts from its own greedy tokens, rejected at moving places): every verify "
+                       "and rollback compared")
     check.add_argument("--json", action="store_true")
     check.add_argument("--kernels", action="store_true", help="with --network: plugin layers launch their "
                        "Triton kernels under the interpreter (slow) instead of the reference ops")

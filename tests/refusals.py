@@ -83,6 +83,10 @@ REFUSALS = [
     Refusal(("check", "--build", "{build}", "--prompt-len", "250", "--steps", "7"),
             "--prompt-len 250 --steps 7: the longest row holds 250 + 7 = 257 tokens",
             lambda p, a: p == "check" and past_capacity(a, p)),
+    Refusal(("check", "--build", "{build}", "--prompt-len", "16", "--steps", "236", "--speculate", "5"),
+            "--speculate 5: the longest row's prompt, its tokens and a call's drafts, 16 + 237 + 5 = 258",
+            lambda p, a: p == "check" and bool(given(a, "speculate"))
+            and a.prompt_len + a.steps + 1 + a.speculate > CAPACITY),
     # build
     Refusal(("build", "--out", "{missing}"), "build: expected --onnx DIR (one export) or a RECIPE",
             lambda p, a: p == "build" and not a.onnx and not a.recipe),

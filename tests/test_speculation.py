@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -378,3 +379,45 @@ def test_run_speculate_on_engines(build, tmp_path, monkeypatch, capsys, verify_s
     assert code == 0 and json.loads(captured.out)["tokens"] == plain["tokens"]
     calls = [profile for e in engines for c in e.contexts for profile, _ in c.calls]
     assert 2 in calls and not any(c.refusals for e in engines for c in e.contexts)
+
+
+def test_check_speculate_passes_a_clean_chain_and_fails_a_perturbed_one(build, tmp_path):
+    """check --build --speculate 4: verify calls and rolled-back calls of the chain's stages compared
+    with the eager chain on the same feeds, the speculative tokens the chain's plain greedy ones; stage
+    1's routed experts' up projection scaled by 1.05 fails it."""
+    from test_parallel_grid import scale_weight
+
+    from k3export.check.runners.chain import run_build_check
+
+    options = {"steps": 20, "prompt_len": 20, "speculate": 4, "log": lambda _: None}
+    report = run_build_check(build, **options)
+    spec = report["speculation"]
+    assert report["passed"] and spec["streams_identical"] and 0 < spec["accepted"] < spec["drafted"]
+    rewound = sum(step["step"] != "prefill" for step in report["steps"])
+    assert rewound == spec["calls"] - 1 and report["token_mismatches"] == 0
+    perturbed = Path(shutil.copytree(build, tmp_path / "perturbed"))
+    scale_weight(perturbed, 1, None, "layers.2.block_sparse_moe.routed_expert_up_proj.weight", 1.05)
+    assert not run_build_check(perturbed, **options)["passed"]
+
+
+def test_check_speculate_names_the_layer_and_call_of_a_broken_rollback(build, monkeypatch):
+    """The chain's ONNX Runtime stages with a rollback that takes nothing back (the eager side's is
+    whole): the first call after a rejection fails, naming the KDA caches of the layers it ran on."""
+    from k3export.check.runners.chain import run_build_check
+
+    class NoRollback(onnx_runner.Rollback):
+        def rewind(self, caches, cache_lengths, name):
+            pass
+
+    real_reset = BoundOnnxrtRunner.reset
+
+    def reset(self, batch, rows=None):
+        real_reset(self, batch, rows)
+        self.rollback = NoRollback(self.rollback.before, self.rollback.after)
+
+    monkeypatch.setattr(BoundOnnxrtRunner, "reset", reset)
+    report = run_build_check(build, steps=20, prompt_len=20, speculate=4, log=lambda _: None)
+    assert not report["passed"]
+    failed = [s for s in report["steps"] if not all(o["passed"] for o in s["outputs"])]
+    names = {o["name"] for o in failed[0]["outputs"] if not o["passed"]}
+    assert failed[0]["step"].startswith("decode") and {"present.0.kda_state", "present.1.kda_state"} <= names

@@ -62,6 +62,7 @@ from k3export.check.compare import (
 from k3export.check.machine import machine
 from k3export.check.routing import routing_outputs
 from k3export.check.runners.eager import EagerSide, carried, plan_eager, require_fits_disk
+from k3export.check.speculative import SpeculativeRequests, require_speculation_fits
 from k3export.check.taps import compare_taps, first_divergent
 from k3export.config import K3Config
 from k3export.errors import UserError
@@ -161,13 +162,14 @@ def planned(export_dir: Path, taps: bool, batch: int, prompt_len: int,
 def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
               prompt_len: int = 70, log: Any = print, taps: bool = False,
               graph_runner: Callable[[Signature, list[str]], StatefulRunner] | None = None,
-              eager: str = AUTO) -> dict[str, Any]:
+              eager: str = AUTO, speculate: int = 0) -> dict[str, Any]:
     """A prefill of `batch` prompts of different lengths (the longest `prompt_len`), right-padded,
     then `steps` decode steps, ONNX Runtime against eager; returns the report (see "passed"). The
     replay files and the report go to DIR/check (a folder of check's own, replaced each run).
     `taps`: also compare the export's taps (export --taps) and name the first divergent layer.
     `graph_runner(signature, extra outputs)`: the artifact's runner in place of ONNX Runtime
-    (check --engine). `eager`: how the eager side runs (k3export.check.runners.eager.plan_eager)."""
+    (check --engine). `eager`: how the eager side runs (k3export.check.runners.eager.plan_eager).
+    `speculate`: K, speculative decoding's requests (k3export.check.speculative) after the prefill."""
     onnx_dir = Path(onnx_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING  # Polygraphy prints every tensor's metadata at INFO
     manifest, config, lengths = planned(onnx_dir, taps, batch, prompt_len, steps)
@@ -186,7 +188,7 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
             graph_runner or (lambda sig, extra: BoundOnnxrtRunner(graph, sig, extra_outputs=extra)),
             steps, seed, lengths, log, taps,
             on_prefill=(lambda feed, golden: _save_replay(stage, signature, feed, golden, len(lengths)))
-            if replayable else None, eager=eager)
+            if replayable else None, eager=eager, speculate=speculate)
         report["aliased"] = dict(session.aliased)
         if replayable:
             report["polygraphy_command"] = _replay_command(onnx_dir, manifest["dtype"], report)
@@ -332,7 +334,8 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
                        routing: list[str] | None = None,
                        on_step: Callable[[int, dict[str, Any]], None] | None = None,
                        stages: list[dict[str, Any]] | None = None, eager: str = AUTO,
-                       feeds: list[Arrays] | None = None) -> tuple[dict[str, Any], StatefulRunner]:
+                       feeds: list[Arrays] | None = None,
+                       speculate: int = 0) -> tuple[dict[str, Any], StatefulRunner]:
     """The one check driver, for every backend: `graph_runner(signature, extra_outputs)` (ONNX
     Runtime, the parsed TensorRT network, a chain of stages) against the eager model, and for half
     precision the eager float32 model, on the same requests: a prefill of right-padded prompts of
@@ -349,7 +352,9 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     included, and the graph's runner.
 
     For a chain of stages (check --build) `stages` are its stages' export.json (the in-memory spans)
-    and `on_step(index, step)` is called with each step's report entry once judged (to add columns)."""
+    and `on_step(index, step)` is called with each step's report entry once judged (to add columns).
+    `speculate` K: the requests after the prefill are the artifact's speculative decoding's, with K
+    drafts a call (k3export.check.speculative); report["speculation"] says what they were."""
     dtype = manifest["dtype"]
     tolerance = TOLERANCES[dtype]
     layers = range(*manifest["layers"])
@@ -360,6 +365,9 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
         f"prompts of {lengths} tokens, cache capacity {signature.capacity}")
     plan = plan_eager(eager, config, dtype, weights, [range(*m["layers"]) for m in stages or [manifest]])
     log(plan.line())
+    speculative = SpeculativeRequests(speculate, config.vocab_size) if speculate else None
+    if speculative:
+        require_speculation_fits(speculate, max(lengths), steps, signature.capacity)
     require_fits_disk(recording_bytes(signature, lengths, steps, taps), tempfile.gettempdir(), "check")
     check_weights(config, getattr(torch, dtype), weights, layers)  # every layer's tensors, before any runs
     # Where the graph's expert choices are read: its own outputs (export --routing-outputs), or
@@ -376,7 +384,7 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     recording = Recording()
     try:
         streams = [_run_artifact(graph_side, signature, recording, held, steps, seed, lengths,
-                                 config.vocab_size, taps, feeds), []]
+                                 config.vocab_size, taps, feeds, speculative), []]
         stats = [StepStats(tolerance) for _ in recording.steps]
         tap_values: list[list[Arrays]] = [[r.valid] for r in recording.steps]  # per step: artifact, eager..
         golden: Arrays = {}
@@ -434,6 +442,9 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     report["tokens_from"] = "the artifact's greedy tokens" if streams[0] and not feeds else "drawn at random"
     report["routing_flips"] = sum(side.flips.get("eager", [])) if routing else 0
     report["greedy_streams_identical"] = streams[0] == streams[1]
+    if speculative:
+        report["speculation"] = speculative.summary()
+        report["passed"] = report["passed"] and speculative.streams_identical
     if taps:
         report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
     return report, graph_side
@@ -441,14 +452,19 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
 
 def _run_artifact(runner: StatefulRunner, signature: Signature, recording: Recording, held: dict[str, int],
                   steps: int, seed: int, lengths: list[int], vocab: int, taps: bool,
-                  feeds: list[Arrays] | None) -> list[list[int]]:
-    """The artifact over every step, recorded; returns its greedy tokens per step (none without logits)."""
+                  feeds: list[Arrays] | None,
+                  speculative: SpeculativeRequests | None = None) -> list[list[int]]:
+    """The artifact over every step, recorded; returns its greedy tokens per step (none without logits).
+    `speculative`: the steps are the requests it makes with the runner first."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     feed = feeds[0] if feeds else first_request(signature, lengths, vocab, gen)
     kept = signature.compared + (signature.taps if taps else [])
     stream = []
     with runner:
+        if speculative:
+            feeds = speculative.feeds(runner, feed, steps)
+            steps = len(feeds) - 1
         runner.reset(batch)
         for step in track(range(steps + 1), "check: the artifact's prefill and decode steps"):
             out = runner.infer(feed, check_inputs=False)

@@ -177,7 +177,8 @@ def prefix_feeds(build_dir: Path, folders: list[list[Path]], stage: int, signatu
 
 def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch: int = 2,
                     prompt_len: int = 70, log: Any = print, taps: bool = False,
-                    runner: str | None = None, stage: int | None = None, eager: str = AUTO) -> dict[str, Any]:
+                    runner: str | None = None, stage: int | None = None, eager: str = AUTO,
+                    speculate: int = 0) -> dict[str, Any]:
     """The chain of the build's stages (`stage`: that stage alone) against the eager model run
     as the same chain, through check's driver; returns the driver's report (steps, verdict, and
     with `taps` the taps and first divergent layer, its "stage" added) with "stages" (layer ranges),
@@ -186,7 +187,8 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     build split over ranks adds "ranks", per step "ranks" (grid.rank_entries), "first_divergent_rank"
     (None if none) and "ranks_differ" (replicated outputs that differ from rank 0's: a failure).
     A stage alone (not the first) takes the boundary the eager model of the layers before it computes
-    (prefix_feeds), and random tokens at every step."""
+    (prefix_feeds), and random tokens at every step. `speculate` K: speculative decoding's requests
+    (k3export.check.speculative), the chain's stages each rolling back on its own."""
     build_dir = Path(build_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
     folders = stage_ranks(build_dir)
@@ -258,7 +260,7 @@ def run_build_check(build_dir: str | Path, steps: int = 16, seed: int = 0, batch
     report, runner = compare_with_eager(
         manifest, config, None, graph_runner, steps, seed, lengths, log, taps,
         routing=[stage_output(i, name) for i, names in enumerate(routing) for name in names], on_step=on_step,
-        stages=stage_manifests, eager=eager, feeds=feeds)
+        stages=stage_manifests, eager=eager, feeds=feeds, speculate=speculate)
     report["aliased"] = dict(runner.aliased)
     held = {name for names in routing for name in names}
     if held:  # where the tensors held were read, by their names

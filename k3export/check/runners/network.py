@@ -50,13 +50,14 @@ class NetworkRunner(StatefulRunner):
 def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, batch: int = 2,
                       prompt_len: int = 70, log: Any = print,
                       net: ParsedNetwork | None = None, taps: bool = False,
-                      kernels: bool = False, eager: str = AUTO) -> dict[str, Any]:
+                      kernels: bool = False, eager: str = AUTO, speculate: int = 0) -> dict[str, Any]:
     """The parsed network against the eager model through check's one driver (the same requests,
     bounds, held routing and verdict as `check --onnx`). Returns the report (see "passed"). `net`:
     an already parsed network (tests alter one after parsing). `taps`: also compare the export's
     taps and name the first divergent layer (report["taps"]). `kernels`: plugin layers launch their
     Triton kernels (TRITON_INTERPRET=1 must be set before triton is first imported; the cli does it)
-    instead of the reference ops. `eager`: how the eager side runs (check.runners.eager.plan_eager)."""
+    instead of the reference ops. `eager`: how the eager side runs (check.runners.eager.plan_eager).
+    `speculate` K: speculative decoding's requests (k3export.check.speculative)."""
     export_dir = Path(export_dir)
     G_LOGGER.module_severity = G_LOGGER.WARNING
     manifest, config, lengths = planned(export_dir, taps, batch, prompt_len, steps)
@@ -68,7 +69,7 @@ def run_network_check(export_dir: str | Path, steps: int = 4, seed: int = 0, bat
     report, runner = compare_with_eager(
         manifest, config, export_dir / GRAPH_FILE,
         lambda signature, extra: NetworkRunner(net, signature, extra_outputs=extra),
-        steps, seed, lengths, log, taps, eager=eager)
+        steps, seed, lengths, log, taps, eager=eager, speculate=speculate)
     report["network"] = {"layers": layers, "seconds": runner.seconds,
                          "seconds_by_layer_type": runner.layer_seconds,
                          "plugins": "triton kernels" if net.kernels else "reference ops",
