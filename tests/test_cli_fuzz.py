@@ -257,12 +257,7 @@ def argument_vectors(draw: st.DrawFn) -> Vector:
         chosen += [a for a in actions if a.required and a.option_strings and draw(st.integers(0, 9))]
     optional = [a for a in actions if a.option_strings and not a.required]
     chosen += draw(st.lists(st.sampled_from(optional), max_size=1 if based else 3)) if optional else []
-    drawn: list[tuple[argparse.Action, str | None]] = []
-    for action in chosen:
-        argv.append(draw(st.sampled_from(action.option_strings)))
-        value = None if action.nargs == 0 else draw(values(action))
-        argv += [] if value is None else [value]
-        drawn.append((action, value))
+    drawn = with_options(draw, argv, chosen)
     for action in actions:
         if not action.option_strings and not based and (action.nargs != "?" or action is spotlight
                                                          or draw(st.booleans())):
@@ -270,6 +265,36 @@ def argument_vectors(draw: st.DrawFn) -> Vector:
             argv.append(drawn[-1][1])
     return Vector(program, parser, argv if program == "runtime" else [program, *argv], drawn,
                   given + [a for a, _ in drawn])
+
+
+def with_options(draw: st.DrawFn, argv: list[str], actions: list[argparse.Action]
+                 ) -> list[tuple[argparse.Action, str | None]]:
+    """Appends each of `actions` to `argv`, by one of its names, with a value drawn for it; returns
+    each with its value."""
+    drawn: list[tuple[argparse.Action, str | None]] = []
+    for action in actions:
+        argv.append(draw(st.sampled_from(action.option_strings)))
+        value = None if action.nargs == 0 else draw(values(action))
+        argv += [] if value is None else [value]
+        drawn.append((action, value))
+    return drawn
+
+
+@st.composite
+def refusal_vectors(draw: st.DrawFn) -> Vector:
+    """A refusal's example (tests/refusals.py) with one or two other options of its program added, so
+    that the oracle meets each refusal's trigger among other options, not only as the table wrote it."""
+    program, *argv = draw(st.sampled_from(REFUSALS)).argv
+    parser = programs()[program]
+    options = [a for a in drawable(parser) if a.option_strings]
+    given = [a for a in options if set(a.option_strings) & set(argv)]
+    drawn = with_options(draw, argv, draw(st.lists(st.sampled_from(options), min_size=1, max_size=2)))
+    return Vector(program, parser, [program, *argv], drawn, given + [a for a, _ in drawn])
+
+
+def commands() -> st.SearchStrategy[Vector]:
+    """What the fuzz draws: commands from the parsers' tables, and as often a refusal's example grown."""
+    return st.one_of(argument_vectors(), refusal_vectors())
 
 
 def refused_by_its_type(action: argparse.Action, value: str | None) -> bool:
@@ -356,16 +381,18 @@ def with_the_sweep(test: Callable[..., None]) -> Callable[..., None]:
 
 # The programs whose examples reached their work (exit 0), as they ran.
 REACHED: set[str] = set()
-# The generator's draws that test_the_generator_draws_every_option measures (drawn, not run: a few ms each);
-# with check --eager/--stage and plan --host-gb added, 1000 left two of build's options undrawn (2026-12-02).
-GENERATOR_DRAWS = 1200
+# The generator's draws that test_the_generator_draws_every_option_and_refusal measures (drawn, not run: a
+# few ms each), half of them refusals' examples grown: with check --eager/--stage and plan --host-gb added,
+# 1000 of the other half left two of build's options undrawn (2026-12-02); of 1200 refusal draws, the
+# least drawn refusal applied beyond its example 10 times (2026-12-07).
+GENERATOR_DRAWS = 2400
 
 
 @settings(max_examples=int(os.environ.get("K3EXPORT_FUZZ_EXAMPLES", 300)), derandomize=True,
           deadline=timedelta(seconds=60), database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @with_the_sweep
-@given(vector=argument_vectors())
+@given(vector=commands())
 def test_every_option_value_ends_in_exit_0_or_2(paths: dict[str, str], vector: Vector) -> None:
     argv = [paths.get(a, a) for a in vector.argv]
     drawn = [(action, paths.get(value, value) if value else value) for action, value in vector.drawn]
@@ -404,21 +431,35 @@ def test_the_fuzz_reaches_every_subcommand(paths: dict[str, str]) -> None:
     assert not plain, f"numeric options without a range (use k3export.options' types): {plain}"
 
 
-def test_the_generator_draws_every_option() -> None:
+def test_the_generator_draws_every_option_and_refusal(paths: dict[str, str]) -> None:
     """Every option and positional of every parser (but those in NOT_DRAWN) is drawn by the generator
-    itself within GENERATOR_DRAWS derandomized draws, so that no option is left to the sweep alone."""
+    itself within GENERATOR_DRAWS derandomized draws, so that no option is left to the sweep alone; and
+    every refusal applies to some drawn command other than its own example (its trigger among other
+    options), so that the oracle tries each beyond the one command the table names."""
     drawn: dict[str, set[str]] = collections.defaultdict(set)
+    applied: set[tuple[str, ...]] = set()
 
     @settings(max_examples=GENERATOR_DRAWS, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(vector=argument_vectors())
+    @given(vector=commands())
     def record(vector: Vector) -> None:
         drawn[vector.program] |= {named(action) for action, _ in vector.drawn}
+        argv = [paths.get(a, a) for a in vector.argv]
+        applied.update(r.argv for r in refusals_for(vector, argv) if tuple(vector.argv) != r.argv)
 
     record()
     missed = {program: sorted({named(a) for a in drawable(parser)} - drawn[program])
               for program, parser in programs().items()}
     assert not any(missed.values()), f"never drawn: {missed}"
+    assert not [r.argv for r in REFUSALS if r.argv not in applied], "refusals drawn only as their example"
+
+
+@pytest.mark.parametrize("refusal", REFUSALS, ids=lambda r: " ".join(r.argv))
+def test_each_refusals_example_is_one_it_applies_to(paths: dict[str, str], refusal: Refusal) -> None:
+    """A refusal's example is refused by the CLI (the fuzz runs it); here its own predicate must say so
+    too, so that the oracle, which reads the predicates, holds the CLI to it."""
+    program, *argv = refusal.argv
+    assert refusal.applies(program, programs()[program].parse_args([paths.get(a, a) for a in argv]))
 
 
 # -- the defects found, each pinned ------------------------------------------------------------------
