@@ -1,8 +1,8 @@
 """Speculative decoding (runtime.speculation, runtime.drafts) and the rollback every runner shares
 (onnx.runner.Rollback), on k3-tiny's 3-layer cut (2 KDA layers, 1 MLA layer) built in 2 stages. The
-reference is the eager model's plain greedy decoding, each prompt alone; drafts come from the test's
-own drafters (the true continuation, with a wrong token where a row should reject) and from the n-gram
-and suffix drafters."""
+reference is the eager model's plain greedy decoding, each prompt alone; drafts are that continuation
+(runtime.drafts.ContinuationDrafter, with a wrong token where a row should reject) or the n-gram and
+suffix drafters'."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from k3export.onnx.export import ExportGraph
 from k3export.onnx.runner import BoundOnnxrtRunner, Signature
 from k3export.runtime import Pipeline, stage_exports
 from k3export.runtime import speculation as speculation_module
-from k3export.runtime.drafts import NgramDrafter, SuffixDrafter, earlier_match
+from k3export.runtime.drafts import ContinuationDrafter, NgramDrafter, SuffixDrafter, earlier_match
 from k3export.runtime.speculation import Speculation, speculate
 from k3export.shards.plan import rollback_bytes
 from k3export.shards.recipe import load_recipe
@@ -71,22 +71,7 @@ def greedy(model: K3ForCausalLM, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-class TrueDrafter:
-    """Drafts the row's true continuation (`truth`: prompt and reference tokens), with the draft at
-    `wrong(n)` replaced by another token (n: the text's length; None: every draft right), so that the
-    row accepts exactly that many."""
-
-    def __init__(self, truth: list[int], wrong) -> None:
-        self.truth, self.wrong = truth, wrong
-
-    def propose(self, text: list[int], count: int) -> list[int]:
-        drafts = self.truth[len(text):len(text) + count]
-        at = self.wrong(len(text))
-        if at is not None and at < len(drafts):
-            drafts[at] = (drafts[at] + 1) % VOCAB
-        return drafts
-
-
+# Where a row's draft is wrong, by the length of its text: nowhere (it accepts all of K), first (none).
 def every_right(n: int) -> None:
     return None
 
@@ -146,7 +131,7 @@ def test_rows_accepting_none_some_and_all_give_plain_greedy_tokens(build, model,
     exactly as drawn."""
     lengths = (13, 5, 30)
     prompts, expected = prompts_of(lengths), references[lengths]
-    drafters = [TrueDrafter(p + e, wrong) for p, e, wrong in
+    drafters = [ContinuationDrafter(p + e, VOCAB, wrong) for p, e, wrong in
                 zip(prompts, expected, (every_right, first_wrong, varying), strict=True)]
     result = run_speculation(build, model, prompts, drafters, 4, micro_batches, eager)
     assert result.tokens == expected
@@ -159,7 +144,7 @@ def test_long_verifies_cross_kda_chunks_from_unaligned_lengths(build, model, ref
     16-token chunks) span two or three chunks; rows reject at varying places and re-feed up to 17."""
     lengths = (13, 29)
     prompts, expected = prompts_of(lengths), references[lengths]
-    drafters = [TrueDrafter(p + e, lambda n: None if n % 3 == 0 else n % 17)
+    drafters = [ContinuationDrafter(p + e, VOCAB, lambda n: None if n % 3 == 0 else n % 17)
                 for p, e in zip(prompts, expected, strict=True)]
     result = run_speculation(build, model, prompts, drafters, 16, eager=eager)
     assert result.tokens == expected
@@ -172,7 +157,7 @@ def test_a_broken_rollback_gives_other_tokens(build, model, references, monkeypa
     prompts, expected = prompts_of(lengths), references[lengths]
 
     def drafters():
-        return [TrueDrafter(p + e, varying) for p, e in zip(prompts, expected, strict=True)]
+        return [ContinuationDrafter(p + e, VOCAB, varying) for p, e in zip(prompts, expected, strict=True)]
 
     with monkeypatch.context() as patch:
         patch.setattr(onnx_runner.Rollback, "rewind", lambda self, caches, lengths, name: None)

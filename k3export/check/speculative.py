@@ -22,28 +22,12 @@ import numpy as np
 
 from k3export.errors import UserError
 from k3export.onnx.runner import StatefulRunner
+from k3export.runtime.drafts import ContinuationDrafter
 from k3export.runtime.schedule import MicroBatch
 from k3export.runtime.speculation import Speculation
 
 Arrays = dict[str, np.ndarray]
-CYCLE = 7  # a row's wrong draft sits at (its text's length + row) % CYCLE: past K for some calls
-
-
-@dataclass
-class ContinuationDrafter:
-    """Drafts the row's known continuation (`truth`: prompt and plain greedy tokens) with the draft at
-    (len(text) + row) % CYCLE replaced by another token (none when that is past the drafts)."""
-
-    truth: list[int]
-    row: int
-    vocab: int
-
-    def propose(self, text: list[int], count: int) -> list[int]:
-        drafts = self.truth[len(text):len(text) + count]
-        wrong = (len(text) + self.row) % CYCLE
-        if wrong < len(drafts):
-            drafts[wrong] = (drafts[wrong] + 1) % self.vocab
-        return drafts
+CYCLE = 7  # row r's wrong draft sits at (its text's length + r) % CYCLE: past K for some calls
 
 
 def require_speculation_fits(drafts: int, prompt_len: int, steps: int, capacity: int) -> None:
@@ -75,8 +59,8 @@ class SpeculativeRequests:
         lengths = prefill["input_lengths"]
         prompts = [row[:n].tolist() for row, n in zip(prefill["input_ids"], lengths, strict=True)]
         plain = self.greedy(runner, prefill, steps)
-        drafters = [ContinuationDrafter(p + c, r, self.vocab) for r, (p, c) in enumerate(zip(prompts, plain,
-                                                                                            strict=True))]
+        drafters = [ContinuationDrafter(p + c, self.vocab, lambda n, r=r: (n + r) % CYCLE)
+                    for r, (p, c) in enumerate(zip(prompts, plain, strict=True))]
         speculation = Speculation(prompts, steps + 1, drafters, self.drafts)
         batch = MicroBatch.of(0, range(len(prompts)), prompts)
         runner.reset(len(prompts))

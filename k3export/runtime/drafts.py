@@ -104,4 +104,22 @@ class SuffixDrafter:
         return list(text[end + 1:end + 1 + count]) if length else []
 
 
+@dataclass
+class ContinuationDrafter:
+    """Drafts a known continuation (`truth`: the prompt and its plain greedy tokens), with the draft at
+    `wrong(len(text))` (None: none) replaced by another token of the `vocab`: the oracle (every draft
+    accepted) and rejections placed where they are wanted, for check --speculate and the benchmark."""
+
+    truth: list[int]
+    vocab: int
+    wrong: Callable[[int], int | None] = lambda n: None
+
+    def propose(self, text: Sequence[int], count: int) -> list[int]:
+        drafts = self.truth[len(text):len(text) + count]
+        at = self.wrong(len(text))
+        if at is not None and at < len(drafts):
+            drafts[at] = (drafts[at] + 1) % self.vocab
+        return drafts
+
+
 DRAFTS: dict[str, Callable[[], Drafter]] = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
