@@ -29,8 +29,9 @@ from reference import assert_eager_ran, without_headroom
 
 from k3export.artifacts import file_record, verify
 from k3export.check.compare import TOLERANCES, top1_agreement
-from k3export.check.runners.chain import run_build_check
-from k3export.check.runners.eager import EagerRunner
+from k3export.check.driver import valid_entries
+from k3export.check.runners.chain import prefix_feeds, run_build_check
+from k3export.check.runners.eager import EagerRunner, EagerSide
 from k3export.cli import main
 from k3export.errors import UserError
 from k3export.onnx.export import ExportGraph
@@ -44,6 +45,7 @@ from k3export.runtime import (
     generate,
     random_prompts,
     stage_exports,
+    stage_ranks,
 )
 from k3export.runtime.faults import SILENCE_SECONDS, FaultBoard, process_name
 from k3export.runtime.schedule import default_micro_batches, last_positions, split_rows
@@ -526,17 +528,19 @@ def test_check_build_names_the_divergent_stage(onnx_build, tmp_path: Path) -> No
 
 
 def test_check_build_a_stage_at_a_time(onnx_build, tmp_path: Path) -> None:
-    """check --build --stage I: stage I's outputs alone, against the eager model of its layers, its
-    input boundary computed by the eager model of the layers before it (streamed). Stage 0's prefill
-    is the whole chain's, number for number (the same tokens into the same graph and model); a later
-    stage takes the eager boundary where the chain feeds its own stage's, so its numbers differ in the
-    last bits and it passes the same bound. A perturbed stage alone fails, and is named."""
+    """check --build --stage I: stage I's outputs alone over a prefill and 2 decode steps, against the
+    eager model of its layers, its input boundary computed by the eager model of the layers before it
+    (streamed). Stage 0's prefill is the whole chain's, number for number (the same tokens into the
+    same graph and model); a later stage takes the eager boundary where the chain feeds its own stage's,
+    so its numbers differ in the last bits and it passes the same bound. A perturbed stage alone fails,
+    and is named."""
     out, _ = onnx_build
     chain = run_build_check(out, steps=0, batch=2, prompt_len=12, log=lambda _: None)
     for i in (0, 2):
-        alone = run_build_check(out, steps=0, batch=2, prompt_len=12, log=lambda _: None, stage=i,
+        alone = run_build_check(out, steps=2, batch=2, prompt_len=12, log=lambda _: None, stage=i,
                                 eager="streamed")
         assert alone["passed"] and alone["stage_numbers"] == [i] and alone["first_divergent_stage"] is None
+        assert [s["step"] for s in alone["steps"]] == ["prefill", "decode 1", "decode 2"]
         outputs = json.loads((out / stage_folder(i) / "export.json").read_text())["outputs"]
         theirs = {c["name"]: c for c in alone["steps"][0]["outputs"]}
         assert set(theirs) == {s["name"] for s in outputs if not s["name"].startswith("taps.")}
@@ -550,6 +554,38 @@ def test_check_build_a_stage_at_a_time(onnx_build, tmp_path: Path) -> None:
     report = run_build_check(bad, steps=0, batch=2, prompt_len=12, log=lambda _: None, stage=1,
                              eager="streamed")
     assert not report["passed"] and report["first_divergent_stage"] == 1
+
+
+def test_a_stage_alones_boundary_is_the_chains(onnx_build, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The boundary a stage checked alone takes (prefix_feeds: the eager model of the layers before it)
+    against the chain's own stages before it on the same tokens, prefill and 2 decode steps: within
+    float32's bound on every valid entry, not equal (measured about 1e-6 relative). A boundary from
+    the wrong layers or weights would cancel out in the check itself (the artifact and the eager side
+    take the same feeds); here it cannot."""
+    out, _ = onnx_build
+    folders, exports = stage_ranks(out), stage_exports(out)
+    requests: list[dict[str, np.ndarray]] = []
+    run = EagerSide.run
+    monkeypatch.setattr(EagerSide, "run",
+                        lambda side, feeds, *rest: requests.extend(feeds) or run(side, feeds, *rest))
+    signature = Signature(json.loads((exports[2] / "export.json").read_text()))
+    boundaries = prefix_feeds(out, folders, 2, signature, 2, 0, [12, 7], "streamed", lambda _: None)
+    pipeline = Pipeline(exports[:2])
+    try:
+        pipeline.reset(2)
+        chained = [pipeline(request) for request in requests]
+    finally:
+        pipeline.close()
+    passed = [s for s in Signature(json.loads((exports[1] / "export.json").read_text())).outputs
+              if s.name in {f.name for f in signature.feeds}]
+    assert passed and len(chained) == len(boundaries) == 3
+    for request, ours, theirs in zip(requests, chained, boundaries, strict=True):
+        after = request["cache_lengths"] + request["input_lengths"]
+        for spec in passed:
+            a, b = (valid_entries(spec, x[spec.name], after, request["input_lengths"])
+                    for x in (ours, theirs))
+            error = np.linalg.norm(a - b) / np.linalg.norm(b)
+            assert 0 < error < TOLERANCES["float32"].rel, (spec.name, error)
 
 
 def test_the_documented_build_check(onnx_build, capsys) -> None:
