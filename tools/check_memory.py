@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from k3export.config import K3Config
-from k3export.options import IN_MEMORY, STREAMED, available_memory, integer
+from k3export.options import AUTO, IN_MEMORY, STREAMED, available_memory, integer
 
 
 def published_widths(layers: int) -> K3Config:
@@ -59,7 +59,8 @@ def child(command: list[str], output: Path) -> tuple[int, int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=integer(1, 93), nargs="+", default=[2, 3, 4, 5])
-    parser.add_argument("--eager", nargs="+", choices=[IN_MEMORY, STREAMED], default=[IN_MEMORY, STREAMED])
+    parser.add_argument("--eager", nargs="+", choices=[IN_MEMORY, STREAMED, AUTO],
+                        default=[IN_MEMORY, STREAMED])
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     args = parser.parse_args()
     cli = [sys.executable, "-m", "k3export"]
@@ -81,6 +82,7 @@ def main() -> None:
                 if code in (0, 1):
                     report = json.loads((work / "report.json").read_text())
                     eager, verdict = report["eager"]["peak_memory"] / 1e9, "PASSED" if code == 0 else "FAILED"
+                    mode = f"{mode} ({report['eager']['mode']})" if mode == AUTO else mode
                 else:
                     eager = float("nan")
                     said = ((work / "report.err").read_text().strip().splitlines() or [""])[-1]
