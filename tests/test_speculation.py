@@ -35,6 +35,7 @@ from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
 
 VOCAB = 256
+TINY_RECIPE = Path(__file__).resolve().parents[1] / "engines/k3-tiny.toml"
 NEW_TOKENS = 20
 
 
@@ -406,3 +407,16 @@ def test_check_speculate_names_the_layer_and_call_of_a_broken_rollback(build, mo
     failed = [s for s in report["steps"] if not all(o["passed"] for o in s["outputs"])]
     names = {o["name"] for o in failed[0]["outputs"] if not o["passed"]}
     assert failed[0]["step"].startswith("decode") and {"present.0.kda_state", "present.1.kda_state"} <= names
+
+
+def test_plan_sizes_the_verify_profile(tmp_path):
+    """A recipe's verify profile (decode's 2 rows x 5 tokens) holds 5 times the decode profile's
+    activations in `plan`, which prints them beside the prefill's and decode's."""
+    from k3export.shards.plan import format_plan, plan_recipe
+
+    decode = "decode = { batch = 2 }"
+    text = TINY_RECIPE.read_text().replace(decode, decode + "\nverify = { seq = 5 }")
+    (tmp_path / "verify.toml").write_text(text)
+    plan = plan_recipe(load_recipe(tmp_path / "verify.toml"))
+    assert all(s.verify_activation_bytes == 5 * s.decode_activation_bytes > 0 for s in plan.stages)
+    assert f"verify {plan.stages[0].verify_activation_bytes / 1e9:.2f} GB" in format_plan(plan)

@@ -175,6 +175,7 @@ class Stage(GpuMemory):
     activation_bytes: int  # estimate at the largest prefill (the prefill profile's)
     cache_bytes: int  # capacity x batch
     decode_activation_bytes: int  # the same estimate at the decode profile's batch x 1 tokens
+    verify_activation_bytes: int  # and at the verify profile's batch x seq tokens (0: none)
     # check --build / --engine: the eager reference runs on the host's CPU, never beside the engine on
     # its GPU: the stage's weights, and for half precision its float32 model's too (MXFP4 experts stay
     # packed in both); streamed (check --eager streamed), one layer's at a time, the heaviest of its
@@ -201,6 +202,7 @@ class Plan:
     batch: int  # sequences the cache holds
     prefill_tokens: int  # batch x seq of the largest prefill
     decode_tokens: int  # the decode profile's batch
+    verify_tokens: int  # the verify profile's batch x seq (0: none)
     link_gb_per_s: float
     stages: list[Stage]
     heaviest_layer_bytes: int  # the granularity the balance bound allows
@@ -227,7 +229,8 @@ class Plan:
                            "check_host": s.check_host_bytes,
                            "check_host_streamed": s.check_streamed_host_bytes,
                            "activations_by_profile": {"prefill": s.activation_bytes,
-                                                      "decode": s.decode_activation_bytes}},
+                                                      "decode": s.decode_activation_bytes,
+                                                      "verify": s.verify_activation_bytes}},
             } for s in self.stages],
         }
 
@@ -279,7 +282,7 @@ def _tensors(specs: list[Any]) -> list[Tensor]:
 
 def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype: str,
               packed_experts: bool = False, context: int = 131072, batch: int = 1,
-              prefill_tokens: int = 1024, decode_tokens: int = 1,
+              prefill_tokens: int = 1024, decode_tokens: int = 1, verify_tokens: int = 0,
               link_gb_per_s: float = LINK_GB_PER_S) -> Plan:
     """A plan over `config`: `stages` a count (balanced ranges) or the ranges themselves."""
     from k3export.onnx.export import graph_signature  # the graph's own names and shapes
@@ -311,10 +314,11 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
             seconds_per_token_sent=sent / (link_gb_per_s * 1e9),
             activation_bytes=prefill_tokens * (in_out + working), cache_bytes=per_sequence * batch,
             decode_activation_bytes=decode_tokens * (in_out + working),
+            verify_activation_bytes=verify_tokens * (in_out + working),
             check_host_bytes=sum(checked[i] for i in layers),
             check_streamed_host_bytes=max([checked[i] for i in layers] + load.weight_bytes[:layers.start])))
     return Plan(model, config, dtype, packed_experts, context, batch, prefill_tokens, decode_tokens,
-                link_gb_per_s, result, max(load.weight_bytes))
+                verify_tokens, link_gb_per_s, result, max(load.weight_bytes))
 
 
 def plan_recipe(recipe: Any, link_gb_per_s: float | None = None) -> Plan:
@@ -325,7 +329,7 @@ def plan_recipe(recipe: Any, link_gb_per_s: float | None = None) -> Plan:
                      model=model, dtype=recipe.dtype, packed_experts=recipe.packed_experts,
                      context=recipe.capacity, batch=recipe.batch,
                      prefill_tokens=recipe.prefill_batch * recipe.prefill_seq,
-                     decode_tokens=recipe.decode_batch,
+                     decode_tokens=recipe.decode_batch, verify_tokens=recipe.decode_batch * recipe.verify_seq,
                      link_gb_per_s=link_gb_per_s or recipe.stages_gb_per_s or LINK_GB_PER_S)
 
 
@@ -376,7 +380,9 @@ def format_plan(plan: Plan) -> str:
         "activations per engine profile (each profile's execution context holds its own; the table's are "
         "the prefill profile's): " + ", ".join(
             f"stage {s.index} prefill {_gb(s.activation_bytes)} GB, decode "
-            f"{_gb(s.decode_activation_bytes)} GB" for s in plan.stages),
+            f"{_gb(s.decode_activation_bytes)} GB"
+            + (f", verify {_gb(s.verify_activation_bytes)} GB" if plan.verify_tokens else "")
+            for s in plan.stages),
         "host memory to build a stage (one process, peak resident; of it anonymous): " + ", ".join(
             f"stage {s.index} {_gb(s.build_host_bytes)} GB ({_gb(s.build_anon_bytes)} GB)"
             for s in plan.stages)
