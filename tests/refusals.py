@@ -125,7 +125,7 @@ REFUSALS = [
             "--max-seq: expected --onnx DIR with it", lambda p, a: p == "build" and bool(a.recipe)
             and any(v is not None for v in (a.max_batch, a.max_seq, a.decode_batch, a.verify_seq))),
     Refusal(("build", "--onnx", "{export}", "--verify-seq", "1", "--out", "{missing}"),
-            "--verify-seq 1: expected 2 <= seq <= the export's capacity 256", lambda p, a: p == "build"
+            "--verify-seq 1: expected 2 <= seq <= the export's capacity", lambda p, a: p == "build"
             and onnx_build(a) and a.verify_seq is not None and not 2 <= a.verify_seq <= CAPACITY),
     Refusal(("build", "{recipe}", "--rank", "0", "--stage", "0", "--out", "{missing}"),
             "--rank 0: ", lambda p, a: p == "build" and bool(a.recipe) and a.rank is not None),
