@@ -505,8 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "of its layers, its input boundary computed by the eager model of the layers before")
     check.add_argument("--eager", choices=EAGER_MODES, default=AUTO,
                        help="how the eager side runs: streamed (one layer's weights at a time, over every "
-                       "step), in-memory (one stage's), or auto (in-memory when its weights take at most half of the "
-                       "memory available)")
+                       "step), in-memory (one stage's), or auto (in-memory when its weights take at most "
+                       "half of the memory available)")
     check.add_argument("--steps", type=non_negative_int, default=16,
                        help="greedy decode steps after the prefill")
     check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
