@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if device is not None:
         torch.cuda.set_device(device)  # before any NCCL group, which takes the current device
     dist.init_process_group("gloo")
-    board = watchdog.board = FaultBoard.of_run(process, dist.get_world_size(), ranks)
+    board = FaultBoard.of_run(process, dist.get_world_size(), ranks)
+    watchdog.cause = board.cause
     dist.barrier()  # every process's board is written before any reads it
     try:
         run_process(args, exports, choice, device, watchdog, nccl_groups)

@@ -7,8 +7,8 @@ engines or in a receive of a boundary for ever. So each wait that may block in N
 process waited for, aborts the NCCL communicators (the `abort` hook, runtime.nccl.abort) and exits 1.
 A failure the control plane finds ends the process the same way (`stop`). The hook runs once,
 whichever comes first, and is waited for at most `abort_wait` seconds: an NCCL abort can hang
-itself, and must not keep the process past its deadline (--timeout plus that wait). With a
-`board` (runtime.faults.FaultBoard), the exit also names the process the run stopped for (within
+itself, and must not keep the process past its deadline (--timeout plus that wait). With a `cause`
+(runtime.faults.FaultBoard.cause), the exit also names the process the run stopped for (within
 SILENCE_SECONDS and one more) while the abort runs.
 """
 
@@ -20,10 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NoReturn
-
-if TYPE_CHECKING:
-    from k3export.runtime.faults import FaultBoard
+from typing import NoReturn
 
 ABORT_SECONDS = 10.0
 
@@ -40,7 +37,9 @@ class Watchdog:
         self.changed = threading.Condition()
         self.aborted = threading.Lock()  # taken by the first abort
         self.stopping = threading.Lock()  # taken by the first stop: one exit says its lines
-        self.board: FaultBoard | None = None  # set once the run's store is joined
+        # Names the process the run stopped for (runtime.faults.FaultBoard.cause), once the run's store is
+        # joined.
+        self.cause: Callable[[str], str] | None = None
         threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
 
     @contextlib.contextmanager
@@ -76,15 +75,15 @@ class Watchdog:
             self.hook()
 
     def stop(self, message: str) -> NoReturn:
-        """Says `message` and, with a board, the process the run stopped for; aborts the communicators
+        """Says `message` and, with a `cause`, the process the run stopped for; aborts the communicators
         (waiting at most `abort_wait`, saying so if the abort is still running then) and exits 1. A
         second caller (the signals' thread, the main thread, this one's) waits for the first's exit."""
         self.stopping.acquire()
         self.say(message)
         aborting = threading.Thread(target=self.abort, name="abort", daemon=True)
         aborting.start()
-        if self.board is not None:  # while the abort runs
-            self.say(self.board.cause(message))
+        if self.cause is not None:  # while the abort runs
+            self.say(self.cause(message))
         aborting.join(self.abort_wait)
         if aborting.is_alive():
             self.say(f"the abort of the NCCL communicators did not return within {self.abort_wait:g} s; "
