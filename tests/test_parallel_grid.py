@@ -262,6 +262,12 @@ def test_check_build_of_the_grid_passes_against_the_unsplit_model(grid_build: Pa
     alone = json.loads(capsys.readouterr().out)
     assert alone["passed"] and alone["stage_numbers"] == [1]
     assert [(e["stage"], e["rank"]) for e in alone["steps"][0]["ranks"]] == [(1, 0), (1, 1)]
+    # Speculative decoding over the grid: verify calls and rolled-back calls of every rank against the
+    # unsplit eager model, the speculative tokens the grid's plain greedy ones.
+    assert main(["check", "--build", str(grid_build), "--steps", "8", "--prompt-len", "8", "--json",
+                 "--speculate", "4"]) == 0
+    spec = json.loads(capsys.readouterr().out)["speculation"]
+    assert spec["streams_identical"] and 0 < spec["accepted"] < spec["drafted"]
 
 
 @pytest.mark.usefixtures("bounded_check")
@@ -279,6 +285,8 @@ def test_check_build_names_the_rank_of_a_wrong_expert(grid_build: Path, tmp_path
     assert "first divergent stage: stage 1 (layers 5..8) at prefill" in printed
     named = f"first divergent stage and rank: stage 1 rank {rank} (layer 6 ffn) at prefill: partial sum rel"
     assert named in printed
+    assert main(["check", "--build", str(bad), "--steps", "8", "--prompt-len", "8", "--speculate", "4"]) == 1
+    assert named in capsys.readouterr().out
 
 
 @pytest.mark.usefixtures("bounded_check")

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reference import PERTURBED, scaled_copy
 from test_parallel_grid import short_config, short_recipe
 
 from k3export.check.runners.eager import EagerRunner
@@ -384,6 +385,24 @@ def test_check_speculate_passes_a_clean_chain_and_fails_a_perturbed_one(build, t
     perturbed = Path(shutil.copytree(build, tmp_path / "perturbed"))
     scale_weight(perturbed, 1, None, "layers.2.block_sparse_moe.routed_expert_up_proj.weight", 1.05)
     assert not run_build_check(perturbed, **options)["passed"]
+
+
+@pytest.mark.parametrize("artifact", ["--onnx", "--network"])
+def test_check_speculate_passes_a_clean_export_and_fails_a_perturbed_one(tiny_export, tmp_path, artifact,
+                                                                         capsys):
+    """check --onnx / --network --speculate 4 on k3-tiny's export: every verify call and rolled-back call
+    within the bound and the speculative tokens the artifact's plain greedy ones; a layer-0 convolution
+    weight scaled by 1.5 fails it."""
+    def check(export: Path) -> tuple[int, dict]:
+        code = main(["check", artifact, str(export), "--steps", "8", "--prompt-len", "12", "--speculate", "4",
+                     "--json"])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, report = check(tiny_export)
+    spec = report["speculation"]
+    assert code == 0 and spec["streams_identical"] and 0 < spec["accepted"] < spec["drafted"]
+    code, report = check(scaled_copy(tiny_export, tmp_path / "perturbed", PERTURBED, 1.5))
+    assert code == 1 and not report["passed"]
 
 
 def test_check_speculate_names_the_layer_and_call_of_a_broken_rollback(build, monkeypatch):
