@@ -18,12 +18,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from k3export.options import non_negative_int, positive_int
+
 FILES = ["tests/test_shards.py", "tests/test_parallel_grid.py"]
 FAULT_TESTS = "test_a_killed_stage_stops_the_others or test_a_failed_rank_stops_the_others"
 TIMES = "K3EXPORT_SOAK_TIMES"
 
 
-def pytest_generate_tests(metafunc: object) -> None:
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """As a pytest plugin: every test once per run asked for (a parameter `soak_run`)."""
     if TIMES in os.environ:
         metafunc.fixturenames.append("soak_run")
@@ -37,8 +41,8 @@ def busy() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--times", type=int, default=10, help="runs of each fault test")
-    parser.add_argument("--hogs", type=int, default=2, help="busy processes beside the tests")
+    parser.add_argument("--times", type=positive_int, default=10, help="runs of each fault test")
+    parser.add_argument("--hogs", type=non_negative_int, default=2, help="busy processes beside the tests")
     args = parser.parse_args()
     hogs = [multiprocessing.Process(target=busy, daemon=True) for _ in range(args.hogs)]
     for hog in hogs:
