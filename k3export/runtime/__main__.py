@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # its traceback follows; the others name it
         board.say(f"{board.FAILED}{type(e).__name__}: {e}")
         raise
-    board.say(board.FINISHED)
+    else:
+        board.say(board.FINISHED)
+    finally:
+        board.close()
     dist.destroy_process_group()
     return 0
 

@@ -149,7 +149,9 @@ class FaultBoard:
         # process's at once.
         self.store.set(f"said/{process}", "")
         self.store.add(f"beat/{process}", 1)
-        threading.Thread(target=self.beat, name="heartbeat", daemon=True).start()
+        self.stopped = threading.Event()
+        self.beating = threading.Thread(target=self.beat, name="heartbeat", daemon=True)
+        self.beating.start()
 
     @classmethod
     def of_run(cls, process: int, world: int, ranks: int) -> FaultBoard:
@@ -160,12 +162,18 @@ class FaultBoard:
         return cls(dist.PrefixStore("k3export.faults", store), process, world, ranks)
 
     def beat(self) -> None:
-        while True:
-            time.sleep(BEAT_SECONDS)
+        while not self.stopped.wait(BEAT_SECONDS):
             try:
                 self.store.add(f"beat/{self.process}", 1)
             except RuntimeError:  # the store is gone (torchrun ended): nobody reads the beats
                 return
+
+    def close(self) -> None:
+        """Stops the heartbeat before the interpreter's teardown, which must not find the thread inside
+        the store's C++ client (a process whose run ended aborted there: "terminate called without an
+        active exception"). An exit for a fault is os._exit, which has no teardown."""
+        self.stopped.set()
+        self.beating.join()
 
     def say(self, what: str) -> None:
         """Records why this process stops: FAILED, STOPPED or FINISHED (with the reason)."""
