@@ -66,21 +66,32 @@ def _state_block(h0, H, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _kda_step(S, q, k, v, g, beta, o, tok, K, V, offs_k, offs_v, mask_k, mask_v):
+    """One token (row `tok` of the [B * T * H] token-heads) on the program's [BK, BV] block of the state:
+    stores o_t and returns the new block. o_t = S_new^T q = S^T q + (beta k.q) u with S the decayed state,
+    so both sums over the key channels read S at once: one reduction in the step's dependent chain, not
+    two."""
+    b_q = tl.load(q + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_g = tl.load(g + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + tok * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + tok).to(tl.float32)
+    S = S * tl.exp(b_g)[:, None]
+    u = b_v - tl.sum(S * b_k[:, None], axis=0)
+    b_o = tl.sum(S * b_q[:, None], axis=0)
+    beta_k = b_beta * b_k
+    b_o += tl.sum(beta_k * b_q) * u
+    tl.store(o + tok * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+    return S + beta_k[:, None] * u[None, :]
+
+
+@triton.jit
 def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
                           BK: tl.constexpr, BV: tl.constexpr):
+    """Token by token, the program's [BK, BV] block of the state in registers: read once, written once."""
     i_b, i_h, offs_k, offs_v, mask_k, mask_v, s_offs, mask_s, S = _state_block(h0, H, K, V, BK, BV)
     for t in range(T):
-        tok = (i_b * T + t) * H + i_h
-        b_q = tl.load(q + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_g = tl.load(g + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + tok * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + tok).to(tl.float32)
-        S = S * tl.exp(b_g)[:, None]
-        u = b_v - tl.sum(S * b_k[:, None], axis=0)
-        S += (b_beta * b_k)[:, None] * u[None, :]
-        b_o = tl.sum(S * b_q[:, None], axis=0)
-        tl.store(o + tok * V + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        S = _kda_step(S, q, k, v, g, beta, o, (i_b * T + t) * H + i_h, K, V, offs_k, offs_v, mask_k, mask_v)
     tl.store(ht + s_offs, S, mask=mask_s)
 
 

@@ -19,7 +19,8 @@ routed experts have the AOT form only.
 
 An AOT plugin is one kernel launch with no workspace and int32 scalar arguments only, so:
 - KDA in float16 and bfloat16 walks chunks of 16 tokens in one launch, the state on chip and the
-  products on tensor cores (kda.py's `_fused_chunk_kda_kernel`; a decode step is one chunk of one token),
+  products on tensor cores (kda.py's `_fused_chunk_kda_kernel`), and steps the recurrence for a call of at
+  most KDA_STEP_TOKENS tokens (decode, a short verify call: the state read and written once),
   where the JIT form's `chunk_kda` is four kernels with intermediate buffers (`tensorrt.plugin`'s AOT
   interface has no workspace); float32 runs the recurrence (its chunked form spills registers).
 - LatentMLA runs the attention kernel as one split over each row's visible cache (prefill tiles;
@@ -73,12 +74,21 @@ DEFAULT_SHARED_BYTES = 48 * 1024
 # the published gate bound (g >= -5), so the factored scores always apply.
 KDA_CHUNK = 16
 BLOCK_V = 32
+# Calls of at most this many tokens (decode; a verify call of 4 drafts) step the recurrence in float16 and
+# bfloat16 too: compiled for sm_90a, a token's step is 499 SASS instructions a warp with 9 barriers, a chunk
+# of 16 tokens about 2,690 with 115 (docs/kernels.md), so the recurrence issues less up to 5 tokens.
+KDA_STEP_TOKENS = 5
 
 
 @triton.jit
 def _kda_aot_chunk_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr):
-    _fused_chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BT, BK, BV)
+                          BV: tl.constexpr, STEP_TOKENS: tl.constexpr):
+    # One AOT kernel serves every profile (aot_impl sees T only as a symbol), so the call's T picks the path
+    # at run time: decode and short verify calls step the recurrence, reading and writing the state once.
+    if T <= STEP_TOKENS:
+        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV)
+    else:
+        _fused_chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BT, BK, BV)
 
 
 @triton.jit
@@ -89,8 +99,9 @@ def _kda_aot_recurrent_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BK: tl.co
 def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
     """The AOT KDA kernel for q, k, v, o in `dtype` ("float32", ...) and key head dim `head_dim`;
     g, beta and the states are float32. Float16 and bfloat16 walk chunks of KDA_CHUNK tokens, their
-    products on tensor cores (kda.py's `_fused_chunk_kda_kernel`; a decode step is one chunk of one token);
-    float32 runs the recurrence, token by token: its chunked form's float32 products over 128 key channels
+    products on tensor cores (kda.py's `_fused_chunk_kda_kernel`), and a call of at most KDA_STEP_TOKENS
+    tokens steps the recurrence (`_recurrent_kda_kernel`, chosen at run time from T); float32 runs the
+    recurrence, token by token: its chunked form's float32 products over 128 key channels
     spill registers (88 bytes at the best setting tried, 8 warps and TF32x3)."""
     block_k = next((bk for bk in (32, 64, 128) if bk >= head_dim), None)
     if block_k is None:
@@ -102,7 +113,8 @@ def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
         fn, constexprs, num_warps = _kda_aot_recurrent_kernel, {"BK": block_k, "BV": BLOCK_V}, 4
     else:
         # 8 warps: at 4 the chunk's tiles spill (255 registers either way).
-        fn, constexprs, num_warps = _kda_aot_chunk_kernel, {"BT": KDA_CHUNK, "BK": block_k, "BV": BLOCK_V}, 8
+        fn, num_warps = _kda_aot_chunk_kernel, 8
+        constexprs = {"BT": KDA_CHUNK, "BK": block_k, "BV": BLOCK_V, "STEP_TOKENS": KDA_STEP_TOKENS}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return KernelVariant(f"kda_aot_{t}_k{block_k}", fn, signature, constexprs, num_warps, num_stages=1)
 
