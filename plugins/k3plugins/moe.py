@@ -4,16 +4,21 @@
 z [N, L] (the latent tokens), experts [N, k] int64, weights [N, k] float32, w1 / w3 [E, I, L],
 w2 [E, L, I]; u [N, L] float32 = sum_j weights[n, j] * w2[e] @ SiTU-GLU(w1[e] @ z[n], w3[e] @ z[n]).
 
-In the style of fused-MoE kernels (vLLM / SGLang `fused_moe`), three steps:
-    align    (torch, no host sync) the N * k (token, slot) pairs sorted by expert, each expert's run
-             padded to a multiple of BLOCK_M, so that every M block belongs to one expert; padding
-             rows hold the sentinel N * k, blocks past the last used one the expert -1 (they exit).
-             The grid is sized by a bound from the shapes alone: cdiv(N * k, BLOCK_M) + min(E, N * k)
-             blocks, so decode launches about k + 1 blocks, never one per expert.
-    gate/up  per (M block, I block): a = z w1[e]^T and b = z w3[e]^T in float32, then
-             h = SiTU-GLU(a, b), stored per pair in z's dtype (as the eager op rounds it).
-    down     per (M block, L block): y = h w2[e]^T in float32, times the pair's routing weight,
-             atomically added into u (float32), which sums the k slots of each token.
+Grouped by expert, in four launches, each a single kernel with no workspace (so that full TensorRT's AOT
+plugins can run each as a node of its own, its intermediates graph tensors):
+    group    (E + 1 programs) the N * k (token, slot) pairs held here sorted by local expert, stable:
+             `sorted_pairs`, each expert's `offsets` (counting only the pairs held here) and each
+             pair's slot (-1 for a pair routed to an expert held elsewhere).
+    gate/up  per (tile of one expert's slots, block of I rows): a = w1[e] z^T and b = w3[e] z^T in
+             float32 on tensor cores, the weights the wide side of the product and the tile's pairs the
+             narrow one (16 at decode), then h = SiTU-GLU(a, b), stored per slot in z's dtype (as the
+             eager op rounds it).
+    down     per (tile, block of L rows): y = w2[e] h^T per slot, float32.
+    combine  per (token, block of L): u[n] = sum over its slots held here, in slot order, of the routing
+             weight times y: deterministic, no atomics.
+A tile's expert comes from `offsets` in the kernel (a prefix sum over the E experts' tile counts), so the
+tile size is each GEMM kernel's own choice and the grid a bound from the shapes alone:
+cdiv(N * k, BLOCK_P) + min(E, N * k) tiles; the tiles past the last used one exit.
 Weights are the model's float tensors or MXFP4 dequantised in registers, weight-only: the products
 run in z's dtype with float32 accumulation. MXFP4 experts come as the plugin receives them, int32
 words of the checkpoint's bytes (k3export/ops/mxfp4.py, "Words"): codes [E, O*K/8] (E2M1, eight per
@@ -25,13 +30,13 @@ NOT PROVEN here (no GPU on the machines this was written on): the speed, and the
 under TensorRT. The numerics are tested under Triton's interpreter (tests/kernels/test_moe.py) and
 every variant compiles for sm_90 without spills (tests/test_aot.py) for L and I multiples of 16 (every
 preset; Triton's JIT specialises such widths, other widths get a general build not checked for spills);
-tools/gpu_check.py times it.
-The float32 atomics make the sum over the k slots order-dependent on a GPU (not bitwise repeatable).
+tools/gpu_check.py times it. h [N * k, I] and y [N * k, L] are sized for every pair, the bound from the
+shapes (at most all of them are held here).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -44,22 +49,27 @@ MXFP4_GROUP = 32  # inputs per E8M0 scale
 
 
 class Tiles(NamedTuple):
-    block_m: int  # (token, slot) pairs per program, all of one expert
-    block_n: int  # output columns per program
-    block_k: int  # reduction step (a multiple of 8, for MXFP4's eight codes a word)
+    block_p: int  # (token, slot) pairs per program, all of one expert: the narrow side of the products
+    block_w: int  # weight rows (output columns) per program: the wide side, where wgmma's 64 rows go
+    block_k: int  # reduction step (a multiple of 32 for MXFP4's scale groups)
     num_warps: int
     num_stages: int
 
 
-# Decode: few pairs per expert, so the smallest M block tl.dot takes and deep K steps (the weights'
-# bytes are the cost). Prefill: tensor-core sized tiles. float32 runs "ieee" FMA dots, whose operands
-# sit in registers: short K steps. Sized so that no variant spills on sm_90 (tests/test_aot.py).
-DECODE = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-PREFILL = Tiles(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
-DECODE_FP32 = Tiles(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=3)
-PREFILL_FP32 = Tiles(block_m=64, block_n=64, block_k=16, num_warps=8, num_stages=3)
+# The weights are the products' wide (M) side and the pairs the narrow one (16, the least tl.dot takes):
+# at decode an expert has a pair or two, and the weight rows fill wgmma's 64-row tiles. Prefill takes 64
+# pairs. Two stages, within the 48 KB of dynamic shared memory an AOT launch gets
+# (trt_aot.DEFAULT_SHARED_BYTES; gate/up stages two weight tiles). float32 runs "ieee" FMA dots, whose
+# operands sit in registers: short K steps. Sized so that no variant spills on sm_90a (tests/test_aot.py).
+DECODE = Tiles(block_p=16, block_w=64, block_k=64, num_warps=4, num_stages=2)
+PREFILL = Tiles(block_p=64, block_w=128, block_k=32, num_warps=8, num_stages=2)
+DECODE_FP32 = Tiles(block_p=16, block_w=64, block_k=32, num_warps=4, num_stages=2)
+PREFILL_FP32 = Tiles(block_p=64, block_w=64, block_k=16, num_warps=8, num_stages=2)
 # Decode tiles while the pairs average fewer than this per expert (decode and short prompts).
 DECODE_PAIRS_PER_EXPERT = 16
+# Pairs the grouping kernel reads at a time; weighted-sum columns per program.
+GROUP_BLOCK = 1024
+COMBINE_BLOCK = 256
 
 
 def tile_choices(dtype: torch.dtype) -> dict[str, Tiles]:
@@ -134,100 +144,140 @@ def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
 
 
 @triton.jit
-def _moe_gate_up_kernel(z, w1, w1_scale, w3, w3_scale, pair_ids, block_experts, h, num_pairs, top_k, L, I,
-                        beta, linear_beta, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    e = tl.load(block_experts + tl.program_id(0))
-    if e < 0:  # a block past the last used expert's
-        return
-    pairs = tl.load(pair_ids + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    mask_m = pairs < num_pairs  # padding rows hold num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
-    rows = e.to(tl.int64) * I + offs_n  # rows of w1 / w3 viewed as [E * I, L]
-    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, L, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(z + tokens[:, None] * L + offs_k[None, :], mask=mask_m[:, None] & (offs_k < L)[None, :],
-                    other=0.0)
-        gate = _weight_tile(w1, w1_scale, rows, mask_n, k0, L, x.dtype, PACKED, BLOCK_N, BLOCK_K)
-        up = _weight_tile(w3, w3_scale, rows, mask_n, k0, L, x.dtype, PACKED, BLOCK_N, BLOCK_K)
-        acc_a = tl.dot(x, tl.trans(gate), acc_a, input_precision="ieee")
-        acc_b = tl.dot(x, tl.trans(up), acc_b, input_precision="ieee")
-    # SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)].
-    out = beta * _tanh(acc_a / beta) * tl.sigmoid(acc_a) * (linear_beta * _tanh(acc_b / linear_beta))
-    tl.store(h + pairs.to(tl.int64)[:, None] * I + offs_n[None, :], out.to(h.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+def _moe_group_kernel(experts, num_pairs, sorted_pairs, offsets, slots, E, OFFSET, BLOCK: tl.constexpr):
+    # Program g places the pairs of group g: local expert g (model expert OFFSET + g), or for g = E the
+    # pairs held elsewhere. Its first pass counts the pairs of lower groups (its start), the second writes
+    # its pairs in pair order (stable) from there. Every program reads all the pairs, and none needs
+    # another's result: one launch, no atomics, no workspace.
+    g = tl.program_id(0)
+    start = 0
+    for p0 in range(0, num_pairs, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        local = tl.load(experts + p, mask=p < num_pairs, other=0) - OFFSET
+        group = tl.where((local >= 0) & (local < E), local, E)
+        start += tl.sum(((p < num_pairs) & (group < g)).to(tl.int32))
+    tl.store(offsets + g, start)  # offsets[E]: the pairs held here
+    slot = start
+    for p0 in range(0, num_pairs, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        local = tl.load(experts + p, mask=p < num_pairs, other=0) - OFFSET
+        group = tl.where((local >= 0) & (local < E), local, E)
+        mine = (p < num_pairs) & (group == g)
+        position = slot + tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(sorted_pairs + position, p, mask=mine)
+        tl.store(slots + p, tl.where(g < E, position, -1), mask=mine)
+        slot += tl.sum(mine.to(tl.int32))
 
 
 @triton.jit
-def _moe_down_kernel(h, w2, w2_scale, pair_ids, block_experts, weights, u, num_pairs, top_k, L, I,
-                     PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    e = tl.load(block_experts + tl.program_id(0))
-    if e < 0:
+def _expert_tile(offsets, E, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
+    # Program t's tile from the rank's own pairs: expert e's slots offsets[e] .. offsets[e + 1] in tiles of
+    # BLOCK_P, the experts' tiles in order. Returns (e, first slot, end of e's slots); e >= E past the last.
+    t = tl.program_id(0)
+    index = tl.arange(0, BLOCK_E)
+    start = tl.load(offsets + index, mask=index < E, other=0)
+    end = tl.load(offsets + index + 1, mask=index < E, other=0)
+    tiles = (end - start + BLOCK_P - 1) // BLOCK_P
+    tiles_end = tl.cumsum(tiles, 0)
+    e = tl.sum((tiles_end <= t).to(tl.int32))
+    here = index == e
+    first_tile = tl.sum(tl.where(here, tiles_end - tiles, 0))
+    first_slot = tl.sum(tl.where(here, start, 0)) + (t - first_tile) * BLOCK_P
+    return e, first_slot, tl.sum(tl.where(here, end, 0))
+
+
+@triton.jit
+def _moe_gate_up_kernel(z, sorted_pairs, offsets, w1, w1_scale, w3, w3_scale, h, L, I, E, TOP_K, BETA,
+                        LINEAR_BETA, PACKED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                        BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    # h[s] = SiTU-GLU(w1[e] z[n], w3[e] z[n]) for the pairs of one expert in slots s, I rows at a time:
+    # [BLOCK_W, BLOCK_K] weights x [BLOCK_K, BLOCK_P] tokens, each weight read once per tile.
+    e, first_slot, end_slot = _expert_tile(offsets, E, BLOCK_E, BLOCK_P)
+    if e >= E:
         return
-    pairs = tl.load(pair_ids + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    mask_m = pairs < num_pairs
-    pairs64 = pairs.to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < L
-    rows = e.to(tl.int64) * L + offs_n  # rows of w2 viewed as [E * L, I]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    slots = first_slot + tl.arange(0, BLOCK_P)
+    mask_p = slots < end_slot
+    tokens = (tl.load(sorted_pairs + slots, mask=mask_p, other=0) // TOP_K).to(tl.int64)
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask_w = offs_w < I
+    rows = e.to(tl.int64) * I + offs_w  # rows of w1 / w3 viewed as [E * I, L]
+    acc_a = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(z + tokens[None, :] * L + offs_k[:, None], mask=mask_p[None, :] & (offs_k < L)[:, None],
+                    other=0.0)
+        gate = _weight_tile(w1, w1_scale, rows, mask_w, k0, L, x.dtype, PACKED, BLOCK_W, BLOCK_K)
+        up = _weight_tile(w3, w3_scale, rows, mask_w, k0, L, x.dtype, PACKED, BLOCK_W, BLOCK_K)
+        acc_a = tl.dot(gate, x, acc_a, input_precision="ieee")
+        acc_b = tl.dot(up, x, acc_b, input_precision="ieee")
+    # SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)].
+    out = BETA * _tanh(acc_a / BETA) * tl.sigmoid(acc_a) * (LINEAR_BETA * _tanh(acc_b / LINEAR_BETA))
+    tl.store(h + slots.to(tl.int64)[None, :] * I + offs_w[:, None], out.to(h.dtype.element_ty),
+             mask=mask_p[None, :] & mask_w[:, None])
+
+
+@triton.jit
+def _moe_down_kernel(h, offsets, w2, w2_scale, y, L, I, E, PACKED: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    # y[s] = w2[e] h[s] (float32) for the pairs of one expert, L rows at a time.
+    e, first_slot, end_slot = _expert_tile(offsets, E, BLOCK_E, BLOCK_P)
+    if e >= E:
+        return
+    slots = (first_slot + tl.arange(0, BLOCK_P)).to(tl.int64)
+    mask_p = slots < end_slot
+    offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask_w = offs_w < L
+    rows = e.to(tl.int64) * L + offs_w  # rows of w2 viewed as [E * L, I]
+    acc = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(h + pairs64[:, None] * I + offs_k[None, :], mask=mask_m[:, None] & (offs_k < I)[None, :],
+        x = tl.load(h + slots[None, :] * I + offs_k[:, None], mask=mask_p[None, :] & (offs_k < I)[:, None],
                     other=0.0)
-        down = _weight_tile(w2, w2_scale, rows, mask_n, k0, I, x.dtype, PACKED, BLOCK_N, BLOCK_K)
-        acc = tl.dot(x, tl.trans(down), acc, input_precision="ieee")
-    routing = tl.load(weights + pairs64, mask=mask_m, other=0.0)
-    tokens = pairs64 // top_k
-    # The k slots of a token land in different blocks: summed by float32 atomics into u (zeroed).
-    tl.atomic_add(u + tokens[:, None] * L + offs_n[None, :], acc * routing[:, None],
-                  mask=mask_m[:, None] & mask_n[None, :])
+        down = _weight_tile(w2, w2_scale, rows, mask_w, k0, I, x.dtype, PACKED, BLOCK_W, BLOCK_K)
+        acc = tl.dot(down, x, acc, input_precision="ieee")
+    tl.store(y + slots[None, :] * L + offs_w[:, None], acc, mask=mask_p[None, :] & mask_w[:, None])
 
 
-class Alignment(NamedTuple):
-    pair_ids: Tensor  # [num_blocks * BLOCK_M] int32: pair index n * k + j, or N * k for padding
-    block_experts: Tensor  # [num_blocks] int32: the block's expert, -1 past the last used block
+@triton.jit
+def _moe_combine_kernel(y, slots, weights, u, L, TOP_K, BLOCK_L: tl.constexpr):
+    # u[n] = sum over token n's slots held here, in slot order, of the routing weight times its y row:
+    # every program owns its outputs, so the sum is in a fixed order (no atomics).
+    n = tl.program_id(0).to(tl.int64)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for j in range(TOP_K):
+        slot = tl.load(slots + n * TOP_K + j)
+        if slot >= 0:  # -1: a pair held elsewhere adds nothing
+            row = tl.load(y + slot.to(tl.int64) * L + offs_l, mask=mask_l, other=0.0)
+            acc += tl.load(weights + n * TOP_K + j) * row
+    tl.store(u + n * L + offs_l, acc, mask=mask_l)
 
 
-def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The M blocks the alignment can need: every used expert wastes less than one block."""
-    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+class Grouping(NamedTuple):
+    sorted_pairs: Tensor  # [N * k] int32: the pairs (n * k + j) held here by expert, in pair order within one
+    offsets: Tensor  # [E + 1] int32: expert e's slots are offsets[e] .. offsets[e + 1]; offsets[E] pairs held
+    slots: Tensor  # [N, k] int32: each pair's slot, -1 for a pair held elsewhere
 
 
-def align(experts: Tensor, num_experts: int, block_m: int, expert_offset: int = 0) -> Alignment:
-    """The (token, slot) pairs grouped by expert (stable: token order within an expert), each
-    expert's run padded to a multiple of block_m. Pure device work, sized from the shapes alone.
+def group_pairs(experts: Tensor, num_experts: int, expert_offset: int = 0) -> Grouping:
+    """The (token, slot) pairs grouped by local expert (model experts expert_offset ..), stable: one launch
+    of E + 1 programs, sized from the shapes alone (no host sync). The pairs held elsewhere follow
+    the held ones in `sorted_pairs`."""
+    experts = experts.contiguous()
+    num_pairs = experts.numel()
+    sorted_pairs = experts.new_empty(num_pairs, dtype=torch.int32)
+    offsets = experts.new_empty(num_experts + 1, dtype=torch.int32)
+    slots = experts.new_empty(experts.shape, dtype=torch.int32)
+    _moe_group_kernel[(num_experts + 1,)](experts, num_pairs, sorted_pairs, offsets, slots, num_experts,
+                                          expert_offset, BLOCK=GROUP_BLOCK)
+    return Grouping(sorted_pairs, offsets, slots)
 
-    The experts held are the model's expert_offset .. expert_offset + num_experts - 1 (block_experts
-    are local indices); pairs routed to other experts go to a spill group past them that gets no block."""
-    local = experts.flatten() - expert_offset
-    flat = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    num_pairs = flat.numel()
-    blocks_bound = max_blocks(num_pairs, num_experts, block_m)
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    blocks = (counts[:num_experts] + block_m - 1) // block_m
-    block_end = torch.cumsum(blocks, 0)
-    first_pair = torch.cumsum(counts, 0) - counts  # each group's first position in `order`
-    sorted_experts = flat[order]
-    rank = torch.arange(num_pairs, device=flat.device) - first_pair[sorted_experts]
-    # The spilled pairs' slots lie past the blocks, in room that is cut off below.
-    block_start = torch.cat([block_end - blocks, block_end.new_full((1,), blocks_bound)])
-    slots = block_start[sorted_experts] * block_m + rank
-    pair_ids = torch.full((blocks_bound * block_m + num_pairs,), num_pairs, dtype=torch.int32,
-                          device=flat.device)
-    pair_ids[slots] = order.to(torch.int32)
-    pair_ids = pair_ids[:blocks_bound * block_m]
-    block_index = torch.arange(blocks_bound, device=flat.device)
-    block_experts = torch.searchsorted(block_end, block_index, right=True)
-    block_experts = torch.where(block_experts < num_experts, block_experts, -1).to(torch.int32)
-    return Alignment(pair_ids, block_experts)
+
+def max_tiles(num_pairs: int, num_experts: int, block_p: int) -> int:
+    """The tiles the grouped kernels' first grid axis needs: every expert with pairs wastes less than one."""
+    return triton.cdiv(num_pairs, block_p) + min(num_experts, num_pairs)
 
 
 Weight = tuple[Tensor, Tensor | None]  # (weight, None) or (packed, scale)
@@ -246,26 +296,28 @@ def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3
     top_k = experts.shape[1]
     num_pairs = N * top_k
     u = z.new_empty(N, L, dtype=torch.float32) if out is None else out
-    u.zero_()
     if num_pairs == 0:
-        return u
+        return u.zero_()
     tiles = tiles or pick_tiles(num_pairs, num_experts, z.dtype)
     z = z.contiguous()
     # A no-op for the exports (the experts are in the model dtype); other float weights are copied
     # whole here, which keeps the compiled variants one per activation dtype.
     w1, w3, w2 = ((w.contiguous(), s.contiguous()) if packed else (w.to(z.dtype).contiguous(), None)
                   for w, s in (w1, w3, w2))
-    pair_ids, block_experts = align(experts, num_experts, tiles.block_m, expert_offset)
-    routing = weights.to(torch.float32).contiguous()
+    sorted_pairs, offsets, slots = group_pairs(experts, num_experts, expert_offset)
     h = z.new_empty(num_pairs, intermediate)
-    blocks = block_experts.numel()
-    options = {"PACKED": packed, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
-               "BLOCK_K": tiles.block_k, "num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    _moe_gate_up_kernel[(blocks, triton.cdiv(intermediate, tiles.block_n))](
-        z, w1[0], w1[1], w3[0], w3[1], pair_ids, block_experts, h, num_pairs, top_k, L, intermediate,
-        beta, linear_beta, **options)
-    _moe_down_kernel[(blocks, triton.cdiv(L, tiles.block_n))](
-        h, w2[0], w2[1], pair_ids, block_experts, routing, u, num_pairs, top_k, L, intermediate, **options)
+    y = z.new_empty(num_pairs, L, dtype=torch.float32)
+    blocks = {"PACKED": packed, "BLOCK_E": triton.next_power_of_2(num_experts), "BLOCK_P": tiles.block_p,
+              "BLOCK_W": tiles.block_w, "BLOCK_K": tiles.block_k, "num_warps": tiles.num_warps,
+              "num_stages": tiles.num_stages}
+    grid_tiles = max_tiles(num_pairs, num_experts, tiles.block_p)
+    _moe_gate_up_kernel[(grid_tiles, triton.cdiv(intermediate, tiles.block_w))](
+        z, sorted_pairs, offsets, w1[0], w1[1], w3[0], w3[1], h, L, intermediate, num_experts, top_k, beta,
+        linear_beta, **blocks)
+    _moe_down_kernel[(grid_tiles, triton.cdiv(L, tiles.block_w))](
+        h, offsets, w2[0], w2[1], y, L, intermediate, num_experts, **blocks)
+    _moe_combine_kernel[(N, triton.cdiv(L, COMBINE_BLOCK))](
+        y, slots, weights.to(torch.float32).contiguous(), u, L, top_k, BLOCK_L=COMBINE_BLOCK)
     return u
 
 
@@ -312,35 +364,59 @@ def routed_experts_mxfp4(z: Tensor, experts: Tensor, weights: Tensor, w1_packed:
                             tiles)
 
 
+# Every argument's Triton type where it is not compiled in.
+_ARGUMENT_TYPES = {"experts": "*i64", "num_pairs": "i32", "sorted_pairs": "*i32", "offsets": "*i32",
+                   "slots": "*i32", "y": "*fp32", "weights": "*fp32", "u": "*fp32", "L": "i32", "I": "i32",
+                   "E": "i32", "OFFSET": "i32", "TOP_K": "i32", "BETA": "fp32", "LINEAR_BETA": "fp32"}
+
+
+def _variant(name: str, fn: triton.JITFunction, types: dict[str, str], fixed: dict[str, Any],
+             tiles: Tiles | None, num_warps: int = 4) -> KernelVariant:
+    # `fixed`: compiled in (constexprs); the rest take their types. Widths named in the variant's name.
+    fixed = {k: v for k, v in fixed.items() if k in fn.arg_names}
+    types = {**_ARGUMENT_TYPES, **types}
+    signature = {arg: "constexpr" if arg in fixed else types[arg] for arg in fn.arg_names}
+    widths = "".join(f"_{k.lower()}{fixed[k]}" for k in ("L", "I", "E", "TOP_K", "OFFSET") if k in fixed)
+    # L and I, when runtime arguments, as Triton's JIT specialises multiples of 16 (every preset): without
+    # that, no load vectorises and the address registers spill.
+    return KernelVariant(name + widths, fn, signature, fixed, tiles.num_warps if tiles else num_warps,
+                         tiles.num_stages if tiles else 3,
+                         divisible_by_16=tuple(a for a in ("L", "I") if a in fn.arg_names and a not in fixed))
+
+
+def grouped_variants(dtype: str, packed: bool, tiles: Tiles, mode: str,
+                     constants: dict[str, Any] | None = None) -> list[KernelVariant]:
+    """The gate/up and down kernels for activations of `dtype` (Triton's name), float experts in that dtype
+    or MXFP4 words, with `tiles`. `constants` compiles scalars in (the AOT form: L, I, E, TOP_K, BETA,
+    LINEAR_BETA; an AOT scalar cannot be a float); without them they are runtime arguments and the
+    expert table's block is the one for 128 experts."""
+    constants = constants or {}
+    weight, scale = ("*i32", "*i32") if packed else (pointer(dtype), "constexpr")
+    types = {"z": pointer(dtype), "h": pointer(dtype), **dict.fromkeys(("w1", "w3", "w2"), weight),
+             **dict.fromkeys(("w1_scale", "w3_scale", "w2_scale"), scale)}
+    fixed = {"PACKED": packed, "BLOCK_E": triton.next_power_of_2(constants.get("E", 128)),
+             "BLOCK_P": tiles.block_p, "BLOCK_W": tiles.block_w, "BLOCK_K": tiles.block_k, **constants,
+             **({} if packed else {"w1_scale": None, "w3_scale": None, "w2_scale": None})}
+    form = "mxfp4" if packed else dtype
+    return [_variant(f"moe_{name}_{mode}_{dtype}_w{form}", fn, types, fixed, tiles)
+            for name, fn in (("gate_up", _moe_gate_up_kernel), ("down", _moe_down_kernel))]
+
+
+def group_variant(constants: dict[str, Any] | None = None) -> KernelVariant:
+    """The grouping kernel; `constants` compiles E and OFFSET in (the AOT form)."""
+    return _variant("moe_group", _moe_group_kernel, {}, {**(constants or {}), "BLOCK": GROUP_BLOCK}, None)
+
+
+def combine_variant(constants: dict[str, Any] | None = None) -> KernelVariant:
+    """The weighted sum of each token's slots; `constants` compiles L and TOP_K in (the AOT form)."""
+    return _variant("moe_combine", _moe_combine_kernel, {}, {**(constants or {}), "BLOCK_L": COMBINE_BLOCK},
+                    None)
+
+
 def kernel_variants() -> list[KernelVariant]:
     """Every (kernel, activation dtype, weight form, tiles) combination the launchers can pick."""
-    variants = []
     torch_dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    for dtype in DTYPES:
-        # Float experts in the activations' dtype, or MXFP4 as int32 words (codes and scales).
-        for packed in (False, True):
-            weight = "*i32" if packed else pointer(dtype)
-            scale = "*i32" if packed else "constexpr"
-            form = "mxfp4" if packed else dtype
-            for mode, tiles in tile_choices(torch_dtypes[dtype]).items():
-                blocks = {"PACKED": packed, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
-                          "BLOCK_K": tiles.block_k}
-                scales = {} if packed else {"w1_scale": None, "w3_scale": None, "w2_scale": None}
-                common = {"pair_ids": "*i32", "block_experts": "*i32", "num_pairs": "i32", "top_k": "i32",
-                          "L": "i32", "I": "i32"}
-                kernels = {
-                    "gate_up": (_moe_gate_up_kernel, {"z": pointer(dtype), "w1": weight, "w1_scale": scale,
-                                                      "w3": weight, "w3_scale": scale, "h": pointer(dtype),
-                                                      "beta": "fp32", "linear_beta": "fp32", **common}),
-                    "down": (_moe_down_kernel, {"h": pointer(dtype), "w2": weight, "w2_scale": scale,
-                                                "weights": "*fp32", "u": "*fp32", **common}),
-                }
-                for name, (fn, types) in kernels.items():
-                    constexprs = {**blocks, **{k: v for k, v in scales.items() if k in fn.arg_names}}
-                    signature = {arg: types.get(arg, "constexpr") for arg in fn.arg_names}
-                    # L and I as Triton's JIT specialises them when multiples of 16 (every preset):
-                    # without that, no load vectorises and the address registers spill.
-                    variants.append(KernelVariant(f"moe_{name}_{mode}_{dtype}_w{form}", fn, signature,
-                                                  constexprs, tiles.num_warps, tiles.num_stages,
-                                                  divisible_by_16=("L", "I")))
-    return variants
+    return [group_variant(), combine_variant()] + [
+        v for dtype in DTYPES for packed in (False, True)
+        for mode, tiles in tile_choices(torch_dtypes[dtype]).items()
+        for v in grouped_variants(dtype, packed, tiles, mode)]

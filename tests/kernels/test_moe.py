@@ -1,7 +1,9 @@
 """The routed-experts Triton kernels (k3plugins.moe) against the eager ops `torch.ops.k3.routed_experts`
 and `routed_experts_mxfp4`, run in float64 on the same (rounded) inputs: float32 and float16
-activations, float and MXFP4 experts, both tile sets of each dtype (decode: 16-row blocks, prefill:
-64), random routing, k = 1, experts that receive no token, every token on one expert. The MXFP4 kernels
+activations, float and MXFP4 experts, both tile sets of each dtype (decode: 16 pairs a tile, prefill:
+64; token counts that are not multiples of either), random routing, k = 1, experts that receive no token,
+every token on one expert (several tiles of pairs), a token's slots sharing an expert, pairs held by
+another rank. The MXFP4 kernels
 take int32 words (k3export/ops/mxfp4.py, "Words"), made here by viewing k3export.ops.mxfp4.quantize's bytes;
 the eager op takes the bytes. bfloat16 is not tested: the interpreter's bf16 arithmetic is silently
 wrong."""
@@ -31,6 +33,8 @@ def routing(case: str, N: int, E: int, k: int, gen: torch.Generator) -> Tensor:
         return torch.full((N, 1), 2, dtype=torch.int64)
     if case == "unused":  # only the even experts receive tokens
         choice = [torch.randperm(E // 2, generator=gen)[:k] * 2 for _ in range(N)]
+    elif case == "repeated":  # slots of one token sharing an expert (drawn with replacement)
+        return torch.randint(0, E, (N, k), generator=gen)
     else:
         choice = [torch.randperm(E, generator=gen)[:k] for _ in range(N)]
     return torch.stack(choice)
@@ -56,7 +60,8 @@ CASES = [  # N, L, I, E, k, routing
     (13, 64, 96, 6, 2, "random"),
     (9, 32, 32, 8, 1, "random"),  # k = 1 (the tiny widths)
     (11, 64, 64, 8, 3, "unused"),  # half the experts receive no token
-    (40, 32, 64, 4, 1, "one_expert"),  # one expert, several M blocks
+    (40, 32, 64, 4, 1, "one_expert"),  # one expert, several tiles of pairs
+    (17, 64, 96, 3, 4, "repeated"),  # a token's slots sharing an expert
 ]
 
 
@@ -137,34 +142,41 @@ def test_mxfp4_words_refuse_bytes() -> None:
         moe.routed_experts_mxfp4(z, experts, weights, *words, BETA, LINEAR_BETA)
 
 
-def test_alignment() -> None:
-    """Each block holds pairs of one expert in token order, every pair exactly once, the padding
-    rows the sentinel N * k, and the blocks past the last used one the expert -1."""
+def check_grouping(experts: Tensor, E: int, expert_offset: int) -> None:
+    """moe.group_pairs against a grouping written here: the held pairs by local expert in pair order, then
+    the others in pair order; offsets the cumulative counts; each pair's slot its place, -1 when not held."""
+    sorted_pairs, offsets, slots = moe.group_pairs(experts, E, expert_offset)
+    flat = experts.flatten().tolist()
+    local = [e - expert_offset if 0 <= e - expert_offset < E else E for e in flat]
+    expected = sorted(range(len(flat)), key=lambda p: (local[p], p))
+    assert sorted_pairs.tolist() == expected
+    assert offsets.tolist() == [sum(g < e for g in local) for e in range(E + 1)]
+    assert slots.flatten().tolist() == [expected.index(p) if local[p] < E else -1 for p in range(len(flat))]
+
+
+def test_grouping() -> None:
+    """Stable grouping by expert: unused experts, an expert whose pairs span chunks of the grouping kernel's
+    pair blocks (GROUP_BLOCK) and a token choosing one expert in two slots."""
     gen = torch.Generator().manual_seed(1)
-    E, N, k, block_m = 8, 21, 3, 16
-    experts = routing("unused", N, E, k, gen)
-    pair_ids, block_experts = moe.align(experts, E, block_m)
-    assert block_experts.numel() == moe.max_blocks(N * k, E, block_m) == 4 + 8
-    flat = experts.flatten()
-    seen = []
-    for b, e in enumerate(block_experts.tolist()):
-        rows = pair_ids[b * block_m:(b + 1) * block_m].tolist()
-        real = [p for p in rows if p != N * k]
-        if e < 0:
-            assert not real
-            continue
-        assert real and all(flat[p] == e for p in real) and real == sorted(real)
-        assert rows == real + [N * k] * (block_m - len(real))  # padding at the end of a block
-        seen += real
-    assert sorted(seen) == list(range(N * k))
-    # Decode: k pairs of one token use at most k + 1 blocks, not one per expert.
-    assert moe.max_blocks(16, 896, 16) == 17
+    check_grouping(routing("unused", 21, 8, 3, gen), 8, 0)
+    many = torch.randint(0, 3, (moe.GROUP_BLOCK // 2 + 7, 3), generator=gen)
+    check_grouping(many, 3, 0)
+    check_grouping(torch.tensor([[1, 1], [0, 1]]), 2, 0)
+    # Decode: k pairs of one token use at most k + 1 tiles, not one per expert.
+    assert moe.max_tiles(16, 112, 16) == 17
+
+
+def test_grouping_of_a_rank_of_experts() -> None:
+    """With expert_offset 4 of 8 experts held 4: only pairs routed to 4 .. 7 get slots, the rest follow."""
+    gen = torch.Generator().manual_seed(2)
+    check_grouping(routing("random", 21, 8, 3, gen), 4, 4)
+    check_grouping(torch.tensor([[0, 1, 3]]), 4, 4)  # nothing held here
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["float", "mxfp4"])
 def test_a_rank_of_experts(packed: bool) -> None:
-    """Expert parallelism: experts 4 .. 7 of 8 with expert_offset 4 (decode tiles, so the spilled pairs
-    share blocks' neighbourhoods with held ones) against the eager op on the same slice and offset."""
+    """Expert parallelism: experts 4 .. 7 of 8 with expert_offset 4 (the pairs held elsewhere get no slot)
+    against the eager op on the same slice and offset."""
     z, experts, weights, dense = inputs(11, 64, 64, 8, 3, "random")
     held = [w[4:] for w in dense]
     if packed:
@@ -180,23 +192,6 @@ def test_a_rank_of_experts(packed: bool) -> None:
     elsewhere = torch.tensor([[0, 1, 3]])
     assert not moe.routed_experts(z[:1], elsewhere, weights[:1], *[w[4:] for w in dense], BETA, LINEAR_BETA,
                                   4).any()
-
-
-def test_alignment_of_a_rank_of_experts() -> None:
-    """With expert_offset 4 of 8 experts held 4: only pairs routed to 4 .. 7 are placed, each once, in
-    blocks of their local expert (0 .. 3); the rest are in no block."""
-    gen = torch.Generator().manual_seed(2)
-    N, k, block_m = 21, 3, 16
-    experts = routing("random", N, 8, k, gen)
-    pair_ids, block_experts = moe.align(experts, 4, block_m, expert_offset=4)
-    assert block_experts.numel() == moe.max_blocks(N * k, 4, block_m)
-    flat = experts.flatten()
-    placed = []
-    for b, e in enumerate(block_experts.tolist()):
-        real = [p for p in pair_ids[b * block_m:(b + 1) * block_m].tolist() if p != N * k]
-        assert all(flat[p] == e + 4 for p in real)
-        placed += real
-    assert sorted(placed) == [p for p in range(N * k) if flat[p] >= 4]
 
 
 def test_no_tokens_and_out_buffer() -> None:
