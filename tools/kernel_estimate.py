@@ -1,0 +1,734 @@
+"""Estimate the k3 kernels' speed from their compiled code, with no GPU: one table row per op and shape.
+
+    PYTHONPATH=.:plugins python tools/kernel_estimate.py                 # every op, H100 (sm_90a)
+    PYTHONPATH=.:plugins python tools/kernel_estimate.py --ops kda --machines h100,b200
+    PYTHONPATH=.:plugins python tools/kernel_estimate.py --kernels       # each kernel's loops, as compiled
+
+Each kernel (the AOT ones of k3plugins.trt_aot that full TensorRT embeds, and the JIT ones) is compiled
+with `k3plugins.aot.compile_variant` for the machine's target at the published widths; then read:
+registers and spills (`ptxas -v`), shared memory (Triton), the tensor-core instructions in the PTX
+(`mma.sync`, `wgmma.mma_async`), and the SASS (`nvdisasm -g` on the cubin, the disassembler
+`cuobjdump -sass` runs, with the source lines that name each loop). A loop is a backward branch; it is
+named by the source line of that branch: its `for` statement. The rows (`moe_rows`, `mla_rows`,
+`kda_rows`) say how often each loop runs per program; the model below turns that into time.
+
+The model (printed with every table; `Machine` holds the figures, each cited):
+- issue: a program executes every SASS instruction of its straight-line code once and of each loop's
+  own body (nested loops apart) once per trip; a branch not taken counts as taken. An SM issues
+  min(4, resident warps) warp-instructions a clock; the busiest SM runs ceil(programs / SMs) programs,
+  min(that, occupancy) at a time. Occupancy from registers (64K an SM, allocated per warp in units of
+  256), shared memory (228 KB an SM, 1 KB reserved a block) and warps (64 an SM, 32 blocks).
+- latency, for a launch with a dependent chain (a loop whose trips depend on the one before): a trip
+  waits BARRIER_CYCLES for each BAR and SHUFFLE_CYCLES for each SHFL it executes (nested loops
+  included), and LOAD_CYCLES once if it loads global memory without cp.async / TMA (no prefetch); the
+  programs resident on an SM at once overlap, the rest follow.
+- a launch takes issue + latency; a row the sum of its launches; the row's bound is the larger of its
+  bytes over HBM bandwidth and its FLOPs over the bf16 tensor-core rate; the estimate is the larger
+  of the bound and the launches' time; % of bound = bound / estimate.
+Not modelled: launch gaps (a few us a launch), L2 hits and misses, bank conflicts, tensor-core and
+memory pipe throughput within the issue slots, tails of partial waves beyond the busiest SM. A GPU
+run calibrates it: `tools/gpu_check --estimate` times the same rows and prints this estimate beside.
+
+Compiled results are cached (`CACHE`, $K3_KERNEL_CACHE or ~/.cache/k3export/kernels) keyed by the
+kernel's source hash (Triton's `cache_key`, which covers the functions it calls), its specialisation,
+options, target, Triton's version and this file's analysis version: a re-run compiles only what changed.
+
+For a kernel helper: each op's rows are built by one function (`moe_rows`, `mla_rows`, `kda_rows`)
+returning `Row`s; a row holds one or more `Launch`es (a KernelVariant, its grid, the trips of each of
+its loops by `for` text, the hot loop and the work a trip of it does, the dependent loop if any). Point
+a row at a new kernel by building its `Launch`es there; `--kernels` lists each compiled kernel's loops
+by the text the trips are keyed on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import hashlib
+import inspect
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import triton
+
+from k3plugins import kernel_variants
+from k3plugins.aot import PTXAS, compile_variant, kernel_stats
+from k3plugins.variants import KernelVariant
+
+ANALYSIS_VERSION = 2  # bump when what `analyse` records changes: the cache is keyed on it
+CACHE = Path(os.environ.get("K3_KERNEL_CACHE", Path.home() / ".cache" / "k3export" / "kernels"))
+NVDISASM = PTXAS.parent / "nvdisasm"
+
+# The published widths (../shared/ARCHITECTURE.md; k3export.config's kimi-k3 preset), one rank of 8.
+RANKS = 8
+MOE_L, MOE_I, MOE_EXPERTS, MOE_TOP_K = 3584, 3072, 896, 16
+MOE_HELD = MOE_EXPERTS // RANKS  # 112 experts a rank
+MOE_BETAS = (4.0, 25.0)  # SiTU-GLU's beta and linear beta
+MXFP4_BYTES = 17 / 32  # a weight: 4 bits of code and 8 bits of scale per 32
+MLA_HEADS, MLA_D, MLA_V = 96, 576, 512
+MLA_SCALE = 192 ** -0.5
+KDA_HEADS, KDA_K, KDA_V = 96, 128, 128
+BF16 = 2
+
+# Latency a dependent step waits, in clocks: order-of-magnitude figures (a barrier with every warp
+# arriving, a shuffle's result, an L2-missing global load), to be calibrated by the first GPU run.
+BARRIER_CYCLES = 30
+SHUFFLE_CYCLES = 30
+LOAD_CYCLES = 600
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    target: str  # k3plugins.aot.TARGETS
+    sms: int
+    clock_ghz: float
+    hbm_tbs: float
+    bf16_tflops: float  # dense
+    source: str
+    issue_per_sm: int = 4  # warp-instructions a clock: 4 schedulers
+    registers_per_sm: int = 65536
+    shared_per_sm: int = 228 * 1024
+    warps_per_sm: int = 64
+    blocks_per_sm: int = 32
+
+
+MACHINES = {
+    "h100": Machine("H100 SXM", "sm90", 132, 1.755, 3.35, 989.0,
+                    "NVIDIA H100 data sheet (SXM5: 3.35 TB/s, 989 TFLOP/s dense bf16) and Hopper whitepaper "
+                    "(132 SMs, 4 schedulers an SM); 1.755 GHz boost"),
+    "b200": Machine("B200 (HGX, 1000 W)", "sm100", 148, 1.98, 8.0, 2250.0,
+                    "NVIDIA HGX B200 figures as listed at glennklockwood.com/garden/processors/B200 (8 TB/s, "
+                    "2,250 TFLOP/s dense bf16 at 1,000 W); 148 SMs and 1.98 GHz boost from hmc-tech.com's "
+                    "B200 spec page"),
+}
+
+
+# ---- what a compiled kernel holds ----
+
+@dataclass
+class Loop:
+    text: str  # the `for` statement of its backward branch, stripped: what rows key trips on
+    where: str  # file:line
+    start: int  # SASS byte offsets of the body
+    end: int
+    size: int  # SASS instructions in the body, nested loops included
+    own: dict[str, int]  # opcode counts in the body outside nested loops ("ALL": every instruction)
+    parent: int | None  # index of the enclosing loop
+
+
+@dataclass
+class Analysis:
+    name: str
+    target: str
+    num_warps: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared: int
+    ptx: dict[str, int]  # mma.sync, wgmma, cp.async, tma instruction counts in the PTX
+    straight: dict[str, int]  # opcode counts outside every loop
+    loops: list[Loop]
+
+    @property
+    def tensor_cores(self) -> str:
+        used = [f"{self.ptx.get(k, 0)} {k}" for k in ("mma.sync", "wgmma", "tcgen05") if self.ptx.get(k)]
+        return " + ".join(used) or "none"
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the issue model cannot place: a loop no `for` names (a wait on a barrier has a few
+        instructions; more is work left uncounted), and a `for` compiled into several loops (sm_100a's
+        pipelining or warp specialisation: each is counted with the statement's full trips)."""
+        texts = [lp.text for lp in self.loops]
+        unnamed = [lp for lp in self.loops if lp.text == "?" and lp.own.get("ALL", 0) > 16]
+        split = sorted({t for t in texts if t != "?" and texts.count(t) > 1})
+        found = [f"`{t}` compiled into {texts.count(t)} loops, each counted" for t in split]
+        if unnamed:
+            found.insert(0, f"{len(unnamed)} unnamed loops of {sum(lp.own['ALL'] for lp in unnamed)} SASS "
+                            "not counted")
+        return found
+
+    def loop(self, text: str) -> int:
+        matches = [i for i, lp in enumerate(self.loops) if lp.text == text]
+        if not matches:
+            raise KeyError(f"{self.name}: no loop `{text}`; its loops: {[lp.text for lp in self.loops]}")
+        return matches[0]
+
+    def inside(self, index: int) -> list[int]:
+        """The loop and every loop nested in it."""
+        found = [index]
+        for i, lp in enumerate(self.loops):
+            if lp.parent in found:
+                found.append(i)
+        return found
+
+
+PTX_PATTERNS = {"mma.sync": r"\bmma\.sync\b", "wgmma": r"\bwgmma\.mma_async\b",
+                "tcgen05": r"\btcgen05\.mma\b",
+                "cp.async": r"\bcp\.async\.(?:ca|cg)\b", "tma": r"\bcp\.async\.bulk\.tensor\b"}
+# One SASS instruction: /*offset*/ [predicate] OPCODE[.modifiers] operands ;
+SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]*)?([^;]*);")
+SASS_SHOWN = ("BAR", "SHFL", "HMMA", "HGMMA", "UTCHMMA", "LDG", "LDGSTS", "UTMALDG")
+LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+LABEL = re.compile(r"^\.(L_x_\d+):")
+
+
+def ptx_counts(ptx: str) -> dict[str, int]:
+    return {k: len(re.findall(p, ptx)) for k, p in PTX_PATTERNS.items()}
+
+
+class ForStatement(NamedTuple):
+    text: str  # its first line, stripped, without the colon
+    where: str  # file:line
+    first: int
+    last: int
+
+
+@functools.cache
+def for_statements(path: Path) -> tuple[ForStatement, ...]:
+    """Every `for` statement of a source file, innermost (shortest) first."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = [ForStatement(lines[n.lineno - 1].strip().rstrip(":"), f"{path.name}:{n.lineno}", n.lineno,
+                          n.end_lineno or n.lineno)
+             for n in ast.walk(ast.parse(source)) if isinstance(n, ast.For)]
+    return tuple(sorted(found, key=lambda f: f.last - f.first))
+
+
+def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Loop]]:
+    """Straight-line opcode counts and the loops of `nvdisasm -g -c` output (one kernel).
+
+    A loop is named by the innermost source `for` statement around the line of its backward branch (the
+    `for` line on sm_90a, a line of the body on sm_100a) not already naming a loop nested in it. The
+    files are read from `sources` (the imported kernels' folder): the line numbers are those of the
+    imported source (Triton's cache key holds them), the path in the line table the first compile's."""
+    instructions: list[tuple[int, str, str, tuple[str, int] | None]] = []  # offset, opcode, target, line
+    labels: dict[str, int] = {}
+    pending_labels: list[str] = []
+    where: tuple[str, int] | None = None
+    for raw in disassembly.splitlines():
+        line = raw.strip()
+        if m := LINE.search(line):
+            where = (Path(m.group(1)).name, int(m.group(2)))
+            continue
+        if m := LABEL.match(line):
+            pending_labels.append(m.group(1))
+            continue
+        if m := SASS.search(line):
+            offset, opcode = int(m.group(1), 16), m.group(2)
+            for name in pending_labels:
+                labels[name] = offset
+            pending_labels = []
+            target = re.search(r"\.(L_x_\d+)", m.group(4)) if opcode == "BRA" else None
+            instructions.append((offset, opcode, target.group(1) if target else "", where))
+    spans: dict[int, tuple[int, tuple[str, int] | None]] = {}  # start -> (last backward branch, its line)
+    for offset, _, target, line in instructions:
+        if target and labels.get(target, offset) < offset and offset >= spans.get(labels[target], (-1,))[0]:
+            spans[labels[target]] = (offset, line)
+    loops: list[Loop] = []
+    for start, (end, _) in sorted(spans.items()):
+        parent = next((i for i in range(len(loops) - 1, -1, -1)
+                       if loops[i].start <= start and end <= loops[i].end), None)
+        loops.append(Loop("?", "?", start, end, 0, {}, parent))
+    # Innermost loops first, so that an outer loop skips the statements its nested loops took.
+    claimed: dict[int, set[ForStatement]] = {}
+    for i in sorted(range(len(loops)), key=lambda i: loops[i].end - loops[i].start):
+        taken = set().union(*(claimed.get(j, set()) for j, lp in enumerate(loops) if lp.parent == i))
+        branch = spans[loops[i].start][1]
+        if branch is not None and (sources / branch[0]).exists():
+            for statement in for_statements(sources / branch[0]):
+                if statement.first <= branch[1] <= statement.last and statement not in taken:
+                    loops[i].text, loops[i].where = statement.text, statement.where
+                    taken = taken | {statement}
+                    break
+        claimed[i] = taken
+    straight: dict[str, int] = {}
+    for offset, opcode, _, _ in instructions:
+        inner = [i for i, lp in enumerate(loops) if lp.start <= offset <= lp.end]
+        for i in inner:
+            loops[i].size += 1
+        counts = loops[inner[-1]].own if inner else straight
+        for key in (opcode, "ALL"):
+            counts[key] = counts.get(key, 0) + 1
+    return straight, loops
+
+
+def cache_key(variant: KernelVariant, target: str) -> str:
+    constexprs = {k: repr(v) for k, v in variant.constexprs.items()}
+    spec = json.dumps([variant.fn.cache_key, variant.signature, constexprs,
+                       variant.num_warps, variant.num_stages, list(variant.divisible_by_16), target,
+                       triton.__version__, ANALYSIS_VERSION], sort_keys=True)
+    return hashlib.sha256(spec.encode()).hexdigest()[:24]
+
+
+def analyse(variant: KernelVariant, target: str) -> Analysis:
+    """The compiled kernel's figures, from the cache when its source and options are unchanged."""
+    path = CACHE / f"{variant.name}.{target}.{cache_key(variant, target)}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        return Analysis(**{**data, "loops": [Loop(**lp) for lp in data["loops"]]})
+    kernel = compile_variant(variant, target)
+    stats = kernel_stats(kernel)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        disassembly = subprocess.run([str(NVDISASM), "-g", "-c", str(cubin)], capture_output=True, text=True,
+                                     check=True).stdout
+    straight, loops = sass_loops(disassembly, Path(inspect.getsourcefile(variant.fn.fn)).parent)
+    result = Analysis(variant.name, target, variant.num_warps, stats.registers, stats.spill_stores,
+                      stats.spill_loads, stats.shared_bytes, ptx_counts(kernel.asm["ptx"]), straight, loops)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_suffix(f".{os.getpid()}.tmp")  # other helpers may fill the cache at once
+    tmp_path.write_text(json.dumps(asdict(result)))
+    tmp_path.replace(path)
+    return result
+
+
+# ---- rows ----
+
+@dataclass
+class Launch:
+    """One kernel launch of a row. `trips`: executions of each loop's body per program, summed over
+    the enclosing loops' trips (a loop absent from the dict or 0 is not taken). `hot`: the loop whose
+    instructions per unit of work the table shows, and the units (weights or FLOPs) a trip does.
+    `chain`: the loop whose trips depend on each other (a latency term), if any. `programs`: those
+    that do the work (default: the whole grid; the rest exit at once)."""
+
+    variant: KernelVariant
+    grid: tuple[int, ...]
+    trips: dict[str, float]
+    hot: str | None = None
+    hot_units: float = 0.0
+    unit: str = "weight"
+    chain: str | None = None
+    programs: int | None = None
+
+    @property
+    def active(self) -> int:
+        return self.programs if self.programs is not None else math.prod(self.grid)
+
+
+@dataclass
+class Row:
+    op: str  # moe | mla | kda
+    form: str  # AOT (full TensorRT) | JIT (TensorRT-RTX, eager)
+    shape: str
+    launches: list[Launch]
+    bytes: float  # the fewest the op must move
+    flops: float
+    note: str = ""
+
+
+@dataclass
+class Estimate:
+    row: Row
+    analyses: list[Analysis]
+    issue_s: float = 0.0
+    latency_s: float = 0.0
+    memory_s: float = 0.0
+    tensor_s: float = 0.0
+    details: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def bound_s(self) -> float:
+        return max(self.memory_s, self.tensor_s)
+
+    @property
+    def time_s(self) -> float:
+        return max(self.bound_s, self.issue_s + self.latency_s)
+
+    @property
+    def percent(self) -> float:
+        return 100 * self.bound_s / self.time_s
+
+
+def occupancy(a: Analysis, m: Machine) -> int:
+    """Blocks an SM holds at once, from registers, shared memory and warps."""
+    warp_registers = math.ceil(max(a.registers, 1) * 32 / 256) * 256
+    by_registers = (m.registers_per_sm // warp_registers) // a.num_warps
+    by_shared = m.shared_per_sm // (a.shared + 1024) if a.shared else m.blocks_per_sm
+    return max(0, min(by_registers, by_shared, m.warps_per_sm // a.num_warps, m.blocks_per_sm))
+
+
+def program_instructions(a: Analysis, trips: dict[str, float], kind: str = "ALL") -> float:
+    """Warp-instructions of `kind` (an opcode or ALL) one warp of a program executes."""
+    known = {lp.text for lp in a.loops}
+    unknown = set(trips) - known
+    if unknown:
+        raise KeyError(f"{a.name}: trips for loops it does not have: {sorted(unknown)}; "
+                       f"its loops: {sorted(known)}")
+    total = a.straight.get(kind, 0)
+    for lp in a.loops:
+        total += lp.own.get(kind, 0) * trips.get(lp.text, 0)
+    return total
+
+
+def chain_step(a: Analysis, launch: Launch) -> dict[str, float]:
+    """Per trip of the chain loop: its BAR and SHFL (nested loops included), and whether it loads global
+    memory with no cp.async / TMA in it."""
+    index = a.loop(launch.chain)
+    steps = launch.trips[launch.chain]
+    inner = a.inside(index)
+    sums = {k: sum(a.loops[i].own.get(k, 0) * launch.trips.get(a.loops[i].text, 0) for i in inner) / steps
+            for k in ("BAR", "SHFL", "LDG", "LDGSTS", "UTMALDG")}
+    sums["unprefetched"] = 1.0 if sums["LDG"] and not (sums["LDGSTS"] or sums["UTMALDG"]) else 0.0
+    return sums
+
+
+def estimate(row: Row, m: Machine) -> Estimate:
+    analyses = [analyse(launch.variant, m.target) for launch in row.launches]
+    est = Estimate(row, analyses, memory_s=row.bytes / (m.hbm_tbs * 1e12),
+                   tensor_s=row.flops / (m.bf16_tflops * 1e12))
+    clock = m.clock_ghz * 1e9
+    for launch, a in zip(row.launches, analyses, strict=True):
+        resident = occupancy(a, m)
+        per_sm = math.ceil(launch.active / m.sms)
+        at_once = max(1, min(resident, per_sm))
+        warp_instr = program_instructions(a, launch.trips)
+        issue = per_sm * a.num_warps * warp_instr / min(m.issue_per_sm, at_once * a.num_warps) / clock
+        detail: dict[str, Any] = {"kernel": a.name, "grid": launch.grid, "programs": launch.active,
+                                  "occupancy": resident, "waves": launch.active / max(1, resident * m.sms),
+                                  "warp_instr": warp_instr, "issue_s": issue}
+        if launch.hot:
+            hot = a.loops[a.loop(launch.hot)]
+            detail["hot_per_unit"] = hot.size * a.num_warps * 32 / launch.hot_units
+            detail["hot_bar"] = hot.own.get("BAR", 0)
+        latency = 0.0
+        if launch.chain:
+            step = chain_step(a, launch)
+            cycles = (step["BAR"] * BARRIER_CYCLES + step["SHFL"] * SHUFFLE_CYCLES
+                      + step["unprefetched"] * LOAD_CYCLES)
+            latency = math.ceil(per_sm / at_once) * launch.trips[launch.chain] * cycles / clock
+            detail.update(chain_bar=step["BAR"], chain_shfl=step["SHFL"],
+                          chain_load=bool(step["unprefetched"]), latency_s=latency)
+        est.issue_s += issue
+        est.latency_s += latency
+        est.details.append(detail)
+    return est
+
+
+# ---- the rows: one function per op (each kernel helper edits its own) ----
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def moe_routing(tokens: int) -> list[list[int]]:
+    """experts [N][k] over all 896: each token has exactly 2 of its 16 slots on rank 0 (experts 0..111, the
+    mean at 8 ranks), and the tokens' experts spread evenly over the rank's (token n takes j * 56 + o_n,
+    o_n = 17 n mod 56, for j = 0..15: distinct within a token)."""
+    stride = MOE_EXPERTS // MOE_TOP_K  # 56
+    return [[j * stride + (17 * n) % stride for j in range(MOE_TOP_K)] for n in range(tokens)]
+
+
+def moe_rows() -> list[Row]:
+    """The routed experts (MXFP4 experts, bf16 activations) on one rank of 8: 112 experts held, top-16 of
+    896, decode with 1 and 16 tokens a rank, prefill with 512 and 8192."""
+    from k3plugins import moe
+    from k3plugins.trt_aot import routed_experts_aot_kernel, routed_experts_aot_launch
+
+    rows = []
+    packed_expert = 3 * MOE_I * MOE_L * MXFP4_BYTES
+    for tokens, phase in ((1, "decode"), (16, "decode"), (512, "prefill"), (8192, "prefill")):
+        routing = moe_routing(tokens)
+        counts: dict[int, int] = {}
+        for token in routing:
+            for e in token:
+                if e < MOE_HELD:
+                    counts[e] = counts.get(e, 0) + 1
+        pairs = sum(counts.values())
+        held_per_token = pairs / tokens
+        nbytes = len(counts) * packed_expert + tokens * (MOE_L * (BF16 + 4) + MOE_TOP_K * 12)
+        flops = 2 * pairs * 3 * MOE_I * MOE_L
+        shape = f"{phase} {tokens} tok ({pairs} pairs, {len(counts)} experts)"
+        # AOT: one program per token and 256 output columns, over the token's 16 slots.
+        aot = routed_experts_aot_kernel("bfloat16", True, MOE_L, MOE_I, MOE_HELD, MOE_TOP_K, 0, *MOE_BETAS)
+        grid, _ = routed_experts_aot_launch([tokens, MOE_L], MOE_L)
+        c = aot.constexprs
+        i_steps = held_per_token * cdiv(MOE_I, c["BLOCK_I"])
+        trips = {"for j in range(TOP_K)": MOE_TOP_K, "for i0 in range(0, I, BLOCK_I)": i_steps,
+                 "for k0 in range(0, L, BLOCK_K)": i_steps * cdiv(MOE_L, c["BLOCK_K"])}
+        rows.append(Row("moe", "AOT", shape, [Launch(aot, grid, trips, "for k0 in range(0, L, BLOCK_K)",
+                                                     2 * c["BLOCK_I"] * c["BLOCK_K"])], nbytes, flops))
+        # JIT: the pairs grouped by expert (all N k pairs pick the tiles), gate/up then down.
+        tiles = moe.pick_tiles(tokens * MOE_TOP_K, MOE_HELD, _torch_bf16())
+        mode = "decode" if tiles is moe.DECODE else "prefill"
+        blocks = sum(cdiv(n, tiles.block_m) for n in counts.values())
+        bound = moe.max_blocks(tokens * MOE_TOP_K, MOE_HELD, tiles.block_m)
+        launches = []
+        for name, out_cols, reduce, width in (("gate_up", MOE_I, MOE_L, "L"), ("down", MOE_L, MOE_I, "I")):
+            columns = cdiv(out_cols, tiles.block_n)
+            loop = f"for k0 in range(0, {width}, BLOCK_K)"
+            weights = (2 if name == "gate_up" else 1) * tiles.block_n * tiles.block_k  # a trip's
+            launches.append(Launch(jit_variant(f"moe_{name}_{mode}_bf16_wmxfp4"), (bound, columns),
+                                   {loop: cdiv(reduce, tiles.block_k)}, loop, weights,
+                                   programs=blocks * columns))
+        rows.append(Row("moe", "JIT", shape, launches, nbytes, flops, note=f"{mode} tiles"))
+    return rows
+
+
+def mla_rows() -> list[Row]:
+    """LatentMLA decode (one new token a row) at cache 4K / 16K / 64K and batch 1 / 8 / 64, 12 heads a rank
+    of 8 and 96 unsplit; the cache holds exactly the visible rows (capacity = length)."""
+    from k3plugins.mla import COMBINE_BLOCK_R, DECODE, MAX_SPLITS, SPLIT_ROWS
+    from k3plugins.trt_aot import latent_mla_aot_kernel, latent_mla_aot_launch
+
+    rows = []
+    for heads in (MLA_HEADS // RANKS, MLA_HEADS):
+        for cache in (4096, 16384, 65536):
+            for batch in (1, 8, 64):
+                nbytes = BF16 * (batch * cache * MLA_D + batch * heads * (MLA_D + MLA_V))
+                flops = 2 * batch * heads * cache * (MLA_D + MLA_V)
+                shape = f"decode H{heads} S{cache // 1024}K B{batch}"
+                # AOT: one program per (row, 16 query positions, head) over the row's visible cache.
+                aot = latent_mla_aot_kernel("bfloat16", "bfloat16", MLA_D, MLA_V, MLA_SCALE)
+                grid, _ = latent_mla_aot_launch([batch, 1, heads, MLA_D], [batch, 1, cache, MLA_D])
+                block_s = aot.constexprs["BLOCK_S"]
+                step = "for s0 in range(lo, hi, BLOCK_S)"
+                useful = 2 * block_s * (MLA_D + MLA_V)  # one query row of the tile's 16 sees the cache
+                rows.append(Row("mla", "AOT", shape, [Launch(aot, grid, {step: cdiv(cache, block_s)}, step,
+                                                             useful, unit="FLOP")], nbytes, flops))
+                # JIT: split-KV decode (16 heads a program, the capacity sets the splits) and the combine.
+                splits = min(MAX_SPLITS, cdiv(cache, SPLIT_ROWS))
+                split_len = max(cdiv(cache, splits), SPLIT_ROWS)
+                out = "fp32" if splits > 1 else "bf16"
+                attn = jit_variant(f"mla_decode_bf16_o{out}_v512_r64")
+                head_blocks = cdiv(heads, DECODE.block_h)
+                useful = 2 * DECODE.block_s * min(heads, DECODE.block_h) * (MLA_D + MLA_V)
+                launches = [Launch(attn, (batch, head_blocks, splits),
+                                   {step: cdiv(split_len, DECODE.block_s)}, step, useful, unit="FLOP",
+                                   programs=batch * head_blocks * cdiv(cache, split_len))]
+                if splits > 1:
+                    launches.append(Launch(jit_variant("mla_combine_bf16_v512"),
+                                           (cdiv(batch * heads, COMBINE_BLOCK_R),),
+                                           {"for sp in range(n_splits)": splits}))
+                rows.append(Row("mla", "JIT", shape, launches, nbytes, flops, note=f"{splits} splits"))
+    return rows
+
+
+def kda_chunk_flops(tokens: int, heads: int, chunk: int = 64) -> float:
+    """FLOPs of the chunked form at chunk 64 (tools/gpu_check.py's count): scores, W, U, the state's
+    products and the triangular solve, a partial chunk counted whole."""
+    chunks = cdiv(tokens, chunk)
+    return heads * chunks * (6 * chunk ** 2 * KDA_K + 4 * chunk ** 2 * KDA_V + 6 * chunk * KDA_K * KDA_V
+                             + 2 * chunk ** 3 / 3)
+
+
+def kda_bytes(tokens: int, heads: int) -> float:
+    """q, k, v, o in bf16, g and beta in float32, the float32 state read and written."""
+    per_token = heads * (2 * KDA_K * BF16 + KDA_K * 4 + 2 * KDA_V * BF16 + 4)
+    return tokens * per_token + 2 * heads * KDA_K * KDA_V * 4
+
+
+def kda_rows() -> list[Row]:
+    """KDA (bf16, one row): prefill T = 8192 and decode (one token), 96 heads and 12 a rank of 8."""
+    from k3plugins.trt_aot import KDA_CHUNK, kda_aot_kernel, kda_aot_launch
+
+    rows = []
+    for tokens, phase in ((8192, "prefill"), (1, "decode")):
+        for heads in (KDA_HEADS, KDA_HEADS // RANKS):
+            nbytes = kda_bytes(tokens, heads)
+            flops = kda_chunk_flops(tokens, heads) if tokens > 1 else 7 * heads * KDA_K * KDA_V
+            shape = f"{phase} T{tokens} H{heads}"
+            # AOT: the chunk walk (chunks of 16, one program per head and 32 value columns).
+            aot = kda_aot_kernel("bfloat16", KDA_K)
+            grid, _ = kda_aot_launch([1, tokens, heads, KDA_K], [1, tokens, heads, KDA_V])
+            chunks = cdiv(tokens, KDA_CHUNK)
+            loop = "for t0 in range(0, T, BT)"
+            trips = {loop: chunks, "for c0 in range(0, K, BC)": chunks * cdiv(KDA_K, 16)}
+            chunk_flops = kda_chunk_flops(KDA_CHUNK, 1, KDA_CHUNK) * aot.constexprs["BV"] / KDA_V
+            rows.append(Row("kda", "AOT", shape, [Launch(aot, grid, trips, loop, chunk_flops, "FLOP",
+                                                         chain=loop)], nbytes, flops))
+            rows.append(Row("kda", "JIT", shape, kda_jit_launches(tokens, heads), nbytes, flops,
+                            note="chunk_kda (4 launches)" if tokens > 1 else "recurrent_kda"))
+    return rows
+
+
+def kda_jit_launches(tokens: int, heads: int) -> list[Launch]:
+    """What k3plugins.kda launches: the recurrence for one token, chunk_kda's four kernels for a prompt."""
+    from k3plugins import kda
+
+    if tokens == 1:
+        loop = "for t in range(T)"
+        return [Launch(jit_variant("recurrent_kda_bf16_k128"), (heads, cdiv(KDA_V, kda.BLOCK_V)), {loop: 1},
+                       loop, 7 * KDA_K * kda.BLOCK_V, "FLOP", chain=loop)]
+    chunk = kda.CHUNK_SIZE
+    chunks = cdiv(tokens, chunk)
+    blocks = cdiv(KDA_K, kda.WY_BLOCK) + cdiv(KDA_V, kda.WY_BLOCK)
+    state_loop, rows_loop = "for i_t in range(n_chunks)", "for r0 in range(i_t * BT, i_t * BT + BT, BR)"
+    return [
+        Launch(jit_variant("chunk_kda_intra_bf16"), (chunks, heads), {"for d in range(K)": KDA_K,
+                                                                      "for i in range(BT)": chunk}),
+        Launch(jit_variant("chunk_kda_wy_bf16"), (chunks, heads, blocks), {}),
+        Launch(jit_variant("chunk_kda_state_bf16_k128"), (heads, cdiv(KDA_V, kda.STATE_BLOCK_V)),
+               {state_loop: chunks, rows_loop: chunks * cdiv(chunk, kda.STATE_ROWS)}, rows_loop,
+               4 * kda.STATE_ROWS * KDA_K * kda.STATE_BLOCK_V, "FLOP", chain=state_loop),
+        Launch(jit_variant("chunk_kda_output_bf16"), (chunks, heads, cdiv(KDA_V, kda.BLOCK_V)),
+               {"for c0 in range(0, K, BV)": cdiv(KDA_K, kda.BLOCK_V)}),
+    ]
+
+
+def _torch_bf16() -> Any:
+    import torch
+
+    return torch.bfloat16
+
+
+@functools.cache
+def _jit_variants() -> dict[str, KernelVariant]:
+    return {v.name: v for v in kernel_variants()}
+
+
+def jit_variant(name: str) -> KernelVariant:
+    """One of k3plugins.kernel_variants() by name."""
+    if name not in _jit_variants():
+        raise KeyError(f"no JIT kernel variant {name}")
+    return _jit_variants()[name]
+
+
+OPS: dict[str, Callable[[], list[Row]]] = {"moe": moe_rows, "mla": mla_rows, "kda": kda_rows}
+
+# The anchors' published figures (../shared/KERNELS.md gives the sources).
+ANCHORS = {
+    "moe": ["DeepGEMM grouped GEMMs (FP8, H800, its README): about 2 TB/s at masked decode shapes, "
+            "1,100-1,300 TFLOP/s contiguous",
+            "vLLM fused experts, bf16 weights, EP8, H200 at 1,024 local tokens: 322 TFLOP/s a GPU "
+            "(InferenceX's K3 profile)"],
+    "mla": ["FlashMLA (H800): up to about 3,000 GB/s memory-bound decode, about 90% of HBM"],
+    "kda": ["prefill T = 8192: FlashKDA 2.62 ms vs fla 4.51 ms on an H20; H200, 64 heads: fla 1.78 ms, "
+            "FlashKDA 1.21 ms (cuLA's table); cuLA context parallelism 0.32 ms at 8 heads",
+            "B200, T = 8192, 96 heads: TIRx's evolved KDA forward 0.31-0.37 ms",
+            "decode: bound by the state's bytes (96 x 128 x 128 float32 read and written a layer a row)"],
+}
+
+
+# ---- the table ----
+
+COLUMNS = ("op", "form", "shape", "kernel", "regs", "spill", "smem KB", "tensor cores", "hot SASS/unit",
+           "chain BAR/SHFL", "MB", "GFLOP", "waves", "occ", "HBM us", "TC us", "issue us", "lat us", "est us",
+           "% bound")
+
+
+def fmt(x: float, digits: int = 1) -> str:
+    if x == 0:
+        return "0"
+    return f"{x:,.{digits}f}" if abs(x) >= 10 ** -digits else f"{x:.1e}"
+
+
+def table(estimates: Sequence[Estimate]) -> list[str]:
+    """A markdown table: one line per row, a launch's kernel figures joined by ' / '."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for est in estimates:
+        r, a, d = est.row, est.analyses, est.details
+
+        def each(f: Callable[[Analysis, dict[str, Any], Launch], str], a: list[Analysis] = a,
+                 d: list[dict[str, Any]] = d, launches: list[Launch] = r.launches) -> str:
+            return " / ".join(f(x, y, z) for x, y, z in zip(a, d, launches, strict=True))
+
+        cells = [r.op, r.form, r.shape + (f" ({r.note})" if r.note else ""),
+                 each(lambda x, y, z: x.name + ("!" if x.warnings else "")),
+                 each(lambda x, y, z: str(x.registers)),
+                 each(lambda x, y, z: str(x.spill_stores + x.spill_loads)),
+                 each(lambda x, y, z: fmt(x.shared / 1024)),
+                 each(lambda x, y, z: x.tensor_cores),
+                 each(lambda x, y, z: f"{y['hot_per_unit']:.3g}/{z.unit}" if "hot_per_unit" in y
+                      else "-"),
+                 each(lambda x, y, z: f"{y['chain_bar']:.0f}/{y['chain_shfl']:.0f}" if "chain_bar" in y
+                      else "-"),
+                 fmt(r.bytes / 1e6), fmt(r.flops / 1e9), each(lambda x, y, z: f"{y['waves']:.2g}"),
+                 each(lambda x, y, z: str(y["occupancy"])),
+                 fmt(est.memory_s * 1e6), fmt(est.tensor_s * 1e6), fmt(est.issue_s * 1e6),
+                 fmt(est.latency_s * 1e6), fmt(est.time_s * 1e6), f"{est.percent:.3g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    warned = {a.name: a.warnings for est in estimates for a in est.analyses if a.warnings}
+    lines += [f"! {name}: {'; '.join(warnings)}" for name, warnings in warned.items()]
+    return lines
+
+
+def assumptions(m: Machine) -> list[str]:
+    return [f"machine: {m.name} ({m.target}a): {m.sms} SMs, {m.issue_per_sm} warp-instructions a clock an "
+            f"SM, {m.clock_ghz} GHz, {m.hbm_tbs} TB/s HBM, {m.bf16_tflops:,.0f} TFLOP/s dense bf16; "
+            f"{m.registers_per_sm} registers, {m.shared_per_sm // 1024} KB shared, {m.warps_per_sm} warps an "
+            f"SM (source: {m.source})",
+            f"latency a dependent step: {BARRIER_CYCLES} clocks a BAR, {SHUFFLE_CYCLES} a SHFL, "
+            f"{LOAD_CYCLES} once for an unprefetched global load (guesses to calibrate); not modelled: "
+            "launch gaps, L2, bank conflicts, pipe throughput",
+            "est = max(HBM, TC, issue + latency); % bound = max(HBM, TC) / est; hot SASS/unit = the hot "
+            "loop's SASS x threads / the weights or FLOPs a trip does; chain = per step of the dependent "
+            "loop; "
+            "bytes: the fewest the op moves (MoE: the chosen experts' packed MXFP4, 4.25 bits a weight); "
+            "a kernel marked ! has loops the model cannot place (listed under the table)",
+            f"Triton {triton.__version__}; widths: MoE L {MOE_L}, I {MOE_I}, {MOE_HELD} of {MOE_EXPERTS} "
+            f"experts a rank, top-{MOE_TOP_K}; MLA latent {MLA_D}, values {MLA_V}; KDA K = V = {KDA_K}; bf16"]
+
+
+def kernels_report(rows: Sequence[Row], m: Machine) -> list[str]:
+    """Each kernel the rows launch, with its loops as compiled (what the rows' trips are keyed on)."""
+    lines, seen = [], set()
+    for row in rows:
+        for launch in row.launches:
+            a = analyse(launch.variant, m.target)
+            if a.name in seen:
+                continue
+            seen.add(a.name)
+            lines.append(f"{a.name} ({m.target}a): {a.registers} registers, spills {a.spill_stores}/"
+                         f"{a.spill_loads} B, {a.shared} B shared, {a.num_warps} warps; PTX {a.ptx}; "
+                         f"{a.straight.get('ALL', 0)} SASS outside loops")
+            for i, lp in enumerate(a.loops):
+                counts = ", ".join(f"{k} {lp.own[k]}" for k in SASS_SHOWN if lp.own.get(k))
+                lines.append(f"  loop {i} `{lp.text}` ({lp.where}) in {lp.parent}: {lp.size} SASS "
+                             f"({lp.own.get('ALL', 0)} its own{'; ' + counts if counts else ''})")
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of %(default)s")
+    p.add_argument("--machines", default="h100", help=f"comma-separated subset of {','.join(MACHINES)}")
+    p.add_argument("--forms", default="AOT,JIT", help="comma-separated subset of %(default)s")
+    p.add_argument("--kernels", action="store_true", help="list each kernel's compiled loops instead")
+    args = p.parse_args(argv)
+    for name, known in (("ops", OPS), ("machines", MACHINES), ("forms", ("AOT", "JIT"))):
+        values = [v for v in getattr(args, name).split(",") if v]
+        if not values or set(values) - set(known):
+            p.error(f"--{name}: {getattr(args, name)!r}; choose from {','.join(known)}")
+        setattr(args, name, values)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Prints the tables; an op whose rows or kernels fail (a kernel being rewritten) is reported and the
+    others still printed: exit 1 then."""
+    args = parse_args(argv)
+    failed = False
+    for name in args.machines:
+        m = MACHINES[name]
+        if not args.kernels:
+            print("\n".join(f"- {line}" for line in assumptions(m)))
+        for op in args.ops:
+            try:
+                rows = [r for r in OPS[op]() if r.form in args.forms]
+                lines = (kernels_report(rows, m) if args.kernels else
+                         [f"\n{op}: anchors (published): " + "; ".join(ANCHORS[op]),
+                          *table([estimate(r, m) for r in rows])])
+            except Exception as exc:  # one op's failure must not hide the others
+                failed = True
+                lines = [f"\n{op} ({m.target}a): FAILED: {type(exc).__name__}: {exc}"]
+            print("\n".join(lines), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
