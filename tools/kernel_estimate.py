@@ -386,8 +386,9 @@ def chain_step(a: Analysis, launch: Launch) -> dict[str, float]:
     return sums
 
 
-def estimate(row: Row, m: Machine) -> Estimate:
-    analyses = [analyse(launch.variant, m.target) for launch in row.launches]
+def estimate(row: Row, m: Machine, analyses: list[Analysis] | None = None) -> Estimate:
+    """The row's figures on `m`; `analyses` (one per launch) default to its kernels compiled for `m`."""
+    analyses = analyses or [analyse(launch.variant, m.target) for launch in row.launches]
     est = Estimate(row, analyses, memory_s=row.bytes / (m.hbm_tbs * 1e12),
                    tensor_s=row.flops / (m.bf16_tflops * 1e12))
     clock = m.clock_ghz * 1e9

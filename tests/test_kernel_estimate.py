@@ -1,0 +1,107 @@
+"""tools/kernel_estimate.py on what runs in seconds: its reading of compiled code (a tiny kernel with tl.dot
+shows tensor-core instructions, one without shows none; each loop named by its `for`), its arithmetic on one
+row against figures worked by hand, and the rank's routing the MoE rows assume. (The published-width
+kernels take minutes to compile: the tool itself does that, not CI.)"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import triton
+import triton.language as tl
+from test_gpu_check import tool
+
+from k3plugins.variants import KernelVariant
+
+kernel_estimate = tool("kernel_estimate")
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="TRITON_INTERPRET is set: these compile kernels")
+
+
+@triton.jit
+def _dot_kernel(a, b, c, K, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(a + offs[:, None] * K + k0 + offs[None, :])
+        y = tl.load(b + (k0 + offs[:, None]) * BLOCK + offs[None, :])
+        acc = tl.dot(x, y, acc)
+    tl.store(c + offs[:, None] * BLOCK + offs[None, :], acc)
+
+
+@triton.jit
+def _scale_kernel(x, y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for i0 in range(0, n, BLOCK):
+        v = tl.load(x + i0 + offs, mask=i0 + offs < n)
+        tl.store(y + i0 + offs, v * 2.0, mask=i0 + offs < n)
+
+
+def variant(fn: triton.JITFunction, signature: dict[str, str], name: str) -> KernelVariant:
+    return KernelVariant(name, fn, {**signature, "BLOCK": "constexpr"}, {"BLOCK": 64}, num_warps=4,
+                         num_stages=2)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(kernel_estimate, "CACHE", tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+def test_a_dot_shows_tensor_cores_and_a_loop_without_none(cache: Path, target: str) -> None:
+    dot = kernel_estimate.analyse(variant(_dot_kernel, {"a": "*bf16", "b": "*bf16", "c": "*fp32", "K": "i32"},
+                                          "dot"), target)
+    assert dot.ptx["mma.sync"] + dot.ptx["wgmma"] + dot.ptx["tcgen05"] > 0 and dot.tensor_cores != "none"
+    loop = dot.loops[dot.loop("for k0 in range(0, K, BLOCK)")]
+    assert loop.where == f"{Path(__file__).name}:{_dot_kernel.starting_line_number + 4}"
+    assert loop.size >= loop.own["ALL"] > 0
+    plain = kernel_estimate.analyse(variant(_scale_kernel, {"x": "*fp32", "y": "*fp32", "n": "i32"}, "scale"),
+                                    target)
+    assert plain.tensor_cores == "none" and plain.loop("for i0 in range(0, n, BLOCK)") == 0
+    # The loop's own opcodes plus the straight-line code are every instruction.
+    assert sum(lp.own["ALL"] for lp in plain.loops) + plain.straight["ALL"] == plain.loops[0].size + \
+        plain.straight["ALL"]
+    assert len(list(cache.glob("*.json"))) == 2  # cached: a second call reads the file
+    assert kernel_estimate.analyse(variant(_scale_kernel, {"x": "*fp32", "y": "*fp32", "n": "i32"}, "scale"),
+                                   target) == plain
+
+
+def test_the_estimate_of_a_row_against_figures_worked_by_hand() -> None:
+    Loop, Analysis = kernel_estimate.Loop, kernel_estimate.Analysis
+    # 4 warps at 128 registers: 4 blocks an SM; 100 instructions outside the loop, 50 a trip, 10 trips.
+    loop = Loop("for t in range(T)", "k.py:3", 16, 800, 50, {"ALL": 50, "BAR": 2, "SHFL": 1, "LDG": 1}, None)
+    analysis = Analysis("k", "sm90", 4, 128, 0, 0, 0, {"mma.sync": 0, "wgmma": 0, "tcgen05": 0},
+                        {"ALL": 100}, [loop])
+    launch = kernel_estimate.Launch(variant(_scale_kernel, {}, "k"), (264,), {"for t in range(T)": 10},
+                                    hot="for t in range(T)", hot_units=64, unit="FLOP",
+                                    chain="for t in range(T)")
+    row = kernel_estimate.Row("kda", "AOT", "test", [launch], bytes=1e6, flops=0.0)
+    est = kernel_estimate.estimate(row, kernel_estimate.MACHINES["h100"], [analysis])
+    clock = 1.755e9
+    # 264 programs on 132 SMs: 2 an SM, both resident (8 warps, 4 issue slots); each warp 100 + 10 x 50.
+    assert est.details[0]["occupancy"] == 4
+    assert est.issue_s == pytest.approx(2 * 4 * 600 / 4 / clock)
+    # A trip waits 2 barriers and a shuffle at 30 clocks, and an unprefetched load at 600; the 2 programs
+    # overlap.
+    assert est.latency_s == pytest.approx(10 * (2 * 30 + 30 + 600) / clock)
+    assert est.memory_s == pytest.approx(1e6 / 3.35e12) and est.tensor_s == 0
+    assert est.time_s == pytest.approx(4.6154e-6, rel=1e-4)  # issue 0.684 us + latency 3.932 us
+    assert est.percent == pytest.approx(100 * 0.29851 / 4.6154, rel=1e-3)
+    assert est.details[0]["hot_per_unit"] == 50 * 128 / 64  # SASS x threads / FLOPs a trip
+    line = kernel_estimate.table([est])[2]
+    assert "| 2/1 |" in line and "| 4.6 |" in line and f"| {est.percent:.3g} |" in line
+
+
+def test_the_moe_rows_routing_puts_two_slots_of_each_token_on_the_rank() -> None:
+    routing = kernel_estimate.moe_routing(112)
+    held = [[e for e in token if e < kernel_estimate.MOE_HELD] for token in routing]
+    assert all(len(set(token)) == kernel_estimate.MOE_TOP_K for token in routing)
+    assert all(len(h) == 2 for h in held)  # 16 x 112 / 896
+    counts = [sum(e == x for h in held for e in h) for x in range(kernel_estimate.MOE_HELD)]
+    assert min(counts) == max(counts) == 2  # spread evenly over the rank's experts
+    assert math.isclose(kernel_estimate.MXFP4_BYTES * 32, 17)
