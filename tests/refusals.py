@@ -56,11 +56,12 @@ def past_capacity(args: argparse.Namespace, program: str) -> bool:
 
 
 def drafts_past_capacity(args: argparse.Namespace) -> bool:
-    """Whether `run --speculate K`'s longest prompt, new tokens and K drafts overflow a 256-token cache."""
+    """Whether `run --speculate K`'s longest prompt, new tokens and a call's padding (2K + 1 tokens, the
+    last of them the row's last token) overflow a 256-token cache."""
     if not given(args, "speculate"):
         return False
     prompt = len(args.prompt_ids) if args.prompt_ids else args.prompt_len
-    return prompt + args.max_new_tokens + args.speculate > CAPACITY
+    return prompt + args.max_new_tokens + 2 * args.speculate > CAPACITY
 
 
 def onnx_build(args: argparse.Namespace) -> bool:
@@ -83,10 +84,11 @@ REFUSALS = [
     Refusal(("check", "--build", "{build}", "--prompt-len", "250", "--steps", "7"),
             "--prompt-len 250 --steps 7: the longest row holds 250 + 7 = 257 tokens",
             lambda p, a: p == "check" and past_capacity(a, p)),
-    Refusal(("check", "--build", "{build}", "--prompt-len", "16", "--steps", "236", "--speculate", "5"),
-            "--speculate 5: the longest row's prompt, its tokens and a call's drafts, 16 + 237 + 5 = 258",
+    Refusal(("check", "--build", "{build}", "--prompt-len", "16", "--steps", "236", "--speculate", "2"),
+            "--speculate 2: the longest row's prompt, its tokens and a call's padding, 16 + 237 + 2 x 2 = "
+            "257",
             lambda p, a: p == "check" and bool(given(a, "speculate"))
-            and a.prompt_len + a.steps + 1 + a.speculate > CAPACITY),
+            and a.prompt_len + a.steps + 1 + 2 * a.speculate > CAPACITY),
     # build
     Refusal(("build", "--out", "{missing}"), "build: expected --onnx DIR (one export) or a RECIPE",
             lambda p, a: p == "build" and not a.onnx and not a.recipe),
@@ -168,10 +170,12 @@ REFUSALS = [
     Refusal(("run", "{build}", "--max-new-tokens", "1000"), "--max-new-tokens 1000: the longest row holds "
             "32 + 999 = 1031 tokens", lambda p, a: p == "run" and past_capacity(a, p)),
     Refusal(("run", "{build}", "--speculate", "1000000000"), "--speculate 1000000000: a row's cache holds "
-            "its prompt, its new tokens and a call's drafts: 32 + 16 + 1000000000 > the cache capacity 256; "
-            "at most --speculate 208", lambda p, a: p == "run" and drafts_past_capacity(a)),
-    Refusal(("run", "{build}", "--speculate", "2", "--temperature", "0.5"), "--speculate 2: greedy decoding "
-            "only", lambda p, a: p == "run" and bool(given(a, "speculate")) and a.temperature > 0),
+            "its prompt, its new tokens and a call's padding up to 2K + 1 tokens: 32 + 16 + 2 x 1000000000 > "
+            "the cache capacity 256; at most --speculate 104",
+            lambda p, a: p == "run" and drafts_past_capacity(a)),
+    Refusal(("run", "{build}", "--speculate", "2", "--temperature", "0.5", "--top-k", "1"),
+            "--speculate 2: --top-k 1 keeps one token a position", lambda p, a: p == "run"
+            and bool(given(a, "speculate")) and a.temperature > 0 and (a.top_k == 1 or a.top_p == 0)),
     Refusal(("run", "{build}", "--drafts", "suffix"), "--drafts suffix: expected --speculate K",
             lambda p, a: p == "run" and bool(given(a, "drafts")) and not given(a, "speculate")),
 ]

@@ -26,7 +26,7 @@ from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
 from k3export.onnx import runner as onnx_runner
 from k3export.onnx.export import ExportGraph
-from k3export.onnx.runner import BoundOnnxrtRunner, Signature
+from k3export.onnx.runner import DRAFT_LENGTHS, BoundOnnxrtRunner, Signature
 from k3export.runtime import Pipeline, stage_exports
 from k3export.runtime import speculation as speculation_module
 from k3export.runtime.drafts import ContinuationDrafter, NgramDrafter, SuffixDrafter, earlier_match
@@ -162,7 +162,8 @@ def test_a_broken_rollback_gives_other_tokens(build, model, references, monkeypa
         return [ContinuationDrafter(p + e, VOCAB, varying) for p, e in zip(prompts, expected, strict=True)]
 
     with monkeypatch.context() as patch:
-        patch.setattr(onnx_runner.Rollback, "rewind", lambda self, caches, lengths, name: None)
+        patch.setattr(onnx_runner.Rollback, "rewind",
+                      lambda self, caches, lengths, name: np.zeros(len(lengths), bool))
         assert run_speculation(build, model, prompts, drafters(), 4).tokens != expected
     with monkeypatch.context() as patch:
         real = speculation_module.accepted
@@ -190,13 +191,16 @@ def stage0_runner(build: Path, model: K3ForCausalLM, kind: str, folder: Path):
     return BoundOnnxrtRunner(export / "model.onnx", signature)
 
 
-def feeds(rows: list[list[int]], cache_lengths: list[int]) -> dict[str, np.ndarray]:
+def feeds(rows: list[list[int]], cache_lengths: list[int],
+          drafts: list[int] | None = None) -> dict[str, np.ndarray]:
+    """A call's feeds; `drafts`: how many of each row's tokens are drafts (None: no row drafts)."""
     lengths = [len(r) for r in rows]
     ids = np.zeros((len(rows), max(max(lengths), 1)), np.int64)
     for b, row in enumerate(rows):
         ids[b, :len(row)] = row
-    return {"input_ids": ids, "cache_lengths": np.array(cache_lengths, np.int64),
+    feed = {"input_ids": ids, "cache_lengths": np.array(cache_lengths, np.int64),
             "input_lengths": np.array(lengths, np.int64)}
+    return feed if drafts is None else {**feed, DRAFT_LENGTHS: np.array(drafts, np.int64)}
 
 
 @pytest.mark.parametrize("kind", ["onnxrt", "eager", "network", "engine"])
@@ -215,7 +219,7 @@ def test_the_rollback_restores_the_state_before_the_verify(build, model, kind, m
         runner.activate()
         runner.reset(2)
         runner.infer(feeds(prompts, [0, 0]), check_inputs=False)
-    verified.infer(feeds([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [13, 5]), check_inputs=False)
+    verified.infer(feeds([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [13, 5], [4, 4]), check_inputs=False)
     straight.infer(feeds([[], [6, 7, 8, 9, 10]], [13, 5]), check_inputs=False)
     again = feeds([[1, 2, 11], [12]], [13, 10])
     ours, theirs = (dict(r.infer(again, check_inputs=False)) for r in (verified, straight))
@@ -271,9 +275,10 @@ def test_run_speculate_gives_the_tokens_of_run(build, capsys):
 
 
 def test_drafts_up_to_the_cache_capacity(build, capsys):
-    """The longest prompt, its new tokens and K drafts may fill the 256-token cache exactly (a finished
-    row's padding included); one more draft is refused before any stage loads, naming the limit."""
-    common = ["run", str(build), "--batch", "2", "--prompt-len", "200", "--max-new-tokens", "52", "--json"]
+    """The longest prompt, its new tokens and a call's padding (2K + 1 tokens, the row's last token the
+    first) may fill the 256-token cache exactly; one more draft is refused before any stage loads,
+    naming the limit."""
+    common = ["run", str(build), "--batch", "2", "--prompt-len", "200", "--max-new-tokens", "48", "--json"]
     assert main(common) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*common, "--speculate", "4", "--drafts", "suffix"]) == 0
@@ -333,7 +338,7 @@ def test_a_verify_profile_is_built_recorded_and_taken(build, verify_engine, monk
     runner.activate()
     runner.reset(3)
     runner.infer(feeds(prompts_of((13, 5, 30)), [0, 0, 0]), check_inputs=False)
-    runner.infer(feeds([[1, 2, 3, 4, 5]] * 3, [13, 5, 30]), check_inputs=False)
+    runner.infer(feeds([[1, 2, 3, 4, 5]] * 3, [13, 5, 30], [4] * 3), check_inputs=False)
     runner.infer(feeds([[1, 2], [6], [7]], [13, 10, 35]), check_inputs=False)  # row 0 rewound
     runner.infer(feeds([[1]] * 3, [15, 11, 36]), check_inputs=False)
     (context,) = engine[0].contexts
@@ -341,27 +346,29 @@ def test_a_verify_profile_is_built_recorded_and_taken(build, verify_engine, monk
     runner.deactivate()
 
 
-@pytest.mark.parametrize("verify_seq", [5, 0], ids=["verify-profile", "none"])
+@pytest.mark.parametrize("verify_seq", [9, 8], ids=["verify-profile", "too-short"])
 def test_run_speculate_on_engines(build, tmp_path, monkeypatch, capsys, verify_seq):
     """`run --speculate 4 --runner engine` over the CPU stand-in of each stage's engine gives the tokens
-    of plain `run` on the ONNX graphs; on engines whose profiles take no verify call of 2 x 5 tokens (a
-    prefill of at most 4, no verify profile) it is refused before any engine loads."""
+    of plain `run` on the ONNX graphs; on engines whose profiles take no call of 2 x 9 tokens (2K + 1:
+    a prefill of at most 4, a verify profile of 8) it is refused before any engine loads."""
     pytest.importorskip("tensorrt_rtx")
     from engine_standin import engines_recorded, install
 
     from k3export.engine.build import Limits
 
-    out = engines_recorded(build, tmp_path / "engines", Limits(3, 64 if verify_seq else 4, 3, verify_seq))
+    short = verify_seq < 9
+    out = engines_recorded(build, tmp_path / "engines", Limits(3, 4 if short else 64, 3, verify_seq))
     common = ["run", str(out), "--batch", "3", "--prompt-len", "4", "--max-new-tokens", "12", "--json"]
     assert main([*common, "--runner", "onnx"]) == 0
     plain = json.loads(capsys.readouterr().out)
     engines = install(monkeypatch, gpus=1)
     code = main([*common, "--runner", "engine", "--speculate", "4"])
     captured = capsys.readouterr()
-    if not verify_seq:
+    if short:
         assert code == 2 and not engines
         # 3 rows in 2 micro-batches (as many as stages): the larger has 2.
-        assert "--speculate 4: a verify call of 2 rows x 5 tokens fits none of stage 0's" in captured.err
+        assert "--speculate 4: a call of 2 rows x 9 tokens (2K + 1: " in captured.err
+        assert "--verify-seq 9" in captured.err
         return
     assert code == 0 and json.loads(captured.out)["tokens"] == plain["tokens"]
     calls = [profile for e in engines for c in e.contexts for profile, _ in c.calls]
@@ -412,13 +419,13 @@ def test_check_speculate_names_the_layer_and_call_of_a_broken_rollback(build, mo
 
     class NoRollback(onnx_runner.Rollback):
         def rewind(self, caches, cache_lengths, name):
-            pass
+            return np.zeros(len(cache_lengths), bool)
 
     real_reset = BoundOnnxrtRunner.reset
 
     def reset(self, batch, rows=None):
         real_reset(self, batch, rows)
-        self.rollback = NoRollback(self.rollback.before, self.rollback.after)
+        self.rollback = NoRollback(self.rollback.before, self.rollback.after, held=self.rollback.held)
 
     monkeypatch.setattr(BoundOnnxrtRunner, "reset", reset)
     report = run_build_check(build, steps=20, prompt_len=20, speculate=4, log=lambda _: None)

@@ -31,13 +31,15 @@ CYCLE = 7  # row r's wrong draft sits at (its text's length + r) % CYCLE: past K
 
 
 def require_speculation_fits(drafts: int, prompt_len: int, steps: int, capacity: int) -> None:
-    """Refuses `--speculate K` unless a row's prompt, its steps + 1 tokens and K drafts fit the cache
-    (a call of K + 1 tokens writes that many latent rows, padding included, at a finished row too)."""
-    need = prompt_len + steps + 1 + drafts
+    """Refuses `--speculate K` unless a row's prompt, its steps + 1 tokens and a call's padding fit the
+    cache (a call feeds a row up to 2K + 1 tokens, runtime.speculation's, and writes as many latent rows,
+    padding included, at a finished row too)."""
+    need = prompt_len + steps + 1 + 2 * drafts
     if need > capacity:
-        raise UserError(f"--speculate {drafts}: the longest row's prompt, its tokens and a call's drafts, "
-                        f"{prompt_len} + {steps + 1} + {drafts} = {need} > the cache capacity {capacity}; "
-                        f"at most --speculate {max(capacity - prompt_len - steps - 1, 0)}")
+        raise UserError(f"--speculate {drafts}: the longest row's prompt, its tokens and a call's padding, "
+                        f"{prompt_len} + {steps + 1} + 2 x {drafts} = {need} > the cache capacity "
+                        f"{capacity}; "
+                        f"at most --speculate {max((capacity - prompt_len - steps - 1) // 2, 0)}")
 
 
 @dataclass

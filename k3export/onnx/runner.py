@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,9 @@ from k3export.onnx.export import TensorSpec, resolve_shape
 from k3export.onnx.taps import parse_tap
 
 PAST, PRESENT = "past.", "present."
+# A feed beside a graph's own, in speculative decoding's calls: each row's drafted tokens, the last of
+# its input_lengths; the rows a runner keeps a copy of for a rollback (Rollback). Absent: none drafts.
+DRAFT_LENGTHS = "draft_lengths"
 # numpy has no bfloat16: such tensors cross it as float32, which holds every bfloat16 value exactly.
 NUMPY_CARRIER = {torch.bfloat16: torch.float32}
 
@@ -92,65 +95,67 @@ class Signature:
         return meta
 
 
-def copy_into(buffer: Any, value: Any) -> Any:
-    """`value` (a numpy array or a torch tensor, on whatever device) copied into `buffer` when it has
-    the same shape, else into a new one; returns the copy."""
-    if buffer is None or buffer.shape != value.shape:
-        return value.copy() if isinstance(value, np.ndarray) else value.clone()
-    buffer[...] = value
-    return buffer
-
-
 @dataclass
 class Rollback:
     """What a runner can go back to after a verify call (a call that also fed drafted tokens, some of
-    which the caller may reject): its caches as they were before its last call of more than one token,
-    and each row's cache length before and after that call. No message says what was accepted: the
-    next call's cache_lengths does. A row fed the length it had after the call goes on; a row fed the
+    which the caller may reject): each drafting row's caches as they were before that call, and each
+    row's cache length before and after it. No message says what was accepted: the next call's
+    cache_lengths does. A row fed the length it had after the call goes on; a drafting row fed the
     length it had before it is taken back to its state then (its caller feeds the accepted tokens again,
     with the next one: runtime.speculation). The MLA latent rows need nothing: a length hides the rows
     past it, and the next call writes over them. The KDA states and conv tails are copied before the
     call into buffers of the runner's own, which no graph or engine output is ever bound to (an engine
-    writes a KDA state in place: the copy is taken before it does)."""
+    writes a KDA state in place: the copy is taken before it does), and only the rows the call feeds
+    drafts (its DRAFT_LENGTHS feed, runtime.speculation's): a prefill or a plain decode copies nothing,
+    and a row just taken back keeps the copy it came from."""
 
     before: np.ndarray  # [batch] the last call's cache_lengths
     after: np.ndarray  # [batch] its cache_lengths + input_lengths
-    kept: dict[str, Any] | None = None  # caches before the last call; None after a call of one token
+    kept: dict[str, Any] = field(default_factory=dict)  # per cache, its rows before the last call
+    held: np.ndarray | None = None  # [batch] the rows of `kept` that hold that (the rows that drafted)
+    copied_bytes: int = 0  # the bytes copied into `kept`, over every call (what a verify costs)
 
     @classmethod
     def fresh(cls, batch: int) -> Rollback:
-        return cls(np.zeros(batch, np.int64), np.zeros(batch, np.int64))
+        return cls(np.zeros(batch, np.int64), np.zeros(batch, np.int64), held=np.zeros(batch, bool))
 
-    def rewind(self, caches: dict[str, Any], cache_lengths: np.ndarray, name: str) -> None:
-        """Takes back to their kept state the rows whose `cache_lengths` is the last call's, before that
-        call; refuses a length that is neither, nor 0 (a fresh sequence), naming the row."""
+    def rewind(self, caches: dict[str, Any], cache_lengths: np.ndarray, name: str) -> np.ndarray:
+        """Takes back to their kept state the drafting rows whose `cache_lengths` is the last call's,
+        before that call; refuses a length that is neither, nor 0 (a fresh sequence), naming the row.
+        Returns the rows taken back ([batch] bool)."""
         cache_lengths = np.asarray(cache_lengths)
-        rewound = (cache_lengths == self.before) & (cache_lengths != self.after)
-        lost = (cache_lengths != self.after) & (cache_lengths != 0) & (~rewound | (self.kept is None))
+        rewound = (cache_lengths == self.before) & (cache_lengths != self.after) & self.held
+        lost = (cache_lengths != self.after) & (cache_lengths != 0) & ~rewound
         if lost.any():
             row = int(np.flatnonzero(lost)[0])
-            reachable = f" or {self.before[row]}" if self.kept is not None else ""
+            reachable = f" or {self.before[row]}" if self.held[row] else ""
             raise UserError(f"{name}: row {row} comes with cache_lengths {cache_lengths[row]}, but its "
                             f"caches hold {self.after[row]} tokens; a row goes on from {self.after[row]}"
-                            f"{reachable}, or starts fresh from 0 (a rollback goes back one call of more "
-                            "than one token)")
+                            f"{reachable}, or starts fresh from 0 (a rollback goes back one call that fed "
+                            "the row drafts)")
         rows = np.flatnonzero(rewound).tolist()
         if rows:
             for cache_name, kept in self.kept.items():
                 caches[cache_name][rows] = kept[rows]
+        return rewound
 
-    def keep(self, caches: dict[str, Any], cache_lengths: np.ndarray, input_lengths: np.ndarray,
-             seq: int) -> None:
-        """Before a call: its lengths, and for a call of more than one token (only such a call can have
-        fed drafts) a copy of the caches that a rejection takes back."""
-        self.before = np.array(cache_lengths, np.int64)
-        self.after = self.before + np.asarray(input_lengths)
-        if seq == 1:
-            self.kept = None
-            return
-        kept = self.kept or {}
-        self.kept = {name: copy_into(kept.get(name), cache) for name, cache in caches.items()
-                     if not name.endswith("mla_latent")}
+    def keep(self, caches: dict[str, Any], feeds: dict[str, np.ndarray], rewound: np.ndarray) -> None:
+        """Before a call: its lengths, and a copy of the caches a rejection takes back for the rows it
+        feeds drafts that were not just taken back (their kept rows are their state already)."""
+        self.before = np.array(feeds["cache_lengths"], np.int64)
+        self.after = self.before + np.asarray(feeds["input_lengths"])
+        drafting = np.asarray(feeds.get(DRAFT_LENGTHS, np.zeros_like(self.before))) > 0
+        rows = np.flatnonzero(drafting & ~rewound).tolist()
+        if rows:
+            for name, cache in caches.items():
+                if name.endswith("mla_latent"):
+                    continue
+                if name not in self.kept or self.kept[name].shape != cache.shape:
+                    self.kept[name] = np.empty_like(cache) if isinstance(cache, np.ndarray) else \
+                        torch.empty_like(cache)
+                self.kept[name][rows] = cache[rows]
+                self.copied_bytes += len(rows) * cache[0].nbytes
+        self.held = drafting
 
 
 class StatefulRunner(BaseRunner):
@@ -183,6 +188,7 @@ class StatefulRunner(BaseRunner):
             if not name.endswith("mla_latent"):
                 cache[rows] = 0
         self.rollback.before[rows] = self.rollback.after[rows] = 0
+        self.rollback.held[rows] = False
 
     def get_input_metadata_impl(self) -> TensorMetadata:
         return self.signature.metadata()
@@ -190,9 +196,8 @@ class StatefulRunner(BaseRunner):
     def infer_impl(self, feed_dict: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
         self.signature.check(feed_dict)
         if self.caches:  # a chain's or a grid's are its stages' and ranks', which roll back themselves
-            self.rollback.rewind(self.caches, feed_dict["cache_lengths"], self.name)
-            self.rollback.keep(self.caches, feed_dict["cache_lengths"], feed_dict["input_lengths"],
-                               self.signature.sizes(feed_dict)["seq"])
+            rewound = self.rollback.rewind(self.caches, feed_dict["cache_lengths"], self.name)
+            self.rollback.keep(self.caches, feed_dict, rewound)
         start = time.perf_counter()
         outputs = self.call(feed_dict)
         self.inference_time = time.perf_counter() - start

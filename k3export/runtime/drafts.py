@@ -123,3 +123,4 @@ class ContinuationDrafter:
 
 
 DRAFTS: dict[str, Callable[[], Drafter]] = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
+DEFAULT_DRAFTS = "ngram"

@@ -35,20 +35,26 @@ class Sampler:
         if self.temperature <= 0:
             return logits.argmax(-1)
         tokens = []
-        for row in logits.astype(np.float64):
-            order = np.argsort(-row, kind="stable")
-            if self.top_k:
-                order = order[:self.top_k]
-            # Scaled once the maximum is subtracted: a tiny temperature (1e-308) then gives -inf (an
-            # intended overflow), not inf - inf (NaN probabilities).
-            with np.errstate(over="ignore"):
-                p = np.exp((row[order] - row[order[0]]) / self.temperature)
-            p /= p.sum()
-            # At most every token: the sum can fall short of top_p = 1 by a rounding error.
-            keep = min(int(np.searchsorted(np.cumsum(p), self.top_p)) + 1, len(p))
-            p = p[:keep] / p[:keep].sum()
-            tokens.append(order[self.rng.choice(keep, p=p)])
+        for row in logits:
+            kept, p = self.distribution(row)
+            tokens.append(kept[self.rng.choice(len(p), p=p)])
         return np.array(tokens)
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What a row's token is drawn from (temperature > 0): the tokens kept, most likely first, and
+        their probabilities (float64, summing to 1); speculative sampling draws from the same."""
+        row = logits.astype(np.float64)
+        order = np.argsort(-row, kind="stable")
+        if self.top_k:
+            order = order[:self.top_k]
+        # Scaled once the maximum is subtracted: a tiny temperature (1e-308) then gives -inf (an
+        # intended overflow), not inf - inf (NaN probabilities).
+        with np.errstate(over="ignore"):
+            p = np.exp((row[order] - row[order[0]]) / self.temperature)
+        p /= p.sum()
+        # At most every token: the sum can fall short of top_p = 1 by a rounding error.
+        keep = min(int(np.searchsorted(np.cumsum(p), self.top_p)) + 1, len(p))
+        return order[:keep], p[:keep] / p[:keep].sum()
 
 
 @dataclass
@@ -61,7 +67,7 @@ class Generation:
     micro_batches: int = 1
     stages: list[dict[str, Any]] = field(default_factory=list)  # StageTimes.summary() each
     threads: int | None = None  # ONNX Runtime intra-op threads of each stage (None: engines)
-    drafts: dict[str, int] | None = None  # speculation's tokens "drafted" and "accepted" (None: none)
+    drafts: dict[str, Any] | None = None  # speculation's counts (Speculation.counts; None: none)
 
     def summary(self) -> dict[str, Any]:
         new = sum(len(t) for t in self.tokens)

@@ -24,7 +24,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from k3export.onnx.export import TensorSpec
+from k3export.onnx.runner import DRAFT_LENGTHS
 from k3export.runtime.links import FINISHED, RUN, STOP, TOKENS, Links
 from k3export.runtime.pipeline import Stage, passed_on
 from k3export.runtime.schedule import MicroBatch, StageTimes, Tokens, round_robin
@@ -33,7 +36,8 @@ from k3export.runtime.speculation import Speculation
 # A speculative run's calls have the lengths the last stage decides (runtime.speculation): they go with
 # every message on the control plane, and the last stage sends the first the next call's token ids.
 LENGTHS = [TensorSpec("cache_lengths", "int64", ["batch"], "each row's tokens in its caches"),
-           TensorSpec("input_lengths", "int64", ["batch"], "each row's tokens in this call")]
+           TensorSpec("input_lengths", "int64", ["batch"], "each row's tokens in this call"),
+           TensorSpec(DRAFT_LENGTHS, "int64", ["batch"], "each row's drafts in this call (its rollback's)")]
 REQUEST = [TensorSpec("input_ids", "int64", ["batch", "seq"], "the next call's tokens"), *LENGTHS]
 
 
@@ -81,7 +85,11 @@ class Part:
 def lengths_of(batch: MicroBatch, speculative: bool) -> list:
     """What a message carries on the control plane: a speculative call's lengths (nothing otherwise:
     every process advances them alike)."""
-    return [batch.cache_lengths, batch.input_lengths] if speculative else []
+    if not speculative:
+        return []
+    none = batch.draft_lengths is None  # a prefill's
+    drafts = np.zeros(batch.size, np.int64) if none else batch.draft_lengths
+    return [batch.cache_lengths, batch.input_lengths, drafts]
 
 
 def next_call(batch: MicroBatch, speculative: bool) -> None:
@@ -110,7 +118,7 @@ def first_stage(part: Part, batches: list[MicroBatch], passed: list[str], specul
                 continue
             if speculative:
                 request = [received[s.name] for s in REQUEST]
-                batch.input_ids, batch.cache_lengths, batch.input_lengths = request
+                batch.input_ids, batch.cache_lengths, batch.input_lengths, batch.draft_lengths = request
             else:
                 batch.input_ids = received["tokens"][:, None]
         outputs, started = part.compute(batch, batch.request())
@@ -140,14 +148,15 @@ def later_stage(part: Part, batches: list[MicroBatch], passed: list[str], receiv
                 links.send(peers.next, STOP, batch, [])
             continue
         if speculative:
-            batch.cache_lengths, batch.input_lengths = (tensors.pop(s.name) for s in LENGTHS)
+            batch.cache_lengths, batch.input_lengths, batch.draft_lengths = \
+                (tensors.pop(s.name) for s in LENGTHS)
         outputs, started = part.compute(batch, {**batch.lengths(), **tensors})
         if peers.next is None and speculative:
             tokens.take(batch, outputs["logits"])
             if not batch.finished:
                 tokens.request(batch)
             sent = links.send(peers.first, FINISHED if batch.finished else RUN, batch, [],
-                              control=[batch.input_ids, batch.cache_lengths, batch.input_lengths])
+                              control=[batch.input_ids, *lengths_of(batch, True)])
         elif peers.next is None:
             ids = tokens.take(batch, outputs["logits"])
             sent = links.send(peers.first, FINISHED if batch.finished else RUN, batch, [ids])

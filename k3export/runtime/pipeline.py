@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
-from k3export.onnx.runner import BoundOnnxrtRunner, Signature
+from k3export.onnx.runner import DRAFT_LENGTHS, BoundOnnxrtRunner, Signature
 from k3export.runtime.engines import EnginePlace
 from k3export.runtime.segments import SegmentedRunner
 
@@ -55,6 +55,8 @@ class Stage:
                 raise UserError(f"stage {self.runner.name}: input {spec.name!r} is neither an output of the "
                                 "stage before nor a request input; the stages do not chain")
             feed[spec.name] = source[spec.name]
+        if DRAFT_LENGTHS in request:  # no graph input: the runner's rollback reads it
+            feed[DRAFT_LENGTHS] = request[DRAFT_LENGTHS]
         return feed
 
     def __call__(self, feed: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from k3export.errors import UserError
+from k3export.onnx.runner import DRAFT_LENGTHS
 
 
 def split_rows(batch: int, count: int) -> list[range]:
@@ -49,6 +50,9 @@ class MicroBatch:
     input_lengths: np.ndarray
     calls: int = 0  # 0: the next call is the prefill
     finished: bool = False  # every row has its tokens: no more calls
+    # Speculative decoding's: each row's drafts, the last of its input_lengths (the rows whose caches the
+    # runners keep for a rollback: onnx.runner.Rollback); None: no row drafts.
+    draft_lengths: np.ndarray | None = None
 
     @classmethod
     def of(cls, index: int, rows: range, prompts: list[list[int]]) -> MicroBatch:
@@ -69,7 +73,8 @@ class MicroBatch:
         return int(self.input_lengths.max())
 
     def lengths(self) -> dict[str, np.ndarray]:
-        return {"cache_lengths": self.cache_lengths, "input_lengths": self.input_lengths}
+        lengths = {"cache_lengths": self.cache_lengths, "input_lengths": self.input_lengths}
+        return lengths if self.draft_lengths is None else {**lengths, DRAFT_LENGTHS: self.draft_lengths}
 
     def request(self) -> dict[str, np.ndarray]:
         """The first stage's feeds beyond its caches."""

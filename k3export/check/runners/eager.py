@@ -30,7 +30,7 @@ from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
 from k3export.onnx.export import ExportGraph, TensorSpec, graph_signature
-from k3export.onnx.runner import NUMPY_CARRIER, PAST, Signature, StatefulRunner
+from k3export.onnx.runner import DRAFT_LENGTHS, NUMPY_CARRIER, PAST, Signature, StatefulRunner
 from k3export.onnx.taps import parse_tap
 from k3export.options import AUTO, IN_MEMORY, STREAMED, available_memory
 from k3export.weights.checkpoint import build_model
@@ -229,7 +229,8 @@ class EagerSide:
             for t, feed in enumerate(feeds):
                 outs = []
                 for i, (runner, model) in enumerate(zip(runners, models, strict=True)):
-                    step_feed = {n: feed[n] for n in ("cache_lengths", "input_lengths")}
+                    step_feed = {n: feed[n] for n in ("cache_lengths", "input_lengths", DRAFT_LENGTHS)
+                                 if n in feed}
                     for spec in signature.feeds:
                         if spec.name not in step_feed:
                             step_feed[spec.name] = feed[spec.name] if first else state[i][t][spec.name]

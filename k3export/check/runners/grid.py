@@ -70,7 +70,7 @@ from k3export.check.runners.eager import EagerSide
 from k3export.config import K3Config
 from k3export.errors import UserError
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, graph_signature
-from k3export.onnx.runner import Signature, StatefulRunner
+from k3export.onnx.runner import DRAFT_LENGTHS, Signature, StatefulRunner
 from k3export.ops.collectives import recording_partials
 from k3export.runtime.engines import EnginePlace
 from k3export.runtime.segments import SegmentedRunner
@@ -363,7 +363,10 @@ class GridRunner(StatefulRunner):
         produced = dict(feeds)
         self.disagreements.append([])
         for s, (unsplit, split) in enumerate(zip(self.unsplit, self.split, strict=True)):
-            outputs = self._ask("call", {spec.name: produced[spec.name] for spec in split.feeds}, stage=s)
+            feed = {spec.name: produced[spec.name] for spec in split.feeds}
+            if DRAFT_LENGTHS in feeds:  # the ranks' rollback reads it
+                feed[DRAFT_LENGTHS] = feeds[DRAFT_LENGTHS]
+            outputs = self._ask("call", feed, stage=s)
             produced.update(self._unsplit_outputs(s, unsplit, split, outputs))
             produced.update({stage_output(s, name): outputs[0][name] for name in self.routing[s]})
         names = [spec.name for spec in self.signature.outputs]
