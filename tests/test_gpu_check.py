@@ -206,3 +206,36 @@ def test_the_preflight_runs_to_its_end_over_the_standin(tmp_path: Path,
     shapes = {name.rsplit(".", 1)[-1]: tuple(published.inputs[name].shape) for name in published.inputs}
     assert shapes["kda_state"] == (-1, 96, 128, 128) and shapes["mla_latent"][1:] == (1, 4096, 576)
     assert published.outputs["logits"].dtype.name == "BF16"
+
+
+gpu_check = tool("gpu_check")
+kernel_estimate = tool("kernel_estimate")
+
+
+@pytest.mark.parametrize("rows", [kernel_estimate.kda_rows, kernel_estimate.mla_rows],
+                         ids=lambda f: f.__name__)
+def test_the_estimates_rows_are_timed_on_the_shapes_they_count(rows) -> None:
+    """gpu_check --estimate times each of kernel_estimate's rows as a Case of the same shape: the bytes
+    gpu_check counts for that Case (its own count, from its inputs) are the row's; MLA's FLOPs too."""
+    for row in rows():
+        fields = dict(row.case)
+        case = gpu_check.Case(fields.pop("kernel"), "bfloat16", **fields)
+        nbytes, flops = gpu_check.cost(case)
+        assert nbytes == pytest.approx(row.bytes), row.shape
+        if row.op == "mla":
+            assert flops == pytest.approx(row.flops), row.shape
+        assert int(row.shape.split(" H")[1].split()[0]) == case.H, row.shape
+
+
+def test_the_estimate_is_printed_beside_the_measurement() -> None:
+    row = kernel_estimate.Row("kda", "AOT", "decode T1 H96", [], bytes=3.35e6, flops=0.0)
+    est = kernel_estimate.Estimate(row, [], issue_s=4e-6, memory_s=1e-6)  # estimated 4 us, bound 1 us
+    case = gpu_check.Case("aot:kda", "bfloat16", 1, 1, heads=96)
+    measured = gpu_check.Result(case, status="ok", ms=0.008)
+    header, _, line = gpu_check.estimate_lines([(case, est)], {case: measured})
+    cells = line.split()
+    assert header.split()[:5] == ["op", "form", "shape", "est", "us"]
+    assert cells[-6:] == ["4.0", "8.0", "2.00", "25", "12.5", "ok"]  # meas/est 2, % bound 25 then 12.5
+    assert gpu_check.estimate_lines([(case, est)], {})[2].split()[-4:] == ["-", "25", "-", "-"]
+    assert [gpu_check.estimate_machine(n) for n in ("NVIDIA H200", "NVIDIA B200", "NVIDIA H100 80GB HBM3")] \
+        == ["h200", "b200", "h100"]

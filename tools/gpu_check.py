@@ -7,6 +7,7 @@ numpy):
     tools/gpu_check                      # the wrapper sets PYTHONPATH=.:plugins and runs this file
     tools/gpu_check --dry-run            # the planned rows, byte and FLOP counts; no GPU needed
     tools/gpu_check --only mla --dtypes bfloat16 --budget 120
+    tools/gpu_check --estimate           # tools/kernel_estimate.py's rows, timed beside its estimate
     PYTHONPATH=.:plugins python3 tools/gpu_check.py ...   # the same without the wrapper
 
 On the device tool: `run` with command `tools/gpu_check` and timeout_s about 560 (add
@@ -124,12 +125,20 @@ class Case:
     S: int = 0  # MLA cache rows of the longest row, the T new ones included; 0 for KDA
     gate_dtype: str | None = None  # KDA g and beta; None: the row's dtype
     big: bool = False  # among the largest: not started once the time budget is spent
+    heads: int = 0  # KDA or MLA heads; 0: the published 96
+    held: int = 0  # MoE: experts held (a rank's, routed as kernel_estimate.moe_routing); 0: MOE_E's
+    full: bool = False  # MLA: every row sees S rows (else ragged, mla_lengths)
+
+    @property
+    def H(self) -> int:
+        return self.heads or (KDA_H if self.is_kda else MLA_H)
 
     @property
     def shape(self) -> str:
         if self.is_moe:
             return f"N{self.B} E{self.experts}"
-        return f"B{self.B} T{self.T}" + (f" S{self.S}" if self.S else "")
+        return (f"B{self.B} T{self.T}" + (f" S{self.S}" if self.S else "")
+                + (f" H{self.heads}" if self.heads else ""))
 
     @property
     def is_moe(self) -> bool:
@@ -141,7 +150,7 @@ class Case:
 
     @property
     def experts(self) -> int:
-        return MOE_E["moe_mxfp4" if self.packed else "moe"]
+        return self.held or MOE_E["moe_mxfp4" if self.packed else "moe"]
 
     @property
     def is_kda(self) -> bool:
@@ -213,9 +222,10 @@ def cost(c: Case) -> tuple[float, float]:
     each output written once, no intermediates. FLOPs count a multiply-add as two."""
     e = TORCH_DTYPES[c.dtype].itemsize
     if c.is_moe:
-        return moe_weight_bytes(c) + c.B * (MOE_L * (e + 4) + MOE_K * 12), 2 * c.B * MOE_K * 3 * MOE_I * MOE_L
+        pairs = int((moe_routing(c) < c.experts).sum())  # the (token, slot) pairs on experts held
+        return moe_weight_bytes(c) + c.B * (MOE_L * (e + 4) + MOE_K * 12), 2 * pairs * 3 * MOE_I * MOE_L
     if c.is_kda:
-        H, K, V = KDA_H, KDA_K, KDA_V
+        H, K, V = c.H, KDA_K, KDA_V
         eg = TORCH_DTYPES[c.gate_dtype or c.dtype].itemsize
         tokens = c.B * c.T * H
         state = c.B * H * K * V * 4  # float32
@@ -234,15 +244,19 @@ def cost(c: Case) -> tuple[float, float]:
     # MLA: each row's visible cache read once for all heads, q and o. Query t of row b sees
     # lengths[b] + t + 1 rows.
     lengths = mla_lengths(c)
-    nbytes = e * (sum(n + c.T for n in lengths) * MLA_D + c.B * c.T * MLA_H * (MLA_D + MLA_VDIM))
+    nbytes = e * (sum(n + c.T for n in lengths) * MLA_D + c.B * c.T * c.H * (MLA_D + MLA_VDIM))
     pairs = sum(c.T * n + c.T * (c.T + 1) // 2 for n in lengths)
-    flops = 2 * MLA_H * pairs * (MLA_D + MLA_VDIM)  # causal Q K^T over D, then P V over v_dim
+    flops = 2 * c.H * pairs * (MLA_D + MLA_VDIM)  # causal Q K^T over D, then P V over v_dim
     return nbytes, flops
 
 
 def moe_routing(c: Case) -> Tensor:
     """experts [N, k] (CPU): distinct experts per token, a fixed draw per row so that `cost` counts
     the experts actually read."""
+    if c.held:  # a rank's share: 2 of each token's 16 slots on the experts held (the estimate's rows)
+        from kernel_estimate import moe_routing as rank_routing
+
+        return torch.tensor(rank_routing(c.B))
     gen = torch.Generator().manual_seed(c.B)
     return torch.rand(c.B, c.experts, generator=gen).topk(MOE_K, dim=1).indices
 
@@ -250,12 +264,13 @@ def moe_routing(c: Case) -> Tensor:
 def moe_weight_bytes(c: Case) -> int:
     """The chosen experts' weights: w1, w3 and w2 of each distinct expert, read once."""
     per_weight = MOE_I * MOE_L * (17 / 32 if c.packed else TORCH_DTYPES[c.dtype].itemsize)  # MXFP4: 4.25 bits
-    return int(moe_routing(c).unique().numel() * 3 * per_weight)
+    return int((moe_routing(c).unique() < c.experts).sum() * 3 * per_weight)
 
 
 def mla_lengths(c: Case) -> list[int]:
-    """Ragged cache lengths: row 0 holds S - T rows before the call, row b (B - b) / B of that."""
-    return [(c.S - c.T) * (c.B - b) // c.B for b in range(c.B)]
+    """Ragged cache lengths: row 0 holds S - T rows before the call, row b (B - b) / B of that (every row
+    S - T for a `full` case)."""
+    return [(c.S - c.T) * (1 if c.full else (c.B - b)) // (1 if c.full else c.B) for b in range(c.B)]
 
 
 @dataclass
@@ -285,7 +300,7 @@ class Trial(NamedTuple):
 
 def kda_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
     """q, k, v, g, beta, initial_state: drawn in float32, then rounded to the row's dtypes."""
-    B, T, H, K, V = c.B, c.T, KDA_H, KDA_K, KDA_V
+    B, T, H, K, V = c.B, c.T, c.H, KDA_K, KDA_V
 
     def randn(*shape: int) -> Tensor:
         return torch.randn(*shape, device=gen.device, generator=gen)
@@ -308,7 +323,7 @@ def kda_reference(op: Callable[..., tuple[Tensor, Tensor]], inputs: Sequence[Ten
 def mla_inputs(c: Case, gen: torch.Generator) -> list[Tensor]:
     """q, the cache kv [B, 1, 2 S, D] (NaN past each row's cache_lengths + T) and cache_lengths."""
     dtype = TORCH_DTYPES[c.dtype]
-    q = torch.randn(c.B, c.T, MLA_H, MLA_D, device=gen.device, generator=gen)
+    q = torch.randn(c.B, c.T, c.H, MLA_D, device=gen.device, generator=gen)
     kv = torch.randn(c.B, 1, 2 * c.S, MLA_D, device=gen.device, generator=gen).to(dtype)
     lengths = mla_lengths(c)
     for b, n in enumerate(lengths):
@@ -689,6 +704,54 @@ def print_plan(cases: Sequence[Case], fla_dtypes: Sequence[str]) -> None:
     print(f"fla importable: {spec is not None}; wheels found: {wheels or 'none'}")
 
 
+# ---- --estimate: tools/kernel_estimate.py's rows, timed ----
+
+def estimate_plan(machine: str) -> list[tuple[Case, Any]]:
+    """kernel_estimate's rows as Cases (bfloat16), each with its estimate on `machine` (a MACHINES key; the
+    kernels are compiled on first use, $K3_KERNEL_CACHE keeps them). An op whose rows fail is left out."""
+    import kernel_estimate
+
+    pairs = []
+    for op, build in kernel_estimate.OPS.items():
+        try:
+            rows = build()
+        except Exception as exc:  # one op's rewrite must not stop the others' timings
+            print(f"--estimate: {op} rows left out: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
+        for row in rows:
+            fields = dict(row.case)
+            est = kernel_estimate.estimate(row, kernel_estimate.MACHINES[machine])
+            case = Case(fields.pop("kernel"), "bfloat16", **fields, big=est.time_s > 0.01 or row.bytes > 2e9)
+            pairs.append((case, est))
+    return pairs
+
+
+def estimate_machine(device_name: str) -> str:
+    """The kernel_estimate machine of a GPU by its name (an H100's figures where none fits)."""
+    return next((key for key in ("b200", "h200") if key in device_name.lower()), "h100")
+
+
+ESTIMATE_HEADER = (f"{'op':<4} {'form':<4} {'shape':<44} {'est us':>10} {'meas us':>10} {'meas/est':>8} "
+                   f"{'%bound est':>10} {'%bound meas':>11} status")
+
+
+def estimate_lines(pairs: Sequence[tuple[Case, Any]], results: dict[Case, Result]) -> list[str]:
+    """The estimate beside the measurement, a row each; % bound = the row's HBM / tensor-core bound over
+    the estimated, then the measured time."""
+    lines = [ESTIMATE_HEADER, "-" * len(ESTIMATE_HEADER)]
+    for case, est in pairs:
+        r = results.get(case)
+        ms = r.ms if r else None
+        measured = ms * 1e3 if ms else None
+        ratio = measured / (est.time_s * 1e6) if measured else None
+        bound = 100 * est.bound_s * 1e6 / measured if measured else None
+        status = r.status + (f" ({r.note})" if r.note else "") if r else "-"
+        lines.append(f"{est.row.op:<4} {est.row.form:<4} {est.row.shape[:44]:<44} {est.time_s * 1e6:>10.1f} "
+                     f"{_num(measured, '.1f', 10)} {_num(ratio, '.2f', 8)} {est.percent:>10.3g} "
+                     f"{_num(bound, '.3g', 11)} {status}")
+    return lines
+
+
 def wants_fla(c: Case, fla_dtypes: Sequence[str]) -> bool:
     return c.kernel == "chunk_kda" and c.T >= FLA_MIN_T and c.dtype in fla_dtypes
 
@@ -699,6 +762,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="print the planned rows and exit; no GPU needed")
+    p.add_argument("--estimate", action="store_true",
+                   help="time tools/kernel_estimate.py's rows (bfloat16) and print its estimate beside")
+    p.add_argument("--machine", default="",
+                   help="kernel_estimate machine for --estimate (default: the GPU's)")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of %(default)s")
     p.add_argument("--only", default="", help="comma-separated substrings of kernel names to keep")
     p.add_argument("--budget", type=float, default=360.0,
@@ -723,7 +790,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.monotonic()
-    cases = [c for c in plan(args.dtypes)
+    if args.estimate:
+        machine = args.machine or estimate_machine(torch.cuda.get_device_name() if torch.cuda.is_available()
+                                                   else "")
+        estimates = estimate_plan(machine)
+        print(f"--estimate: {len(estimates)} rows, estimated for kernel_estimate's {machine}", flush=True)
+    else:
+        estimates = []
+    cases = [c for c in ([c for c, _ in estimates] if args.estimate else plan(args.dtypes))
              if not args.only or any(s in c.kernel for s in args.only.split(","))]
     # The imports the GPU run needs, so that a dry run proves them too.
     import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
@@ -731,6 +805,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.dry_run:
         print_plan(cases, [] if args.no_fla else args.fla_dtypes)
+        if estimates:
+            print("\n".join(estimate_lines(estimates, {})))
         return 0
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1 would run the kernels in Triton's interpreter: unset it", file=sys.stderr)
@@ -814,6 +890,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"%ceil: floor / ms, the floor set by copy or the matrix rate (ceil); ours/fla: ms / fla ms",
               HEADER, "-" * len(HEADER)]
     lines += [table_row(results[c], ceilings) for c in cases]
+    if estimates:  # the model's estimate beside the measurement: the first GPU run calibrates it
+        lines += estimate_lines(estimates, results)
     lines.append(f"{len(cases) - len(bad) - len(skipped)} ok, {len(bad)} failed, {len(skipped)} skipped; "
                  f"tolerances {TOLERANCE}; elapsed {elapsed:.0f} s")
     text = "\n".join(lines)

@@ -107,6 +107,8 @@ MACHINES = {
     "h100": Machine("H100 SXM", "sm90", 132, 1.755, 3.35, 989.0,
                     "NVIDIA H100 data sheet (SXM5: 3.35 TB/s, 989 TFLOP/s dense bf16) and Hopper whitepaper "
                     "(132 SMs, 4 schedulers an SM); 1.755 GHz boost"),
+    "h200": Machine("H200 SXM", "sm90", 132, 1.755, 4.8, 989.0,
+                    "NVIDIA H200 data sheet (4.8 TB/s, 989 TFLOP/s dense bf16); the H100's SMs and clock"),
     "b200": Machine("B200 (HGX, 1000 W)", "sm100", 148, 1.98, 8.0, 2250.0,
                     "NVIDIA HGX B200 figures as listed at glennklockwood.com/garden/processors/B200 (8 TB/s, "
                     "2,250 TFLOP/s dense bf16 at 1,000 W); 148 SMs and 1.98 GHz boost from hmc-tech.com's "
@@ -328,6 +330,9 @@ class Row:
     bytes: float  # the fewest the op must move
     flops: float
     note: str = ""
+    # How tools/gpu_check --estimate times the row: its Case's fields (kernel, B, T, S, heads, held,
+    # gate_dtype; the dtype is bfloat16).
+    case: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -460,8 +465,10 @@ def moe_rows() -> list[Row]:
         i_steps = held_per_token * cdiv(MOE_I, c["BLOCK_I"])
         trips = {"for j in range(TOP_K)": MOE_TOP_K, "for i0 in range(0, I, BLOCK_I)": i_steps,
                  "for k0 in range(0, L, BLOCK_K)": i_steps * cdiv(MOE_L, c["BLOCK_K"])}
+        case = {"B": tokens, "T": 1, "held": MOE_HELD}
         rows.append(Row("moe", "AOT", shape, [Launch(aot, grid, trips, "for k0 in range(0, L, BLOCK_K)",
-                                                     2 * c["BLOCK_I"] * c["BLOCK_K"])], nbytes, flops))
+                                                     2 * c["BLOCK_I"] * c["BLOCK_K"])], nbytes, flops,
+                        case={"kernel": "aot:moe_mxfp4", **case}))
         # JIT: the pairs grouped by expert (all N k pairs pick the tiles), gate/up then down.
         tiles = moe.pick_tiles(tokens * MOE_TOP_K, MOE_HELD, _torch_bf16())
         mode = "decode" if tiles is moe.DECODE else "prefill"
@@ -475,13 +482,15 @@ def moe_rows() -> list[Row]:
             launches.append(Launch(jit_variant(f"moe_{name}_{mode}_bf16_wmxfp4"), (bound, columns),
                                    {loop: cdiv(reduce, tiles.block_k)}, loop, weights,
                                    programs=blocks * columns))
-        rows.append(Row("moe", "JIT", shape, launches, nbytes, flops, note=f"{mode} tiles"))
+        rows.append(Row("moe", "JIT", shape, launches, nbytes, flops, note=f"{mode} tiles",
+                        case={"kernel": "moe_mxfp4", **case}))
     return rows
 
 
 def mla_rows() -> list[Row]:
     """LatentMLA decode (one new token a row) at cache 4K / 16K / 64K and batch 1 / 8 / 64, 12 heads a rank
-    of 8 and 96 unsplit; the cache holds exactly the visible rows (capacity = length)."""
+    of 8 and 96 unsplit; every row sees the whole length, in a cache of twice that capacity (as
+    tools/gpu_check allocates it; the JIT kernel's split count follows the capacity)."""
     from k3plugins.mla import COMBINE_BLOCK_R, DECODE, MAX_SPLITS, SPLIT_ROWS
     from k3plugins.trt_aot import latent_mla_aot_kernel, latent_mla_aot_launch
 
@@ -498,10 +507,12 @@ def mla_rows() -> list[Row]:
                 block_s = aot.constexprs["BLOCK_S"]
                 step = "for s0 in range(lo, hi, BLOCK_S)"
                 useful = 2 * block_s * (MLA_D + MLA_V)  # one query row of the tile's 16 sees the cache
+                case = {"B": batch, "T": 1, "S": cache, "heads": heads, "full": True}
                 rows.append(Row("mla", "AOT", shape, [Launch(aot, grid, {step: cdiv(cache, block_s)}, step,
-                                                             useful, unit="FLOP")], nbytes, flops))
+                                                             useful, unit="FLOP")], nbytes, flops,
+                                case={"kernel": "aot:latent_mla", **case}))
                 # JIT: split-KV decode (16 heads a program, the capacity sets the splits) and the combine.
-                splits = min(MAX_SPLITS, cdiv(cache, SPLIT_ROWS))
+                splits = min(MAX_SPLITS, cdiv(2 * cache, SPLIT_ROWS))
                 split_len = max(cdiv(cache, splits), SPLIT_ROWS)
                 out = "fp32" if splits > 1 else "bf16"
                 attn = jit_variant(f"mla_decode_bf16_o{out}_v512_r64")
@@ -514,7 +525,8 @@ def mla_rows() -> list[Row]:
                     launches.append(Launch(jit_variant("mla_combine_bf16_v512"),
                                            (cdiv(batch * heads, COMBINE_BLOCK_R),),
                                            {"for sp in range(n_splits)": splits}))
-                rows.append(Row("mla", "JIT", shape, launches, nbytes, flops, note=f"{splits} splits"))
+                rows.append(Row("mla", "JIT", shape, launches, nbytes, flops, note=f"{splits} splits",
+                                case={"kernel": "mla_decode", **case}))
     return rows
 
 
@@ -549,10 +561,14 @@ def kda_rows() -> list[Row]:
             loop = "for t0 in range(0, T, BT)"
             trips = {loop: chunks, "for c0 in range(0, K, BC)": chunks * cdiv(KDA_K, 16)}
             chunk_flops = kda_chunk_flops(KDA_CHUNK, 1, KDA_CHUNK) * aot.constexprs["BV"] / KDA_V
+            case = {"B": 1, "T": tokens, "heads": heads, "gate_dtype": "float32"}
             rows.append(Row("kda", "AOT", shape, [Launch(aot, grid, trips, loop, chunk_flops, "FLOP",
-                                                         chain=loop)], nbytes, flops))
+                                                         chain=loop)], nbytes, flops,
+                            case={"kernel": "aot:kda", **case}))
+            jit = "chunk_kda" if tokens > 1 else "recurrent_kda"
             rows.append(Row("kda", "JIT", shape, kda_jit_launches(tokens, heads), nbytes, flops,
-                            note="chunk_kda (4 launches)" if tokens > 1 else "recurrent_kda"))
+                            note=f"{jit} ({len(kda_jit_launches(tokens, heads))} launches)",
+                            case={"kernel": jit, **case}))
     return rows
 
 
