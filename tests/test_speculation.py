@@ -171,6 +171,48 @@ def test_a_broken_rollback_gives_other_tokens(build, model, references, monkeypa
         assert run_speculation(build, model, prompts, drafters(), 4).tokens != expected
 
 
+class NoDrafts:
+    def propose(self, text, count):
+        return []
+
+
+def test_only_rows_fed_drafts_are_copied(build, model, references):
+    """The runners' rollback copies a row's KDA states and conv tails only before a call that feeds
+    it drafts and does not take it back (a row taken back keeps the copy it came from): plain
+    generation (a prefill of 13 to 30 tokens, then decode) copies nothing; a speculative run copies,
+    stage by stage, one row's KDA caches for each such call of each row, and never for a row that
+    drafts nothing."""
+    from k3export.runtime import Sampler, generate
+
+    lengths = (13, 5, 30)
+    prompts, expected = prompts_of(lengths), references[lengths]
+    pipeline = stage_pipeline(build, model, eager=False)
+    row_bytes = [sum(a.nbytes for n, a in s.signature.empty_caches(1).items() if not n.endswith("mla_latent"))
+                 for s in pipeline.stages]
+    try:
+        generate(pipeline, prompts, 6, Sampler())
+        assert [s.runner.rollback.copied_bytes for s in pipeline.stages] == [0, 0]
+        calls = []  # per call, each row's cache length and drafts
+        real = Speculation.request
+
+        def request(self, batch):
+            real(self, batch)
+            calls.append(list(zip(batch.cache_lengths.tolist(), batch.draft_lengths.tolist(), strict=True)))
+
+        drafters = [ContinuationDrafter(prompts[0] + expected[0], VOCAB, varying), NoDrafts(),
+                    ContinuationDrafter(prompts[2] + expected[2], VOCAB, first_wrong)]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Speculation, "request", request)
+            result = speculate(pipeline, Speculation(prompts, NEW_TOKENS, drafters, 4))
+        assert result.tokens == expected
+        copies = sum(drafts > 0 and (t == 0 or length != calls[t - 1][r][0])
+                     for t, call in enumerate(calls) for r, (length, drafts) in enumerate(call))
+        assert all(drafts == 0 for call in calls for _, drafts in call[1:2]) and 0 < copies < len(calls) * 2
+        assert [s.runner.rollback.copied_bytes for s in pipeline.stages] == [copies * n for n in row_bytes]
+    finally:
+        pipeline.close()
+
+
 def stage0_runner(build: Path, model: K3ForCausalLM, kind: str, folder: Path):
     """Stage 0 of the build (2 KDA layers) in the runner of `kind`: ONNX Runtime, the eager model, the
     parsed TensorRT network on CPU, or the engine runner over the CPU stand-in of an engine (whose KDA
@@ -437,7 +479,8 @@ def test_check_speculate_names_the_layer_and_call_of_a_broken_rollback(build, mo
 
 def test_plan_sizes_the_verify_profile(tmp_path):
     """A recipe's verify profile (decode's 2 rows x 5 tokens) holds 5 times the decode profile's
-    activations in `plan`, which prints them beside the prefill's and decode's."""
+    activations in `plan`, which prints them beside the prefill's and decode's, and adds the rollback's
+    copy of every sequence's KDA caches to a stage's total."""
     from k3export.shards.plan import format_plan, plan_recipe
 
     decode = "decode = { batch = 2 }"
@@ -446,3 +489,9 @@ def test_plan_sizes_the_verify_profile(tmp_path):
     plan = plan_recipe(load_recipe(tmp_path / "verify.toml"))
     assert all(s.verify_activation_bytes == 5 * s.decode_activation_bytes > 0 for s in plan.stages)
     assert f"verify {plan.stages[0].verify_activation_bytes / 1e9:.2f} GB" in format_plan(plan)
+    # The rollback's copy, every sequence's, counts in a stage's total with a verify profile only.
+    plain = plan_recipe(load_recipe(TINY_RECIPE))
+    for stage, without in zip(plan.stages, plain.stages, strict=True):
+        copy = rollback_bytes(plan.config, stage.layers, plan.dtype) * plan.batch
+        assert stage.rollback_bytes == copy > 0 and without.rollback_bytes == 0
+        assert stage.total_bytes == stage.weight_bytes + stage.cache_bytes + stage.activation_bytes + copy
