@@ -9,16 +9,16 @@ step leaves the state as it was (exp(0) = 1, no update), so the kernels need no 
 at padded positions are finite and meaningless.
 
 `recurrent_kda` walks the tokens with one program per (batch, head, V-block), the state in
-registers. `chunk_kda` takes chunks of 64 tokens in the UT-transform form of
-flash-linear-attention's chunk pipeline (see k3export/ops/kda.py for the math), as four kernels
-so that none holds more than a few float32 tiles at once:
-    intra   per chunk:  A_qk, and UT = (I + A_kk)^-1 diag(beta) by forward substitution
-    wy      per chunk:  G = cumsum(g), W = UT (exp(G) * K), U = UT V
-    state   per (batch, head, V-block), sequential over chunks: each chunk's start state S and
-            V' = U - W S
-    output  per chunk and V-block:  O = (Q * exp(G)) S + A_qk V'
-Intermediates are float32, and every product is a float32 FMA ("ieee") dot: exact float32, and
-TF32x3 tensor-core dots need more registers than these kernels can spare.
+registers: the decode path, and fine for any small T. `chunk_kda` (prefill) takes chunks of 16 tokens in
+the UT-transform form of flash-linear-attention's chunk pipeline (see k3export/ops/kda.py for the math),
+as two kernels, FlashKDA's shape:
+    prepare     per (chunk, batch x head), all in parallel: G = cumsum(g), the scores A_qk and A_kk,
+                UT = (I + A_kk)^-1 diag(beta), W = UT (K exp(G)), U = UT V, and the decayed queries and
+                keys, written in v's dtype
+    recurrence  per (batch, head, V-block), sequential over the chunks with the state on chip: four
+                products a chunk (V' = U - W S; O = qg S + A_qk V'; S <- exp(G_last) S + kt^T V')
+The prepare kernel computes in float32 with float32 FMA ("ieee") products; the recurrence's products take
+v's dtype (tensor cores in float16 / bfloat16) and accumulate in float32. The state stays float32.
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ from torch import Tensor
 
 from k3plugins.variants import DTYPES, KernelVariant, pointer
 
-CHUNK_SIZE = 64
+# Tokens a chunk: short enough that a chunk's decay stays within e^-STEEP_GATE at the published gate bound
+# (g >= -5), so its scores factor (as in k3export/ops/kda.py and the AOT kernel).
+CHUNK_SIZE = 16
 # Head dims the state-holding kernels are built for (the presets use 32, 64 and 128).
 BLOCK_KS = (32, 64, 128)
-# Block sizes, sized with the launch options below so that no variant spills registers on sm_90
-# (tests/test_aot.py). V columns per program of the recurrent and output kernels (the output
-# kernel also steps over K in blocks of this); K or V columns per program of the wy kernel.
+# Value columns a program of the recurrent kernel holds, and a step of the prepare kernel's U = UT V.
 BLOCK_V = 32
-WY_BLOCK = 16
-# The state pass takes V blocks of 16 and a chunk 16 rows at a time: a [64, 128] float32 tile at
-# once would spill.
-STATE_BLOCK_V = 16
-STATE_ROWS = 16
+# Value columns a program of the chunk recurrence holds: as many as fit without spilling on sm_90a at 8 warps
+# and K = 128 (tests/test_aot.py): 64 with products in float16 / bfloat16 (254 registers; 128 spill), 16 with
+# float32 FMA products (247 registers; 32 spill).
+RECURRENCE_BLOCK_V = {"fp32": 16, "fp16": 64, "bf16": 64}
+_DTYPE_NAMES = dict(zip((torch.float32, torch.float16, torch.bfloat16), DTYPES, strict=True))
 # A chunk whose cumulative gate falls below -STEEP_GATE has its scores formed from differences of the gates:
 # exp(-G) of a factored score would pass e^80 (float32 overflows at e^88.7), as in k3export/ops/kda.py.
 STEEP_GATE = tl.constexpr(80.0)
@@ -149,23 +149,6 @@ def _ut_transform(A_kk, b_beta, BT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kda_intra_kernel(q, k, g, beta, a_qk, ut, T, H, K, BT: tl.constexpr):
-    """Per chunk: A_qk (causal) and UT = (I + A_kk)^-1 diag(beta), each [BT, BT] per token row."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    offs_t = tl.arange(0, BT)
-    # Rows past T load k = 0, beta = 0 and g = 0: they add nothing to the state.
-    mask_t = i_t * BT + offs_t < T
-    tok = (i_b * T + i_t * BT + offs_t) * H + i_h
-    causal = offs_t[:, None] >= offs_t[None, :]
-    b_beta = tl.load(beta + tok, mask=mask_t, other=0.0)
-    A_qk, A_kk = _scores_from_differences(q, k, g, tok, mask_t, K, causal, BT)
-    tt_offs = tok[:, None] * BT + offs_t[None, :]
-    tl.store(a_qk + tt_offs, A_qk, mask=mask_t[:, None])
-    tl.store(ut + tt_offs, _ut_transform(A_kk, b_beta, BT), mask=mask_t[:, None])
-
-
-@triton.jit
 def _fused_chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
                             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Prefill in one launch: one program per (batch, head, V-block) walks the chunks of BT tokens with
@@ -216,110 +199,90 @@ def _fused_chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
 
 
 @triton.jit
-def _chunk_kda_wy_kernel(k, v, g, ut, gcum, w, u, T, H, K, V, BT: tl.constexpr, BV: tl.constexpr):
-    """Per chunk and block of BV columns: G = cumsum(g) and W = UT (exp(G) * K) for the key
-    column blocks, U = UT V for the value column blocks after them. One product per program
-    spreads the work and needs fewer registers than a loop over the blocks holding UT."""
-    i_t, i_bh, i_c = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+def _kda_prepare_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, T, H, K, V,
+                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The parallel half of prefill, one program per (chunk of BT tokens, batch x head): everything of a
+    chunk that does not depend on the state, in float32, written in v's dtype (decay_last in float32):
+        G = cumsum(g);  A_qk, A_kk = (Q, K) exp(G_i - G_j) K^T (causal; A_kk below the diagonal)
+        UT = (I + A_kk)^-1 diag(beta);  W = UT (K exp(G));  U = UT V
+        qg = Q exp(G);  kt = K exp(G_last - G);  decay_last = exp(G_last)
+    qg, kt, w: [B, T, H, K]; u: [B, T, H, V]; a_qk: [B, T, H, BT]; decay_last: [B, n_chunks, H, K]."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    x = qg.dtype.element_ty
     offs_t = tl.arange(0, BT)
-    mask_t = i_t * BT + offs_t < T
+    offs_k = tl.arange(0, BK)
+    # Rows past T load k = 0, beta = 0 and g = 0: they add nothing to the state.
+    mask_t, mask_k = i_t * BT + offs_t < T, offs_k < K
     tok = (i_b * T + i_t * BT + offs_t) * H + i_h
-    UT = tl.load(ut + tok[:, None] * BT + offs_t[None, :], mask=mask_t[:, None], other=0.0)
-    n_kblocks = tl.cdiv(K, BV)
-    if i_c < n_kblocks:
-        offs_k = i_c * BV + tl.arange(0, BV)
-        tk_offs = tok[:, None] * K + offs_k[None, :]
-        mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
-        G = tl.cumsum(tl.load(g + tk_offs, mask=mask_tk, other=0.0), axis=0)
-        tl.store(gcum + tk_offs, G, mask=mask_tk)
-        b_k = tl.load(k + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
-        tl.store(w + tk_offs, tl.dot(UT, b_k * tl.exp(G), input_precision="ieee"), mask=mask_tk)
+    tk_offs = tok[:, None] * K + offs_k[None, :]
+    mask_tk = mask_t[:, None] & mask_k[None, :]
+    b_g = tl.load(g + tk_offs, mask=mask_tk, other=0.0)
+    b_beta = tl.load(beta + tok, mask=mask_t, other=0.0)
+    G = tl.cumsum(b_g, axis=0)
+    G_last = tl.sum(b_g, axis=0)
+    causal = offs_t[:, None] >= offs_t[None, :]
+    # exp(G_i - G_j) = exp(G_i) exp(-G_j) unless the chunk decays past e^-STEEP_GATE (then exp(-G_j) could
+    # overflow): such a chunk's scores are formed from the differences, as the eager op does.
+    if tl.min(G) > -STEEP_GATE:
+        A_qk, A_kk = _scores_factored(q, k, g, tok, mask_t, K, BT, SCORE_COLUMNS)
     else:
-        offs_v = (i_c - n_kblocks) * BV + tl.arange(0, BV)
+        A_qk, A_kk = _scores_from_differences(q, k, g, tok, mask_t, K, causal, BT)
+    UT = _ut_transform(A_kk, b_beta, BT)
+    tl.store(a_qk + tok[:, None] * BT + offs_t[None, :], tl.where(causal, A_qk, 0.0).to(x),
+             mask=mask_t[:, None])
+    b_q = tl.load(q + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
+    decay = tl.exp(G)
+    tl.store(qg + tk_offs, (b_q * decay).to(x), mask=mask_tk)
+    tl.store(kt + tk_offs, (b_k * tl.exp(G_last[None, :] - G)).to(x), mask=mask_tk)  # <= k: G_last <= G
+    tl.store(w + tk_offs, tl.dot(UT, b_k * decay, input_precision="ieee").to(x), mask=mask_tk)
+    tl.store(decay_last + ((i_b * tl.cdiv(T, BT) + i_t) * H + i_h) * K + offs_k, tl.exp(G_last), mask=mask_k)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
         tv_offs = tok[:, None] * V + offs_v[None, :]
         mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
         b_v = tl.load(v + tv_offs, mask=mask_tv, other=0.0).to(tl.float32)
-        tl.store(u + tv_offs, tl.dot(UT, b_v, input_precision="ieee"), mask=mask_tv)
+        tl.store(u + tv_offs, tl.dot(UT, b_v, input_precision="ieee").to(x), mask=mask_tv)
 
 
 @triton.jit
-def _chunk_kda_state_kernel(k, gcum, w, u, h0, h, v_new, ht, T, H, K, V,
-                            BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The only sequential pass: one program per (batch, head, V-block) carries S across the
-    chunks, stores each chunk's start state, and forms V' = U - W S. A chunk is taken BR rows at
-    a time, so that no [BT, BK] float32 tile need be held at once."""
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    n_chunks = tl.cdiv(T, BT)
-    offs_r = tl.arange(0, BR)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
-    mask_k, mask_v = offs_k < K, offs_v < V
-    mask_s = mask_k[:, None] & mask_v[None, :]
-    s_offs = offs_k[:, None] * V + offs_v[None, :]
-    S = tl.load(h0 + i_bh * K * V + s_offs, mask=mask_s, other=0.0)
-    for i_t in range(n_chunks):
-        tl.store(h + (i_bh * n_chunks + i_t) * K * V + s_offs, S, mask=mask_s)
-        last = (i_b * T + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h
-        G_last = tl.load(gcum + last * K + offs_k, mask=mask_k, other=0.0)
-        # S_next = exp(G_last) S + (K exp(G_last - G))^T V', summed over the row blocks.
-        S_next = S * tl.exp(G_last)[:, None]
-        for r0 in range(i_t * BT, i_t * BT + BT, BR):
-            mask_t = r0 + offs_r < T
-            tok = (i_b * T + r0 + offs_r) * H + i_h
-            tk_offs = tok[:, None] * K + offs_k[None, :]
-            mask_tk = mask_t[:, None] & mask_k[None, :]
-            tv_offs = tok[:, None] * V + offs_v[None, :]
-            mask_tv = mask_t[:, None] & mask_v[None, :]
-            b_w = tl.load(w + tk_offs, mask=mask_tk, other=0.0)
-            b_u = tl.load(u + tv_offs, mask=mask_tv, other=0.0)
-            V_new = b_u - tl.dot(b_w, S, input_precision="ieee")
-            tl.store(v_new + tv_offs, V_new, mask=mask_tv)
-            G = tl.load(gcum + tk_offs, mask=mask_tk, other=0.0)
-            # Rows past T have k = 0; their exponent is zeroed so that it cannot overflow.
-            decay = tl.exp(tl.where(mask_tk, G_last[None, :] - G, 0.0))
-            b_k = tl.load(k + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
-            S_next += tl.dot(tl.trans(b_k * decay), V_new, input_precision="ieee")
-        S = S_next
-    tl.store(ht + i_bh * K * V + s_offs, S, mask=mask_s)
-
-
-@triton.jit
-def _chunk_kda_output_kernel(q, gcum, a_qk, h, v_new, o, T, H, K, V,
-                             BT: tl.constexpr, BV: tl.constexpr):
-    """Per chunk and V-block, given the chunk's start state S: O = (Q * exp(G)) S + A_qk V',
-    the first product BV key channels at a time."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+def _kda_chunk_recurrence_kernel(qg, kt, w, u, a_qk, decay_last, h0, o, ht, T, H, K, V,
+                                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The sequential half of prefill: one program per (batch, head, BV value columns) carries its [BK, BV]
+    float32 block of the state across the chunks that _kda_prepare_kernel formed, four products a chunk:
+        V' = U - W S;  O = qg S + A_qk V';  S <- decay_last S + kt^T V'
+    The products take the intermediates' dtype (tensor cores in float16 / bfloat16, the state rounded to it
+    as an operand; float32 FMA for float32) and accumulate in float32; nothing in a chunk's loads depends on
+    the state, so the pipeliner can fetch the next chunk's tiles during this one's products."""
+    i_b, i_h, offs_k, offs_v, mask_k, mask_v, s_offs, mask_s, S = _state_block(h0, H, K, V, BK, BV)
     offs_t = tl.arange(0, BT)
-    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
-    mask_t, mask_v = i_t * BT + offs_t < T, offs_v < V
-    tok = (i_b * T + i_t * BT + offs_t) * H + i_h
-    tv_offs = tok[:, None] * V + offs_v[None, :]
-    mask_tv = mask_t[:, None] & mask_v[None, :]
-
-    A_qk = tl.load(a_qk + tok[:, None] * BT + offs_t[None, :], mask=mask_t[:, None], other=0.0)
-    V_new = tl.load(v_new + tv_offs, mask=mask_tv, other=0.0)
-    b_o = tl.dot(A_qk, V_new, input_precision="ieee")
-    h_chunk = h + (i_bh * tl.cdiv(T, BT) + i_t) * K * V
-    for c0 in range(0, K, BV):
-        offs_k = c0 + tl.arange(0, BV)
-        mask_k = offs_k < K
+    n_chunks = tl.cdiv(T, BT)
+    for i_t in range(n_chunks):
+        mask_t = i_t * BT + offs_t < T
+        tok = (i_b * T + i_t * BT + offs_t) * H + i_h
         tk_offs = tok[:, None] * K + offs_k[None, :]
         mask_tk = mask_t[:, None] & mask_k[None, :]
-        b_q = tl.load(q + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
-        G = tl.load(gcum + tk_offs, mask=mask_tk, other=0.0)
-        S = tl.load(h_chunk + offs_k[:, None] * V + offs_v[None, :],
-                    mask=mask_k[:, None] & mask_v[None, :], other=0.0)
-        b_o += tl.dot(b_q * tl.exp(G), S, input_precision="ieee")
-    tl.store(o + tv_offs, b_o.to(o.dtype.element_ty), mask=mask_tv)
+        tv_offs = tok[:, None] * V + offs_v[None, :]
+        mask_tv = mask_t[:, None] & mask_v[None, :]
+        b_w = tl.load(w + tk_offs, mask=mask_tk, other=0.0)
+        b_qg = tl.load(qg + tk_offs, mask=mask_tk, other=0.0)
+        b_kt = tl.load(kt + tk_offs, mask=mask_tk, other=0.0)
+        b_u = tl.load(u + tv_offs, mask=mask_tv, other=0.0).to(tl.float32)
+        b_a = tl.load(a_qk + tok[:, None] * BT + offs_t[None, :], mask=mask_t[:, None], other=0.0)
+        chunk_k = ((i_b * n_chunks + i_t) * H + i_h) * K + offs_k
+        b_decay = tl.load(decay_last + chunk_k, mask=mask_k, other=0.0)
+        S_x = S.to(b_w.dtype)
+        V_new = (b_u - tl.dot(b_w, S_x, input_precision="ieee")).to(b_w.dtype)
+        b_o = tl.dot(b_qg, S_x, input_precision="ieee") + tl.dot(b_a, V_new, input_precision="ieee")
+        tl.store(o + tv_offs, b_o.to(o.dtype.element_ty), mask=mask_tv)
+        S = S * b_decay[:, None] + tl.dot(tl.trans(b_kt), V_new, input_precision="ieee")
+    tl.store(ht + s_offs, S, mask=mask_s)
 
 
 class _Kernel(NamedTuple):
     fn: triton.JITFunction
-    blocks: dict[str, int]  # constexpr block sizes, bar BK
-    per_bk: bool  # built per padded head dim BK (the kernels that hold a [BK, BV] state)
+    blocks: dict[str, int]  # constexpr block sizes, bar BK (every kernel is built per padded head dim BK)
     num_warps: int
     num_stages: int = 3  # Triton's default
 
@@ -328,14 +291,14 @@ class _Kernel(NamedTuple):
                       num_stages=self.num_stages)
 
 
-RECURRENT = _Kernel(_recurrent_kda_kernel, {"BV": BLOCK_V}, per_bk=True, num_warps=4)
-INTRA = _Kernel(_chunk_kda_intra_kernel, {"BT": CHUNK_SIZE}, per_bk=False, num_warps=8)
-WY = _Kernel(_chunk_kda_wy_kernel, {"BT": CHUNK_SIZE, "BV": WY_BLOCK}, per_bk=False, num_warps=8)
-# One stage: software pipelining would hold the next row block's tiles as well, and spill. With 8
-# warps ptxas still spilled a few bytes at some K; 16 leave it ample room.
-STATE = _Kernel(_chunk_kda_state_kernel, {"BT": CHUNK_SIZE, "BR": STATE_ROWS, "BV": STATE_BLOCK_V},
-                per_bk=True, num_warps=16, num_stages=1)
-OUTPUT = _Kernel(_chunk_kda_output_kernel, {"BT": CHUNK_SIZE, "BV": BLOCK_V}, per_bk=False, num_warps=8)
+RECURRENT = _Kernel(_recurrent_kda_kernel, {"BV": BLOCK_V}, num_warps=4)
+PREPARE = _Kernel(_kda_prepare_kernel, {"BT": CHUNK_SIZE, "BV": BLOCK_V}, num_warps=4)
+# One recurrence per dtype: its value columns depend on the products' precision (RECURRENCE_BLOCK_V). One
+# stage: Triton's three pipelined the float32 one's loads (61 KB of shared memory) and it spilled; the half
+# precision one compiles to the same code at one stage or three.
+RECURRENCE = {dtype: _Kernel(_kda_chunk_recurrence_kernel, {"BT": CHUNK_SIZE, "BV": bv}, num_warps=8,
+                             num_stages=1)
+              for dtype, bv in RECURRENCE_BLOCK_V.items()}
 
 
 def _block_k(K: int) -> int:
@@ -381,25 +344,23 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, *,
               o: Tensor | None = None, final_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Chunked UT-transform form for prefill: chunks of 64 tokens, four launches (see above).
-    Outputs as for `recurrent_kda`: only the state pass reads the initial state, and each of its
-    programs reads its block before storing it, so final_state may be initial_state."""
+    """Prefill in two launches (see above): the chunks' terms in parallel, then the recurrence over them.
+    Outputs as for `recurrent_kda`: only the recurrence reads the initial state, and each of its programs
+    reads its block before storing it, so final_state may be initial_state."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     bk = _block_k(K)
     q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state)
     n_chunks = triton.cdiv(T, CHUNK_SIZE)
-    a_qk, ut = (g.new_empty(B, T, H, CHUNK_SIZE) for _ in range(2))
-    gcum, w = torch.empty_like(g), torch.empty_like(g)
-    u, v_new = (v.new_empty(v.shape, dtype=torch.float32) for _ in range(2))
-    h = h0.new_empty(B, H, n_chunks, K, V)  # each chunk's start state
+    qg, kt, w = (torch.empty_like(q) for _ in range(3))
+    u = torch.empty_like(v)
+    a_qk = v.new_empty(B, T, H, CHUNK_SIZE)
+    decay_last = g.new_empty(B, n_chunks, H, K)
     o, ht = _outputs(v, h0, o, final_state)
-    INTRA.launch((n_chunks, B * H), q, k, g, beta, a_qk, ut, T, H, K)
-    WY.launch((n_chunks, B * H, triton.cdiv(K, WY_BLOCK) + triton.cdiv(V, WY_BLOCK)),
-              k, v, g, ut, gcum, w, u, T, H, K, V)
-    STATE.launch((B * H, triton.cdiv(V, STATE_BLOCK_V)), k, gcum, w, u, h0, h, v_new, ht, T, H, K, V,
-                 BK=bk)
-    OUTPUT.launch((n_chunks, B * H, triton.cdiv(V, BLOCK_V)), q, gcum, a_qk, h, v_new, o, T, H, K, V)
+    PREPARE.launch((n_chunks, B * H), q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, T, H, K, V, BK=bk)
+    recurrence = RECURRENCE[_DTYPE_NAMES[v.dtype]]
+    recurrence.launch((B * H, triton.cdiv(V, recurrence.blocks["BV"])), qg, kt, w, u, a_qk, decay_last, h0, o,
+                      ht, T, H, K, V, BK=bk)
     return o, ht
 
 
@@ -410,27 +371,23 @@ def _signatures(x: str) -> dict[str, dict[str, str]]:
     return {
         "recurrent_kda": {"q": x, "k": x, "v": x, "g": f32, "beta": f32, "h0": f32, "o": x, "ht": f32,
                           **sizes},
-        "chunk_kda_intra": {"q": x, "k": x, "g": f32, "beta": f32, "a_qk": f32, "ut": f32, "T": "i32",
-                            "H": "i32", "K": "i32"},
-        "chunk_kda_wy": {"k": x, "v": x, "g": f32, "ut": f32, "gcum": f32, "w": f32, "u": f32, **sizes},
-        "chunk_kda_state": {"k": x, "gcum": f32, "w": f32, "u": f32, "h0": f32, "h": f32, "v_new": f32,
-                            "ht": f32, **sizes},
-        "chunk_kda_output": {"q": x, "gcum": f32, "a_qk": f32, "h": f32, "v_new": f32, "o": x, **sizes},
+        "kda_prepare": {"q": x, "k": x, "v": x, "g": f32, "beta": f32, "qg": x, "kt": x, "w": x, "u": x,
+                        "a_qk": x, "decay_last": f32, **sizes},
+        "kda_chunk_recurrence": {"qg": x, "kt": x, "w": x, "u": x, "a_qk": x, "decay_last": f32, "h0": f32,
+                                 "o": x, "ht": f32, **sizes},
     }
 
 
 def kernel_variants() -> list[KernelVariant]:
     """Every (kernel, dtype, block) combination the launchers above can pick."""
-    kernels = {"recurrent_kda": RECURRENT, "chunk_kda_intra": INTRA, "chunk_kda_wy": WY,
-               "chunk_kda_state": STATE, "chunk_kda_output": OUTPUT}
     variants = []
     for dtype in DTYPES:
         signatures = _signatures(pointer(dtype))
+        kernels = {"recurrent_kda": RECURRENT, "kda_prepare": PREPARE,
+                   "kda_chunk_recurrence": RECURRENCE[dtype]}
         for name, kernel in kernels.items():
-            for bk in BLOCK_KS if kernel.per_bk else (None,):
-                constexprs = {**kernel.blocks, **({"BK": bk} if bk else {})}
-                signature = {arg: signatures[name].get(arg, "constexpr") for arg in kernel.fn.arg_names}
-                suffix = f"_k{bk}" if bk else ""
-                variants.append(KernelVariant(f"{name}_{dtype}{suffix}", kernel.fn, signature,
-                                              constexprs, kernel.num_warps, kernel.num_stages))
+            signature = {arg: signatures[name].get(arg, "constexpr") for arg in kernel.fn.arg_names}
+            variants += [KernelVariant(f"{name}_{dtype}_k{bk}", kernel.fn, signature,
+                                       {**kernel.blocks, "BK": bk}, kernel.num_warps, kernel.num_stages)
+                         for bk in BLOCK_KS]
     return variants

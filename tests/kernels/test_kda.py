@@ -13,14 +13,13 @@ import k3export.ops as ref
 import k3plugins
 from k3plugins import trt_aot
 
-# float16 inputs are rounded before both sides see them, so the kernel's error is its float32
+# float16 inputs are rounded before both sides see them, so the recurrence's error is its float32
 # arithmetic plus rounding o to float16 (relative 2^-11 per element, about 5e-4), and the float32
 # state carries no rounding at all.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-5)}
-# The AOT kernel in float16 is chunked, its products taking float16 operands (the state and the chunk's
-# float32 terms rounded to float16, 2^-11 relative each) and accumulating in float32; in float32 it is the
-# recurrence.
-AOT_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 3e-3)}
+# The chunked kernels' products in float16 take float16 operands (the state and the chunk's float32 terms
+# rounded to float16, 2^-11 relative each) and accumulate in float32; in float32 they are float32 FMA.
+CHUNKED_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (3e-3, 3e-3)}
 
 
 def check(kernel, reference, shape: tuple[int, ...], dtype: torch.dtype,
@@ -43,12 +42,15 @@ def test_recurrent_kda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     check(k3plugins.recurrent_kda, ref.recurrent_kda, shape, dtype)
 
 
-# Ragged T (not a multiple of the 64-token chunk), several chunks, and one case at K = V = 128.
-@pytest.mark.parametrize("shape", [(1, 20, 1, 32, 32), (2, 64, 2, 32, 32), (1, 150, 2, 48, 40),
-                                   (2, 100, 1, 64, 64), (1, 70, 1, 128, 128)])
+# Every edge of the 16-token chunk (one token, a chunk less one, one, one more; four chunks and either side)
+# and a few hundred tokens; K and V not multiples of the blocks (V = 40: one partial value block in float16,
+# three in float32), and the published head dim.
+@pytest.mark.parametrize("shape", [(1, 1, 2, 32, 32), (2, 15, 1, 32, 48), (1, 16, 2, 48, 40),
+                                   (2, 17, 1, 64, 64), (1, 63, 1, 32, 32), (2, 64, 2, 32, 32),
+                                   (1, 65, 1, 128, 128), (1, 200, 1, 48, 40)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_chunk_kda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    check(k3plugins.chunk_kda, ref.chunk_kda, shape, dtype)
+    check(k3plugins.chunk_kda, ref.chunk_kda, shape, dtype, CHUNKED_TOLERANCES)
 
 
 @pytest.mark.parametrize(("kernel", "T"), [(k3plugins.recurrent_kda, 1), (k3plugins.recurrent_kda, 5),
@@ -75,7 +77,7 @@ def test_padded_positions_leave_the_state(kernel, dtype: torch.dtype) -> None:
     for b, n in enumerate(lengths):
         k[b, n:], g[b, n:], beta[b, n:] = 0, 0, 0
     o, final = kernel(q, k, v, g, beta, state)
-    o_tol, state_tol = TOLERANCES[dtype]
+    o_tol, state_tol = (CHUNKED_TOLERANCES if kernel is k3plugins.chunk_kda else TOLERANCES)[dtype]
     for b, n in enumerate(lengths):
         if n == 0:  # no valid token: the state as given
             assert torch.equal(final[b], state[b])
@@ -100,7 +102,7 @@ def aot_kda(q, k, v, g, beta, initial_state, final_state=None):
 def aot_tolerances(T: int) -> dict:
     """A call of at most KDA_STEP_TOKENS steps the recurrence in every dtype: its state never passes through a
     float16 product, so it holds float32's bound (the chunked path's, rounded to float16, is about 3e-4)."""
-    return TOLERANCES if T <= trt_aot.KDA_STEP_TOKENS else AOT_TOLERANCES
+    return TOLERANCES if T <= trt_aot.KDA_STEP_TOKENS else CHUNKED_TOLERANCES
 
 
 # Every edge of the AOT kernel's chunk: one token (decode), the most tokens stepped (a verify call) and one
@@ -120,17 +122,20 @@ def test_aot_kernel(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     check(aot_kda, ref.recurrent_kda, shape, dtype, aot_tolerances(shape[1]))
 
 
-def test_aot_kernel_steep_gates() -> None:
-    """The chunked kernel (float16) with chunks whose gates sum far below -80 (exp(-G) would overflow
-    float32 if factored) next to mild ones: it takes the differences there, as the eager op does, and
-    stays finite and within the float16 bound."""
-    inputs = list(kda_inputs(1, 3 * C + 2, 2, 32, 32, torch.float16, seed=3))
+@pytest.mark.parametrize(("kernel", "dtype"), [(aot_kda, torch.float16), (k3plugins.chunk_kda, torch.float16),
+                                               (k3plugins.chunk_kda, torch.float32)],
+                         ids=["aot", "chunk-float16", "chunk-float32"])
+def test_chunked_kernels_steep_gates(kernel, dtype: torch.dtype) -> None:
+    """The chunked kernels with chunks whose gates sum far below -80 (exp(-G) would overflow float32 if
+    factored) next to mild ones: they take the differences there, as the eager op does, and stay finite and
+    within their bound."""
+    inputs = list(kda_inputs(1, 3 * C + 2, 2, 32, 32, dtype, seed=3))
     inputs[3][:, C:2 * C] = -30.0  # a whole chunk at -30 a token: its gates sum to -480
     inputs[3][:, 2 * C + 3, 0] = -1000.0  # one channel of one token all but erases its state
-    o, state = aot_kda(*inputs)
+    o, state = kernel(*inputs)
     o_ref, state_ref = ref.recurrent_kda(*(t.double() for t in inputs))
     assert o.isfinite().all() and state.isfinite().all()
-    o_tol, state_tol = AOT_TOLERANCES[torch.float16]
+    o_tol, state_tol = CHUNKED_TOLERANCES[dtype]
     assert rel_error(o, o_ref) < o_tol and rel_error(state, state_ref) < state_tol
 
 
