@@ -120,15 +120,17 @@ HOST_BUILD_SHARE = 0.8  # of a host's memory, for the builds it runs at once
 
 
 class GpuMemory:
-    """What one GPU holds: weights, caches and activations (the fields or properties of a subclass)."""
+    """What one GPU holds: weights, caches, activations and, with a verify profile, the rollback's copy
+    (the fields or properties of a subclass)."""
 
     weight_bytes: int
     cache_bytes: int
     activation_bytes: int
+    rollback_bytes: int
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.cache_bytes + self.activation_bytes
+        return self.weight_bytes + self.cache_bytes + self.activation_bytes + self.rollback_bytes
 
     @property
     def fits_h200(self) -> bool:
@@ -176,6 +178,9 @@ class Stage(GpuMemory):
     cache_bytes: int  # capacity x batch
     decode_activation_bytes: int  # the same estimate at the decode profile's batch x 1 tokens
     verify_activation_bytes: int  # and at the verify profile's batch x seq tokens (0: none)
+    # With a verify profile: the rollback's copy of the KDA states and conv tails (rollback_bytes) for
+    # every sequence the cache holds (a verify may draft for all); 0 without one.
+    rollback_bytes: int
     # check --build / --engine: the eager reference runs on the host's CPU, never beside the engine on
     # its GPU: the stage's weights, and for half precision its float32 model's too (MXFP4 experts stay
     # packed in both); streamed (check --eager streamed), one layer's at a time, the heaviest of its
@@ -223,7 +228,8 @@ class Plan:
                 "bytes_sent_per_token": s.bytes_sent_per_token,
                 "seconds_per_token_sent": s.seconds_per_token_sent,
                 "memory": {"weights": s.weight_bytes, "cache": s.cache_bytes,
-                           "activations": s.activation_bytes, "total": s.total_bytes,
+                           "activations": s.activation_bytes, "rollback": s.rollback_bytes,
+                           "total": s.total_bytes,
                            "fits_h200": s.fits_h200, "build_host": s.build_host_bytes,
                            "build_anon": s.build_anon_bytes,
                            "check_host": s.check_host_bytes,
@@ -315,6 +321,7 @@ def make_plan(config: K3Config, stages: int | list[range], *, model: str, dtype:
             activation_bytes=prefill_tokens * (in_out + working), cache_bytes=per_sequence * batch,
             decode_activation_bytes=decode_tokens * (in_out + working),
             verify_activation_bytes=verify_tokens * (in_out + working),
+            rollback_bytes=rollback_bytes(config, layers, dtype) * batch if verify_tokens else 0,
             check_host_bytes=sum(checked[i] for i in layers),
             check_streamed_host_bytes=max([checked[i] for i in layers] + load.weight_bytes[:layers.start])))
     return Plan(model, config, dtype, packed_experts, context, batch, prefill_tokens, decode_tokens,
@@ -337,6 +344,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
+ROLLBACK_COLUMN = " + rollback"  # with a verify profile: the rollback's copy (GpuMemory.rollback_bytes)
+
+
+def rollback_column(memory: GpuMemory) -> str:
+    return f" + {_gb(memory.rollback_bytes):>8}"
+
+
 def format_plan(plan: Plan) -> str:
     c = plan.config
     experts = "routed experts MXFP4 (4.25 bits)" if plan.packed_experts else f"all weights {plan.dtype}"
@@ -348,7 +362,7 @@ def format_plan(plan: Plan) -> str:
         f"{plan.prefill_tokens} tokens; link {plan.link_gb_per_s:g} GB/s; one H200 {_gb(H200_BYTES)} GB",
         "",
         "stage  layers  KDA MLA MoE  params  weights  cache/seq  bank rows  in B/tok  out B/tok  out us/tok"
-        "    weights + cache + activations =  total  fits",
+        f"    weights + cache + activations{ROLLBACK_COLUMN if plan.verify_tokens else ''} =  total  fits",
     ]
     for s in plan.stages:
         rows = [f"{t.shape[0]}" for t in s.receives if t.name.endswith(".bank")] or ["-"]
@@ -357,8 +371,9 @@ def format_plan(plan: Plan) -> str:
             f"{s.moe_layers:>3}  {s.params / 1e9:>5.1f}B  {_gb(s.weight_bytes):>7}  "
             f"{_gb(s.cache_bytes_per_sequence):>9}  {rows[0]:>9}  {s.bytes_received_per_token:>8}  "
             f"{s.bytes_sent_per_token:>9}  {s.seconds_per_token_sent * 1e6:>10.3f}  "
-            f"{_gb(s.weight_bytes):>10} + {_gb(s.cache_bytes):>5} + {_gb(s.activation_bytes):>11} = "
-            f"{_gb(s.total_bytes):>6}  {'yes' if s.fits_h200 else 'NO'}")
+            f"{_gb(s.weight_bytes):>10} + {_gb(s.cache_bytes):>5} + {_gb(s.activation_bytes):>11}"
+            f"{rollback_column(s) if plan.verify_tokens else ''} = {_gb(s.total_bytes):>6}  "
+            f"{'yes' if s.fits_h200 else 'NO'}")
     heavy = max(s.weight_bytes for s in plan.stages)
     light = min(s.weight_bytes for s in plan.stages)
     lines += [
@@ -367,12 +382,14 @@ def format_plan(plan: Plan) -> str:
         f"{_gb(heavy - total / len(plan.stages))} GB <= the heaviest layer, "
         f"{_gb(plan.heaviest_layer_bytes)} GB",
         "speculative decoding (run --speculate K): the rollback keeps a copy of a stage's KDA states and "
-        "conv tails from before each verify call (onnx.runner.Rollback; the MLA latents need none), per "
-        "sequence "
+        "conv tails from before each call that feeds a row drafts, that row's only (onnx.runner.Rollback; "
+        "the MLA latents need none; a prefill or a plain decode copies nothing), per sequence "
         + ", ".join(f"stage {s.index} {_gb(rollback_bytes(c, s.layers, plan.dtype))} GB" for s in plan.stages)
-        + f" (x {plan.batch} sequences: copied once a verify, held beside the caches); a row that rejects a "
-        "draft feeds its accepted tokens again in its next call (at most K + 1 tokens a call, no call of its "
-        "own)",
+        + f" (x {plan.batch} sequences, held beside the caches: "
+        + ("in the total, the recipe has a verify profile" if plan.verify_tokens else
+           "not in the total, the recipe has no verify profile")
+        + "); a row that rejects a draft feeds its accepted tokens again in its next call, with new drafts "
+        "(at most 2K + 1 tokens a call: the verify profile's seq)",
         "boundaries: a stage receives the AttnRes bank [rows, batch, seq, hidden] and partial block [batch, "
         "seq, hidden] (the first: token ids) and sends the next stage's (the last: logits)",
         "activations assume the served engine: the k3 mixer plugins and the grouped routed-experts plugin "
@@ -431,6 +448,7 @@ class RankStage(GpuMemory):
     cache_bytes_per_sequence: int  # its KDA heads, the whole MLA latent cache
     cache_bytes: int  # x the plan's batch
     rollback_bytes_per_sequence: int  # its KDA heads' caches, copied before a verify (rollback_bytes)
+    rollback_bytes: int  # x the plan's batch when it has a verify profile (0: none)
     activation_bytes: int  # the unsplit stage's estimate (an upper bound for a rank)
     collective_bytes_per_token: list[int]  # per all-reduce, in layer order
     collective_seconds_per_token: float
@@ -476,12 +494,13 @@ def rank_stages(plan: Plan, ranks: int, collective_gb_per_s: float = COLLECTIVE_
         layers = stage.layers
         sums = [c.bytes_per_token(dtype) for c in collectives(plan.config, layers)] if ranks > 1 else []
         per_sequence = sum(layer_cache_bytes(local, i, plan.context, elem) for i in layers)
+        copy = rollback_bytes(local, layers, plan.dtype)
         result.append(RankStage(
             index=stage.index, layers=layers, ranks=ranks,
             split_weight_bytes=sum(split_bytes[i] for i in layers),
             replicated_weight_bytes=sum(replicated_bytes[i] for i in layers),
             cache_bytes_per_sequence=per_sequence, cache_bytes=per_sequence * plan.batch,
-            rollback_bytes_per_sequence=rollback_bytes(local, layers, plan.dtype),
+            rollback_bytes_per_sequence=copy, rollback_bytes=copy * plan.batch if plan.verify_tokens else 0,
             activation_bytes=stage.activation_bytes, collective_bytes_per_token=sums,
             collective_seconds_per_token=ring * sum(sums) / (collective_gb_per_s * 1e9)))
     return result
@@ -493,11 +512,12 @@ def _gb(n: float) -> str:
 
 def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float, host_bytes: float) -> str:
     ranks = stages[0].ranks
+    verify = any(s.rollback_bytes for s in stages)
     lines = [
         f"each stage split over {ranks} GPUs (tensor-parallel heads, expert-parallel experts; per GPU of "
         f"a stage, all alike); collectives at {collective_gb_per_s:g} GB/s (ring all-reduce)",
         "stage  layers  split weights  replicated  cache/seq  all-reduces     B/tok  us/tok"
-        "    weights + cache + activations =  total  fits",
+        f"    weights + cache + activations{ROLLBACK_COLUMN if verify else ''} =  total  fits",
     ]
     for s in stages:
         lines.append(
@@ -505,7 +525,8 @@ def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float, host_b
             f"{_gb(s.replicated_weight_bytes):>10}  {_gb(s.cache_bytes_per_sequence):>9}  "
             f"{len(s.collective_bytes_per_token):>11}  {sum(s.collective_bytes_per_token):>8}  "
             f"{s.collective_seconds_per_token * 1e6:>6.2f}  {_gb(s.weight_bytes):>10} + "
-            f"{_gb(s.cache_bytes):>5} + {_gb(s.activation_bytes):>11} = {_gb(s.total_bytes):>6}  "
+            f"{_gb(s.cache_bytes):>5} + {_gb(s.activation_bytes):>11}"
+            f"{rollback_column(s) if verify else ''} = {_gb(s.total_bytes):>6}  "
             f"{'yes' if s.fits_h200 else 'NO'}")
     lines += [
         "per layer two all-reduces: attention (hidden values, model dtype) and FFN (a MoE layer's "
@@ -531,7 +552,8 @@ def rank_plan_json(stages: list[RankStage], collective_gb_per_s: float, host_byt
         "layers": [s.layers.start, s.layers.stop], "split_weight_bytes": s.split_weight_bytes,
         "replicated_weight_bytes": s.replicated_weight_bytes, "weight_bytes": s.weight_bytes,
         "cache_bytes_per_sequence": s.cache_bytes_per_sequence, "cache_bytes": s.cache_bytes,
-        "activation_bytes": s.activation_bytes, "total_bytes": s.total_bytes, "fits_h200": s.fits_h200,
+        "activation_bytes": s.activation_bytes, "rollback_bytes": s.rollback_bytes,
+        "total_bytes": s.total_bytes, "fits_h200": s.fits_h200,
         "build_host_bytes": s.build_host_bytes, "build_anon_bytes": s.build_anon_bytes,
         "builds_at_once": min(s.ranks, s.builds_at_once(host_bytes)),
         "collective_bytes_per_token": s.collective_bytes_per_token,
