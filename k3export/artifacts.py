@@ -1,12 +1,21 @@
-"""Artifacts on disk: written whole or not at all, into folders that hold nothing of the user's.
+"""Artifacts on disk: what each folder is, written whole or not at all, and replaced only by the
+command that wrote it.
+
+What a folder (or engine file) is, is decided here, once, by one table (KINDS): its manifest's name
+and `command` give its kind, and the kind says which command alone replaces it and which options read
+it. `identify` opens a path as an `Artifact` (its kind, its manifest, whether a build is whole), the
+options' types (k3export.options.artifact_path) refuse a wrong kind by it, naming what was found and
+the option that takes it, and `OutputDir` refuses to write over anything but its own kind.
 
 Every file is written under a temporary name and renamed when complete, so an interrupted run
 never leaves a half-written file at a final name. A command that writes a folder (`export`,
 `build RECIPE`, `check`) goes through `OutputDir`: it writes only into a folder that is new,
-empty, or holds that command's own previous output, recognised by its manifest (a JSON file whose
-`files` lists every file the tool wrote, with sha256 and bytes). Anything else is refused, naming
-what was found; `--overwrite` writes beside the user's files, and even then only files listed in
-the old manifest are removed. `verify` holds a folder to its manifest before anything reads it.
+empty, or holds that command's own previous output of the same kind, recognised by its manifest (a
+JSON file whose `files` lists every file the tool wrote, with sha256 and bytes). Anything else is
+refused before anything runs, naming what was found and the command that takes it; `--overwrite`
+writes beside the user's files, and even then only files listed in the folder's own manifest (and
+its parts': a build's stages, an export's check/) are removed. `verify` holds a folder to its
+manifest before anything reads it.
 """
 
 from __future__ import annotations
@@ -18,14 +27,13 @@ import os
 import shutil
 import signal
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from k3export.errors import UserError
 
-# Every manifest a k3export command writes; a folder holding one with `written_by` is ours.
 BUILD_MANIFEST = "manifest.json"  # a `k3export build RECIPE` folder's
-MANIFEST_NAMES = ("export.json", BUILD_MANIFEST, "check.json")
 WRITTEN_BY = "k3export"
 _STAGE_PREFIX = ".k3export-stage-"
 # Lists the files being moved into place while a commit runs, so that a rerun after a kill
@@ -39,6 +47,115 @@ _OURS = (_JOURNAL, _STAT_CACHE, MANIFEST_LOCK)
 # Tests kill the process at a named point of a commit (K3EXPORT_TEST_KILL_AT=point) to prove that
 # a run killed anywhere leaves no incomplete file at a final name and that the rerun completes.
 _KILL_AT = "K3EXPORT_TEST_KILL_AT"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a k3export folder (or engine file) is: found by its manifest, replaced only by `writer`."""
+
+    name: str  # as messages name it: "an export"
+    manifest: str  # its manifest's file name (an engine: the record FILE.json beside it)
+    command: str  # the manifest's `command`: the subcommand that wrote it
+    writer: str  # the command line that writes it, and alone replaces it
+    readers: str  # the options that read it
+    report: bool = False  # check.json: a --report folder (its manifest names the artifact checked)
+
+    def matches(self, manifest: dict[str, Any]) -> bool:
+        return manifest.get("command") == self.command and ("artifact" in manifest) == self.report
+
+
+_EXPORT_READERS = "check --onnx DIR, check --network DIR and build --onnx DIR read it"
+EXPORT = Kind("an export", "export.json", "export", "k3export export --out DIR", _EXPORT_READERS)
+STAGE = Kind("a stage of a build (an export)", "export.json", "build",
+             "k3export build RECIPE --out BUILD (the build it is part of)", _EXPORT_READERS)
+BUILD = Kind("a build", BUILD_MANIFEST, "build", "k3export build RECIPE --out DIR",
+             "run DIR, torchrun -m k3export.runtime DIR, check --build DIR and check --engine DIR read it")
+REPORT = Kind("a check report", "check.json", "check", "k3export check ... --report DIR",
+              "it is read as it is (report.md; k3export verify DIR)", report=True)
+REPLAY = Kind("check's replay folder", "check.json", "check", "k3export check --onnx EXPORT (the export it "
+              "lies in)", "polygraphy run reads it (check prints how)")
+ENGINE = Kind("an engine", "FILE.json", "build", "k3export build --onnx DIR --out FILE",
+              "check --engine FILE reads it")
+# Every kind, in the order a folder is recognised: the first whose manifest is there and matches.
+KINDS = (EXPORT, STAGE, BUILD, REPORT, REPLAY)
+# Every manifest a k3export command writes; a folder holding one with `written_by` is ours.
+MANIFEST_NAMES = tuple(dict.fromkeys(kind.manifest for kind in KINDS))
+# The k3export folders a kind holds as its own parts, replaced with it: a build's stage (and rank)
+# exports, the replay folder check writes into the export it checks.
+PARTS = {BUILD: (STAGE, REPLAY), EXPORT: (REPLAY,), STAGE: (REPLAY,)}
+
+
+def _manifest_at(path: Path) -> dict[str, Any] | None:
+    """The JSON object at `path` if k3export wrote it (`written_by`), else None."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("written_by") == WRITTEN_BY else None
+
+
+@dataclass
+class Artifact:
+    """A path k3export wrote, opened once: its kind and manifest (None when the manifest cannot be
+    read: `verify` names the damage)."""
+
+    path: Path
+    kind: Kind
+    manifest: dict[str, Any] | None
+
+    def describe(self) -> str:
+        """"an export (export.json, written by `k3export export --out DIR`; check --onnx DIR, ...)"."""
+        kind = self.kind
+        return f"{kind.name} ({kind.manifest}, written by `{kind.writer}`; {kind.readers})"
+
+    def missing(self) -> list[str]:
+        """A build's stages (and ranks of a split stage) not built yet, by name; [] when it is whole
+        (or not a build). Every stage the plan has is in the manifest from the build's start, with no
+        files until it is built; a split stage's ranks built so far are under "rank_builds"."""
+        if self.kind is not BUILD or not self.manifest:
+            return []
+        ranks = (self.manifest.get("recipe") or {}).get("parallel", {}).get("ranks", 1)
+        missing = []
+        for stage in self.manifest.get("stages") or []:
+            if stage.get("files"):
+                continue
+            done = {int(r) for r in stage.get("rank_builds", {})}
+            if done:
+                missing += [f"stage {stage.get('index')} rank {r}" for r in range(ranks) if r not in done]
+            else:
+                missing.append(f"stage {stage.get('index')}" + (f" (its {ranks} ranks)" if ranks > 1 else ""))
+        return missing
+
+    def require_whole(self, option: str) -> None:
+        """Refuses, naming what is missing and the command that finishes it, a build not yet whole
+        (stopped between its stages, or built with --stage)."""
+        missing = self.missing()
+        if missing:
+            stages = len(self.manifest["stages"])
+            finish = " ".join(["k3export build", str(self.manifest.get("recipe_file", "RECIPE")),
+                               *self.manifest.get("build_options", []), "--out", str(self.path)])
+            raise UserError(f"{option}{self.path}: an incomplete build: {', '.join(missing)} of its {stages} "
+                            f"stages not built (stopped between stages, or built with --stage); finish it "
+                            f"with `{finish}` (the stages built are kept)")
+
+
+def identify(path: str | Path) -> Artifact | None:
+    """What k3export wrote at `path`: a folder by its manifest (KINDS), an engine by its record
+    FILE.json; None for anything else. A manifest k3export cannot read (damaged, or not its own)
+    still names the kind its file name is first in, with no manifest."""
+    path = Path(path)
+    if path.is_file():
+        record = _manifest_at(path.with_name(f"{path.name}.json"))
+        return Artifact(path, ENGINE, record) if record and record.get("command") == "build" else None
+    if not path.is_dir():
+        return None
+    for name in dict.fromkeys(kind.manifest for kind in KINDS):
+        if (path / name).is_file():
+            manifest = _manifest_at(path / name)
+            kinds = [k for k in KINDS if k.manifest == name]
+            kind = next((k for k in kinds if manifest and k.matches(manifest)), kinds[0])
+            return Artifact(path, kind, manifest)
+    return None
 
 
 def _test_kill_point(point: str) -> None:
@@ -150,25 +267,32 @@ def verify(folder: str | Path, manifest_name: str, full: bool = False,
     return manifest
 
 
-def _owned(folder: Path) -> set[str]:
-    """Files in `folder` (relative posix paths) that k3export wrote: those its manifests list
-    (nested output folders, like an export's check/, included), the manifests themselves, and
-    those an interrupted commit was moving in."""
-    owned = set(_OURS)
-    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, TypeError):
-        owned |= set(json.loads((folder / _JOURNAL).read_text()))
+def _owned(folder: Path, kind: Kind) -> tuple[set[str], dict[str, str]]:
+    """Files in `folder` (relative posix paths) that the command writing `kind` there may replace: the
+    folder's own manifest and what it lists, its parts' (PARTS: a build's stages, an export's check/)
+    below it, and what an interrupted commit of the same kind was moving in. Also the other k3export
+    output below it, by sub-folder ("reports/": "a check report"): never replaced."""
+    owned, others = set(_OURS), {}
+    journal = _manifest_at(folder / _JOURNAL)
+    if journal is not None and journal.get("kind") == kind.name:
+        owned |= set(journal.get("files") or [])
+    elif journal is not None:
+        others["."] = f"an interrupted write of {journal.get('kind')}"
+    found = []
     for name in MANIFEST_NAMES:
         for path in folder.rglob(name):
-            try:
-                manifest = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-                continue
-            if not isinstance(manifest, dict) or manifest.get("written_by") != WRITTEN_BY:
-                continue
-            base = path.parent.relative_to(folder)
-            owned.add(str(PurePosixPath(base, name)))
+            manifest = _manifest_at(path)
+            which = next((k for k in KINDS if k.manifest == name and manifest and k.matches(manifest)), None)
+            if which is not None:  # a manifest k3export cannot read is the user's file
+                found.append((path.parent.relative_to(folder), which, manifest))
+    for base, which, manifest in sorted(found, key=lambda f: len(f[0].parts)):  # outer folders first
+        inside_other = any(base.is_relative_to(other) for other in map(PurePosixPath, others) if other.parts)
+        if (which is kind if not base.parts else which in PARTS.get(kind, ())) and not inside_other:
+            owned.add(str(PurePosixPath(base, which.manifest)))
             owned |= {str(PurePosixPath(base, f)) for f in manifest.get("files") or {}}
-    return owned
+        elif base.parts and not inside_other:
+            others[base.as_posix()] = which.name
+    return owned, others
 
 
 def _files(folder: Path) -> set[str]:
@@ -189,24 +313,40 @@ class OutputDir:
     any heavy work; `staged()` yields an empty folder inside it to write into, and `commit` moves
     the files into place with the manifest last and removes what the old manifest listed."""
 
-    def __init__(self, path: str | Path, manifest_name: str, command: str, overwrite: bool | None = False,
+    def __init__(self, path: str | Path, kind: Kind, overwrite: bool | None = False,
                  option: str = "--out") -> None:
-        """`option` names the folder in messages: the command-line option that gave it. `overwrite`
-        None: the command has no --overwrite (a folder holding other files is only refused)."""
-        self.path, self.manifest_name, self.command = Path(path), manifest_name, command
+        """`kind`: what the command writes (KINDS); `option` names the folder in messages: the
+        command-line option that gave it. `overwrite` None: the command has no --overwrite (a folder
+        holding other files is only refused)."""
+        self.path, self.kind, self.option = Path(path), kind, option
+        self.manifest_name, self.command = kind.manifest, kind.command
+        expected = f"expected a new or empty folder, or {kind.name} that `{kind.writer}` wrote"
         if self.path.exists() and not self.path.is_dir():
-            raise UserError(f"{option} {self.path}: a file is there; expected a new or empty folder, or "
-                            f"one that `k3export {command}` wrote")
+            found = identify(self.path)
+            what = f"holds {found.describe()}" if found else "a file is there"
+            raise UserError(f"{option} {self.path}: {what}; {expected}. Nothing was changed")
         self.manifest: dict[str, Any] = {}  # what commit wrote
         self.owned: set[str] = set()
         self.foreign: set[str] = set()
         if self.path.is_dir():
-            self.owned = _owned(self.path)
+            found = identify(self.path)
+            if found and found.manifest is not None and found.kind is not kind:
+                raise UserError(f"{option} {self.path}: holds {found.describe()}; {expected}. Nothing was "
+                                "changed: choose another folder")
+            self.owned, others = _owned(self.path, kind)
             self.foreign = _files(self.path) - self.owned
+            interrupted = others.pop(".", None)
+            if interrupted:
+                raise UserError(f"{option} {self.path}: holds {interrupted}; {expected}. Nothing was "
+                                "changed: rerun the command that was writing it, or choose another folder")
             if self.foreign and not overwrite:
+                theirs = [f"{base}/ ({what}, k3export's)" for base, what in sorted(others.items())]
+                loose = {f for f in self.foreign
+                         if not any(PurePosixPath(f).is_relative_to(base) for base in others)}
+                listing = ", ".join([*theirs, _listing(loose)] if loose else theirs)
                 raise UserError(
-                    f"{option} {self.path}: holds files k3export did not write ({_listing(self.foreign)}); "
-                    f"expected a new or empty folder, or one that `k3export {command}` wrote. Choose another "
+                    f"{option} {self.path}: holds files `{kind.writer}` did not write ({listing}); "
+                    f"{expected}. Nothing was changed: choose another "
                     + ("folder." if overwrite is None else
                        "folder, or pass --overwrite to write beside them (they are kept; only files listed "
                        "in the folder's own k3export manifests are replaced)"))
@@ -234,13 +374,14 @@ class OutputDir:
         new = sorted(_files(stage) - {self.manifest_name})
         clash = set(new) & self.foreign
         if clash:
-            raise UserError(f"--out {self.path}: would replace files k3export did not write "
+            raise UserError(f"{self.option} {self.path}: would replace files k3export did not write "
                             f"({_listing(clash)}); choose another folder")
         manifest = {"written_by": WRITTEN_BY, "command": self.command, **manifest,
                     "files": {name: file_record(stage / name) for name in new}}
         write_json(manifest_path, manifest)
         _test_kill_point("staged")
-        write_json(self.path / _JOURNAL, sorted(self.owned | set(new) | {self.manifest_name}))
+        write_json(self.path / _JOURNAL, {"written_by": WRITTEN_BY, "kind": self.kind.name,
+                                          "files": sorted(self.owned | set(new) | {self.manifest_name})})
         # No manifest while files move: a folder caught half-way is never taken as complete.
         (self.path / self.manifest_name).unlink(missing_ok=True)
         (self.path / _STAT_CACHE).unlink(missing_ok=True)
@@ -273,7 +414,18 @@ class OutputFile:
         self.path, self.command = Path(path), command
         self.record_path = self.path.with_name(f"{self.path.name}.json")
         if self.path.is_dir():
-            raise UserError(f"--out {self.path}: a folder is there; expected a file name")
+            found = identify(self.path)
+            what = f"holds {found.describe()}" if found else "a folder is there"
+            raise UserError(f"--out {self.path}: {what}; expected a file name. Nothing was changed")
+        # Never a file of another k3export output, --overwrite or not (the record of `--out DIR/export`
+        # would be that export's export.json).
+        holder = identify(self.path.parent)
+        held = {holder.kind.manifest, *holder.manifest.get("files", {})} if holder and holder.manifest \
+            else set()
+        for path in (self.path, self.record_path):
+            if path.name in held:
+                raise UserError(f"--out {self.path}: {path} is a file of {holder.describe()}; expected a "
+                                "file name of its own. Nothing was changed")
         ours = self._ours()
         for path in (self.path, self.record_path):
             if path.exists() and not ours and not overwrite:

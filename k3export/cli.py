@@ -17,10 +17,13 @@ from k3export.config import PRESETS, K3Config
 from k3export.errors import UserError
 from k3export.model.accounting import COMPONENTS, moe_cost_note, parameter_report
 from k3export.options import (
+    ANY_OUTPUT,
+    BUILD_DIR,
+    ENGINE_OR_BUILD,
+    EXPORT_DIR,
     capacity,
     existing_dir,
     existing_file,
-    existing_path,
     integer,
     non_negative_int,
     output_path,
@@ -130,13 +133,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from k3export.artifacts import OutputDir
+    from k3export.artifacts import EXPORT, OutputDir
     from k3export.model.parallel import check_rank
-    from k3export.onnx.export import MANIFEST_FILE, export_model, parse_layers
+    from k3export.onnx.export import export_model, parse_layers
     from k3export.progress import spinner
     from k3export.weights.checkpoint import build_model
 
-    out = OutputDir(args.out, MANIFEST_FILE, "export", overwrite=args.overwrite)
+    out = OutputDir(args.out, EXPORT, overwrite=args.overwrite)
     config = _config(args)
     dtype_name = args.dtype or config.torch_dtype
     layers = parse_layers(args.layers, config)
@@ -214,6 +217,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.report:
         from k3export.check.report import report_dir, write_report
         out = report_dir(args.report)  # refused before the check runs, not after
+        checked = Path(args.network or args.engine or args.build or args.onnx)
+        if out.path.resolve().is_relative_to(checked.resolve()):
+            raise UserError(f"--report {out.path}: inside {checked}, the artifact being checked; expected a "
+                            "folder outside it. Nothing was changed")
     report = run(args.network or args.engine or args.build or args.onnx, steps=args.steps, seed=args.seed,
                  batch=args.batch, prompt_len=args.prompt_len, log=(lambda _: None) if args.json else print,
                  eager=args.eager, **extra)
@@ -250,7 +257,7 @@ def _check_verdict(report: dict) -> str:
     """PASSED or FAILED with every reason, then the bound and the token agreement."""
     from k3export.check.compare import HALF_REL_CAP
 
-    reasons = []
+    reasons = [report["compared_nothing"]] if report.get("compared_nothing") else []
     if report.get("first_nonfinite"):
         first = report["first_nonfinite"]
         reasons.append(f"NaN/Inf first in {', '.join(first['outputs'])} at {first['step']}")
@@ -390,13 +397,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     report, and when TensorRT-RTX is there check the parsed network and build."""
     import importlib.util
 
+    from k3export.artifacts import EXPORT, REPORT, OutputDir, OutputFile, identify
     from k3export.demo import run_demo
 
-    code = run_demo(args.seed, args.prompt_len, args.steps)
     # Each command's output where a rerun expects it: the export folder holds only the export (and
-    # check's own check/), the report, the engine and its record sit beside it.
+    # check's own check/), the report, the engine and its record sit beside it. Each is refused
+    # before the demo starts unless it is new or the demo's own.
     out = Path(args.out)
     export = out / "export"
+    found = identify(out)
+    if found:
+        raise UserError(f"--out {out}: is {found.describe()}; expected a new folder, or one a previous demo "
+                        "wrote (export/, report/ and the engine in it). Nothing was changed")
+    OutputDir(export, EXPORT)
+    OutputDir(out / "report", REPORT, overwrite=None, option="--report")
+    OutputFile(out / "k3-tiny.sm89.engine", "build")
+    code = run_demo(args.seed, args.prompt_len, args.steps)
     stages = [["export", "--preset", "k3-tiny", "--seed", str(args.seed), "--taps", "--out", str(export)],
               ["check", "--onnx", str(export), "--steps", str(args.steps), "--taps",
                "--report", str(out / "report")]]
@@ -484,16 +500,16 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="an artifact (an export, its network, an engine, a build) against "
                            "the eager model")
     artifact = check.add_mutually_exclusive_group(required=True)
-    artifact.add_argument("--onnx", metavar="DIR", type=existing_dir,
+    artifact.add_argument("--onnx", metavar="DIR", type=EXPORT_DIR,
                           help="a `k3export export` folder, in ONNX Runtime")
-    artifact.add_argument("--network", metavar="DIR", type=existing_dir, help="a `k3export export` folder, "
+    artifact.add_argument("--network", metavar="DIR", type=EXPORT_DIR, help="a `k3export export` folder, "
                           "parsed by "
                           "TensorRT-RTX (k3 plugins registered) and the network evaluated on CPU")
-    artifact.add_argument("--engine", metavar="FILE", type=existing_path,
+    artifact.add_argument("--engine", metavar="FILE", type=ENGINE_OR_BUILD,
                           help="an engine `k3export build` wrote (or a `build "
                           "RECIPE` folder: every stage's engine alone), through the engine runner; needs an "
                           "NVIDIA GPU and TensorRT, so it cannot run on CPU-only machines")
-    artifact.add_argument("--build", metavar="DIR", type=existing_dir,
+    artifact.add_argument("--build", metavar="DIR", type=BUILD_DIR,
                           help="a `k3export build RECIPE` folder: its stages (their engines, or their ONNX "
                           "graphs in ONNX Runtime: --runner) chained against the eager model run as the "
                           "same chain, compared at every stage boundary; names the first divergent stage "
@@ -533,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     from k3export.engine.build import Limits
 
     build = sub.add_parser("build", help="a TensorRT(-RTX) engine from an export, k3 plugins in place")
-    build.add_argument("--onnx", metavar="DIR", type=existing_dir, help="a `k3export export` folder")
+    build.add_argument("--onnx", metavar="DIR", type=EXPORT_DIR, help="a `k3export export` folder")
     build.add_argument("--out", required=True, metavar="FILE", type=output_path,
                        help="the engine file to write, FILE.json beside it recording how it was built (with "
                        "RECIPE: the folder of the stages and their manifest.json)")
@@ -563,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
 
     verify = sub.add_parser("verify", help="hash every file of an output folder against its manifest")
-    verify.add_argument("dir", metavar="DIR", type=existing_dir)
+    verify.add_argument("dir", metavar="DIR", type=ANY_OUTPUT)
     verify.set_defaults(run=cmd_verify)
 
     demo = sub.add_parser("demo", help="k3-tiny with seeded weights: eager prefill and decode, then export, "

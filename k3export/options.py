@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from k3export.artifacts import BUILD, EXPORT, KINDS, MANIFEST_NAMES, STAGE, Kind, identify
 from k3export.errors import UserError
 
 MIN_CAPACITY = 8  # cached tokens per sequence of an export (its MLA cache's static row count)
@@ -121,6 +122,47 @@ def existing_path(text: str) -> str:
     return text
 
 
+def artifact_path(expected: str, *kinds: Kind, any_file: bool = False) -> Callable[[str], str]:
+    """An existing k3export output of one of `kinds` (k3export.artifacts.KINDS), and a build only when
+    whole; `any_file`: a file of any kind too (an engine, whose runner reads its record). Another kind
+    is refused naming what it is and what reads it, `expected` naming what the option takes. A
+    manifest of the right name that k3export cannot read passes: `verify` names the damage."""
+
+    def parse(text: str) -> str:
+        found = _kind(text)
+        if found is None:
+            raise argparse.ArgumentTypeError(f"{text}: no such {'file or folder' if any_file else 'folder'}")
+        if found == "file" and any_file:
+            return text
+        artifact = identify(text)
+        if artifact is None:
+            manifests = ", ".join(MANIFEST_NAMES)
+            raise argparse.ArgumentTypeError(
+                f"{text} is a file; expected a folder, {expected}" if found == "file" else
+                f"{text}: no k3export output there (none of {manifests}); expected {expected}")
+        damaged = artifact.manifest is None and any(k.manifest == artifact.kind.manifest for k in kinds)
+        if artifact.kind not in kinds and not damaged:
+            raise argparse.ArgumentTypeError(f"{text} is {artifact.describe()}; expected {expected}")
+        try:
+            artifact.require_whole("")
+        except UserError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    parse.__name__ = f"existing {expected}"  # (the CLI fuzz draws paths for types named existing...)
+    return parse
+
+
+def recipe_file(text: str) -> str:
+    """A recipe file (engines/*.toml); a build folder is refused naming the recipe it was built from."""
+    artifact = identify(text) if _kind(text) == "folder" else None
+    if artifact is not None:
+        recipe = (artifact.manifest or {}).get("recipe_file", "its RECIPE")
+        built = f"; it was built from {recipe}" if artifact.kind is BUILD else ""
+        raise argparse.ArgumentTypeError(f"{text} is {artifact.describe()}; expected a RECIPE file{built}")
+    return existing_file(text)
+
+
 def _under_a_folder(text: str) -> None:
     """Refuses an output path below a file (`notes.txt/out`): its nearest existing parent is a folder."""
     for parent in Path(text).parents:
@@ -195,6 +237,14 @@ def require_request_fits(request: str, manifests: list[dict[str, Any]], batch: i
     require_memory(copies * call_bytes(manifests, batch, prompt_len), request,
                    holds + (f", {copies} copies" if copies > 1 else ""))
 
+
+# What the options that read k3export's outputs take.
+EXPORT_DIR = artifact_path("an export (`k3export export --out DIR`, or a build's stage folder)", EXPORT,
+                           STAGE)
+BUILD_DIR = artifact_path("a build (`k3export build RECIPE --out DIR`), whole", BUILD)
+ENGINE_OR_BUILD = artifact_path("an engine file (`k3export build --onnx DIR --out FILE`) or a whole build",
+                                BUILD, any_file=True)
+ANY_OUTPUT = artifact_path("a folder k3export wrote (an export, a build, a check report)", *KINDS)
 
 # check --eager: how the eager side runs (k3export.check.runners.eager.plan_eager).
 STREAMED, IN_MEMORY, AUTO = "streamed", "in-memory", "auto"

@@ -45,10 +45,8 @@ def test_demo_runs_the_pipeline(tmp_path, capfd):
     setup), then what a rerun into the same folder meets: every folder and file it wrote is one its
     command takes back (none refused as a user's), and every hash verifies. (Running the demo twice
     proved the same at twice the cost, half a minute of CI.)"""
-    from k3export.artifacts import OutputDir, OutputFile
-    from k3export.check.driver import CHECK_DIR, CHECK_MANIFEST
-    from k3export.check.report import MANIFEST as REPORT_MANIFEST
-    from k3export.onnx.export import MANIFEST_FILE
+    from k3export.artifacts import EXPORT, REPLAY, REPORT, OutputDir, OutputFile
+    from k3export.check.driver import CHECK_DIR
 
     demo = tmp_path / "demo"
     assert main(["demo", "--steps", "4", "--out", str(demo)]) == 0
@@ -60,9 +58,9 @@ def test_demo_runs_the_pipeline(tmp_path, capfd):
     assert (report / "report.md").read_text().startswith("# k3export check --onnx")
     assert (report / "layers.png").exists() and "first divergent: none" in printed
     # A rerun's commands check their outputs first, as here: export, check's own folder, the report.
-    OutputDir(demo / "export", MANIFEST_FILE, "export")
-    OutputDir(demo / "export" / CHECK_DIR, CHECK_MANIFEST, "check", overwrite=None)
-    OutputDir(report, REPORT_MANIFEST, "check", overwrite=None, option="--report")
+    OutputDir(demo / "export", EXPORT)
+    OutputDir(demo / "export" / CHECK_DIR, REPLAY, overwrite=None)
+    OutputDir(report, REPORT, overwrite=None, option="--report")
     assert main(["verify", str(demo / "export")]) == 0
     # One stream, as `2>&1 | cat` makes it: the result line before the timing line (stdout flushed;
     # block-buffered, as it is in a pipe unless PYTHONUNBUFFERED is set).

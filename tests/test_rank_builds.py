@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_parallel_grid import short_recipe
 
-from k3export.artifacts import OutputDir
+from k3export.artifacts import BUILD, OutputDir
 from k3export.cli import main
 from k3export.runtime import verify_build
 from k3export.shards.stages import MANIFEST, _intact
@@ -47,7 +47,7 @@ def test_ranks_built_by_concurrent_processes(tmp_path: Path) -> None:
     assert _intact(out, partial) == "not built"
     verify_build(out, full=True)
     # The folder stays one that build wrote (its lock file is k3export's): the next rank may start.
-    OutputDir(out, MANIFEST, "build")
+    OutputDir(out, BUILD)
 
 
 @pytest.mark.parametrize(("recipe", "options", "message"), [

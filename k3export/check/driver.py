@@ -48,7 +48,7 @@ from polygraphy.comparator import IterationResult, RunResults
 from polygraphy.json import save_json
 from polygraphy.logger import G_LOGGER
 
-from k3export.artifacts import OutputDir, require, verify, write_json
+from k3export.artifacts import REPLAY, OutputDir, require, verify, write_json
 from k3export.check.compare import (
     TOLERANCES,
     Comparison,
@@ -177,7 +177,7 @@ def run_check(onnx_dir: str | Path, steps: int = 16, seed: int = 0, batch: int =
         raise UserError(f"{onnx_dir}: ONNX Runtime's CPU provider has no bfloat16 MatMul; check the "
                         f"bfloat16 graph as TensorRT parses it: k3export check --network {onnx_dir}")
     graph = onnx_dir / GRAPH_FILE
-    out = OutputDir(onnx_dir / CHECK_DIR, CHECK_MANIFEST, "check", overwrite=None,
+    out = OutputDir(onnx_dir / CHECK_DIR, REPLAY, overwrite=None,
                     option="the check's folder")
     # The replay is `polygraphy run --onnxrt`, which cannot run bfloat16 (nor numpy hold it).
     replayable = manifest["dtype"] != "bfloat16"
@@ -437,6 +437,9 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     finally:
         recording.close()
     report.update(verdict(report["steps"], side.nonfinite_weights))
+    report["compared_nothing"] = compared_nothing(report["steps"], report["token_positions"],
+                                                  layers.stop == config.num_hidden_layers)
+    report["passed"] = report["passed"] and not report["compared_nothing"]
     report["machine"] = machine()
     report["eager"] = {**plan.as_dict(), **side.report()}
     report["tokens_from"] = "the artifact's greedy tokens" if streams[0] and not feeds else "drawn at random"
@@ -448,6 +451,18 @@ def compare_with_eager(manifest: dict[str, Any], config: K3Config, graph: Path |
     if taps:
         report["taps"] = {"steps": tap_steps, "first_divergent": first_divergent(tap_steps)}
     return report, graph_side
+
+
+def compared_nothing(steps: list[dict[str, Any]], token_positions: int, ends_the_model: bool) -> str | None:
+    """Why a check compared nothing, or None: a check never passes without comparing. No output of any
+    step compared; or 0 greedy token positions where the graph ends at the model's last layer (it then
+    gives logits: without them, a build missing its last stage, say, would pass on its boundaries)."""
+    if not any(s["outputs"] for s in steps):
+        return "no output was compared"
+    if ends_the_model and not token_positions:
+        return ("0 greedy token positions compared: the graph ends at the model's last layer but gave no "
+                "logits")
+    return None
 
 
 def _run_artifact(runner: StatefulRunner, signature: Signature, recording: Recording, held: dict[str, int],

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from k3export.artifacts import OutputDir, write_atomic, write_json
+from k3export.artifacts import REPORT, OutputDir, write_atomic, write_json
 from k3export.check.machine import machine_line
 from k3export.check.taps import per_layer
 from k3export.errors import UserError
@@ -236,7 +236,7 @@ def report_dir(folder: str | Path) -> OutputDir:
         raise UserError("--report: the plots need matplotlib; install it with "
                         "`pip install -c constraints.txt -e '.[report]'`") from None
     matplotlib.use("Agg")  # files only, no display
-    return OutputDir(folder, MANIFEST, "check", overwrite=None, option="--report")
+    return OutputDir(folder, REPORT, overwrite=None, option="--report")
 
 
 def write_report(report: dict[str, Any], out: OutputDir, verdict: str, artifact: str) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3export.artifacts import BUILD_MANIFEST, read_manifest, require, verify
+from k3export.artifacts import BUILD, BUILD_MANIFEST, Artifact, read_manifest, require, verify
 from k3export.errors import UserError
 from k3export.onnx.export import MANIFEST_FILE
 
@@ -61,9 +61,7 @@ def stage_ranks(build_dir: str | Path) -> list[list[Path]]:
     that is not split), in stage order, its files verified (verify_build)."""
     build_dir = Path(build_dir)
     manifest = verify_build(build_dir)
-    missing = [s["index"] for s in manifest["stages"] if not s.get("files")]
-    if missing:
-        raise UserError(f"{build_dir}: stage {missing[0]} is not built (built with --stage?); build it first")
+    Artifact(build_dir, BUILD, manifest).require_whole("")
     if manifest.get("settings", {}).get("no_weights"):
         raise UserError(f"{build_dir}: built with --no-weights; there are no numbers to run")
     return [[build_dir / r["folder"] for r in s.get("ranks", [s])] for s in manifest["stages"]]

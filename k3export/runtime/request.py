@@ -14,7 +14,7 @@ import numpy as np
 from k3export.errors import UserError
 from k3export.onnx.export import MANIFEST_FILE
 from k3export.options import (
-    existing_dir,
+    BUILD_DIR,
     integer,
     non_negative_int,
     non_negative_real,
@@ -56,7 +56,7 @@ def vocab_size(export_dir: Path) -> int:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("build", metavar="DIR", type=existing_dir, help="a `k3export build RECIPE` folder")
+    parser.add_argument("build", metavar="DIR", type=BUILD_DIR, help="a `k3export build RECIPE` folder")
     parser.add_argument("--prompt-len", type=positive_int, default=32, help="tokens of the longest prompt")
     parser.add_argument("--prompt-ids", metavar="IDS", type=token_ids,
                         help="one prompt, comma-separated token ids")

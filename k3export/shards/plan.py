@@ -34,7 +34,7 @@ from k3export.errors import UserError
 from k3export.model import K3ForCausalLM
 from k3export.model.accounting import H200_BYTES, MXFP4_BITS, component
 from k3export.model.parallel import collectives, rank_config, split_model
-from k3export.options import existing_file, positive_int, positive_real
+from k3export.options import positive_int, positive_real, recipe_file
 
 LINK_GB_PER_S = 50.0  # one 400 Gb/s InfiniBand NDR port per GPU, the usual link between hosts
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -606,7 +606,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """Registers `k3export plan` on the CLI's subparsers."""
     plan = sub.add_parser("plan", help="pipeline stages balanced by weight bytes, and what each holds")
-    plan.add_argument("recipe", nargs="?", metavar="RECIPE", type=existing_file,
+    plan.add_argument("recipe", nargs="?", metavar="RECIPE", type=recipe_file,
                       help="a recipe (engines/*.toml)")
     plan.add_argument("--preset", choices=list(PRESETS), help="plan a preset instead of a recipe")
     plan.add_argument("--stages", type=positive_int, help="stage count (with --preset)")

@@ -45,8 +45,10 @@ from typing import Any
 import torch
 
 from k3export.artifacts import (
+    BUILD,
     BUILD_MANIFEST,
     MANIFEST_LOCK,
+    STAGE,
     WRITTEN_BY,
     OutputDir,
     file_record,
@@ -90,6 +92,26 @@ def _settings(recipe: Recipe, backend: str, no_weights: bool, taps: bool, strip:
     return {"recipe_sha256": recipe.sha256, "backend": backend, "no_weights": no_weights, "taps": taps,
             "strip": strip, **({"routing_outputs": True} if routing_outputs else {}),
             **({"target": recipe.target} if overridden else {})}
+
+
+def _options(recipe: Recipe, backend: str, no_weights: bool, taps: bool, strip: bool,
+             routing_outputs: bool) -> list[str]:
+    """The options of `build RECIPE` that give these settings beyond the recipe's own: the manifest
+    records them ("build_options") so that an incomplete build's refusal names the command that
+    finishes it (k3export.artifacts.Artifact.require_whole)."""
+    overridden = recipe.target != recipe.data.get("build", {}).get("target")
+    given = {"--backend": backend if backend != recipe.backend else None,
+             "--target": recipe.target if overridden else None, "--no-weights": no_weights,
+             "--taps": taps and not recipe.taps,
+             "--routing-outputs": routing_outputs and not recipe.routing_outputs, "--strip": strip}
+    return [part for option, value in given.items() if value
+            for part in ([option] if value is True else [option, value])]
+
+
+def _unbuilt(plan: Plan, index: int) -> dict[str, Any]:
+    """A stage's manifest entry before it is built: no files (so the build is not whole)."""
+    layers = plan.stages[index].layers
+    return {"index": index, "layers": [layers.start, layers.stop], "folder": stage_folder(index), "files": {}}
 
 
 def _intact(out: Path, entry: dict[str, Any]) -> str | None:
@@ -166,7 +188,7 @@ def _build_export(recipe: Recipe, layers: range, name: str, rank: int, out: Path
         if no_weights else recipe.weights
     model = build_model(recipe.config, getattr(torch, recipe.dtype), weights, layers, log=log, rank=rank,
                         ranks=recipe.ranks)
-    folder = OutputDir(out / name, MANIFEST_FILE, "build", overwrite=overwrite)
+    folder = OutputDir(out / name, STAGE, overwrite=overwrite)
     result = None
     with folder.staged() as staged:
         export = export_model(model, staged, layers, weights, capacity=recipe.capacity, taps=taps,
@@ -255,9 +277,8 @@ def _build_rank(recipe: Recipe, plan: Plan, index: int, rank: int, out: Path, ba
     with _locked(out):
         manifest = {**header, "stages": _previous(out, header["settings"]), "files": {}}
         stages = {e.get("index"): e for e in manifest["stages"]}
-        for i, stage in enumerate(plan.stages):  # entries for the stages no process has touched yet
-            stages.setdefault(i, {"index": i, "layers": [stage.layers.start, stage.layers.stop],
-                                  "folder": stage_folder(i), "files": {}})
+        for i in range(len(plan.stages)):  # entries for the stages no process has touched yet
+            stages.setdefault(i, _unbuilt(plan, i))
         done = {**stages[index].get("rank_builds", {}), str(rank): part}
         if len(done) == recipe.ranks:
             parts = [done[str(r)] for r in range(recipe.ranks)]
@@ -318,7 +339,7 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
         ["stage-*/.k3export-stage-*", "stage-*/rank-*/.k3export-stage-*"]
     for stale in [path for pattern in patterns for path in out.glob(pattern)]:
         shutil.rmtree(stale, ignore_errors=True)
-    OutputDir(out, MANIFEST, "build", overwrite=overwrite)  # refuses a folder holding a user's files
+    OutputDir(out, BUILD, overwrite=overwrite)  # refuses a folder holding a user's files
     _refuse_other_ranks(out, recipe)
     settings = _settings(recipe, backend, no_weights, taps, strip, routing_outputs)
     manifest: dict[str, Any] = {
@@ -331,26 +352,31 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
                      **({"verify": {"batch": recipe.decode_batch, "seq": recipe.verify_seq}}
                         if recipe.verify_seq else {})},
         "versions": _versions(backend), "stages": [], "files": {},
+        "build_options": _options(recipe, backend, no_weights, taps, strip, routing_outputs),
     }
     if rank is not None:
         return _build_rank(recipe, plan, only[0], rank, out, backend, no_weights, taps, strip, overwrite,
                            manifest, log, routing_outputs)
-    previous = _previous(out, settings)
+    # Every stage is in the manifest from the start (those not reached yet as they were, or unbuilt),
+    # so that a build stopped between stages is never taken for a whole one of fewer stages.
+    previous = {e.get("index"): e for e in _previous(out, settings)}
+    manifest["stages"] = [previous[i] if previous.get(i, {}).get("layers") == _unbuilt(plan, i)["layers"]
+                          else _unbuilt(plan, i) for i in range(len(plan.stages))]
     for i, stage in track(enumerate(plan.stages), "build: stages", total=len(plan.stages)):
         layers = [stage.layers.start, stage.layers.stop]
-        entry = next((e for e in previous if e.get("index") == i and e.get("layers") == layers), None)
-        problem = _intact(out, entry) if entry else "not built"
+        entry = manifest["stages"][i]
+        problem = _intact(out, entry)
         if problem is None:
             log(f"stage {i} (layers {layers[0]}..{layers[1] - 1}): up to date, skipped")
         elif only is not None and i not in only:
-            entry = {"index": i, "layers": layers, "folder": stage_folder(i), "files": {}}
+            entry = _unbuilt(plan, i)
         else:
             log(f"stage {i} (layers {layers[0]}..{layers[1] - 1}, {stage.weight_bytes / 1e9:.3g} GB of "
                 f"weights): {problem}, building ({backend})")
             entry = _build_stage(recipe, plan, i, out, backend, no_weights, taps, strip, overwrite, log,
                                  routing_outputs)
             gc.collect()
-        manifest["stages"].append(entry)
+        manifest["stages"][i] = entry
         manifest["files"] = {name: rec for e in manifest["stages"] for name, rec in e["files"].items()}
         write_json(out / MANIFEST, manifest)
         if after_stage is not None:
