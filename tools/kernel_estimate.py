@@ -554,17 +554,22 @@ def kda_rows() -> list[Row]:
             nbytes = kda_bytes(tokens, heads)
             flops = kda_chunk_flops(tokens, heads) if tokens > 1 else 7 * heads * KDA_K * KDA_V
             shape = f"{phase} T{tokens} H{heads}"
-            # AOT: the chunk walk (chunks of 16, one program per head and 32 value columns).
+            # AOT: one program per head and 32 value columns; a call of at most KDA_STEP_TOKENS steps the
+            # recurrence, a longer one walks chunks of 16 (the kernel's T picks the path at run time).
             aot = kda_aot_kernel("bfloat16", KDA_K)
             grid, _ = kda_aot_launch([1, tokens, heads, KDA_K], [1, tokens, heads, KDA_V])
-            chunks = cdiv(tokens, KDA_CHUNK)
-            loop = "for t0 in range(0, T, BT)"
-            trips = {loop: chunks, "for c0 in range(0, K, BC)": chunks * cdiv(KDA_K, 16)}
-            chunk_flops = kda_chunk_flops(KDA_CHUNK, 1, KDA_CHUNK) * aot.constexprs["BV"] / KDA_V
+            if tokens <= aot.constexprs["STEP_TOKENS"]:
+                loop = "for t in range(T)"
+                trips = {loop: tokens}
+                work = 7 * KDA_K * aot.constexprs["BV"]
+            else:
+                chunks = cdiv(tokens, KDA_CHUNK)
+                loop = "for t0 in range(0, T, BT)"
+                trips = {loop: chunks, "for c0 in range(0, K, BC)": chunks * cdiv(KDA_K, 16)}
+                work = kda_chunk_flops(KDA_CHUNK, 1, KDA_CHUNK) * aot.constexprs["BV"] / KDA_V
             case = {"B": 1, "T": tokens, "heads": heads, "gate_dtype": "float32"}
-            rows.append(Row("kda", "AOT", shape, [Launch(aot, grid, trips, loop, chunk_flops, "FLOP",
-                                                         chain=loop)], nbytes, flops,
-                            case={"kernel": "aot:kda", **case}))
+            rows.append(Row("kda", "AOT", shape, [Launch(aot, grid, trips, loop, work, "FLOP", chain=loop)],
+                            nbytes, flops, case={"kernel": "aot:kda", **case}))
             jit = "chunk_kda" if tokens > 1 else "recurrent_kda"
             rows.append(Row("kda", "JIT", shape, kda_jit_launches(tokens, heads), nbytes, flops,
                             note=f"{jit} ({len(kda_jit_launches(tokens, heads))} launches)",
@@ -573,7 +578,8 @@ def kda_rows() -> list[Row]:
 
 
 def kda_jit_launches(tokens: int, heads: int) -> list[Launch]:
-    """What k3plugins.kda launches: the recurrence for one token, chunk_kda's four kernels for a prompt."""
+    """What k3plugins.kda launches: the recurrence for one token; for a prompt chunk_kda's parallel prepare
+    over (chunk, head), then its recurrence over the chunks (the dependent chain)."""
     from k3plugins import kda
 
     if tokens == 1:
@@ -582,17 +588,16 @@ def kda_jit_launches(tokens: int, heads: int) -> list[Launch]:
                        loop, 7 * KDA_K * kda.BLOCK_V, "FLOP", chain=loop)]
     chunk = kda.CHUNK_SIZE
     chunks = cdiv(tokens, chunk)
-    blocks = cdiv(KDA_K, kda.WY_BLOCK) + cdiv(KDA_V, kda.WY_BLOCK)
-    state_loop, rows_loop = "for i_t in range(n_chunks)", "for r0 in range(i_t * BT, i_t * BT + BT, BR)"
+    block_v = kda.RECURRENCE_BLOCK_V["bf16"]
+    chain = "for i_t in range(n_chunks)"
     return [
-        Launch(jit_variant("chunk_kda_intra_bf16"), (chunks, heads), {"for d in range(K)": KDA_K,
-                                                                      "for i in range(BT)": chunk}),
-        Launch(jit_variant("chunk_kda_wy_bf16"), (chunks, heads, blocks), {}),
-        Launch(jit_variant("chunk_kda_state_bf16_k128"), (heads, cdiv(KDA_V, kda.STATE_BLOCK_V)),
-               {state_loop: chunks, rows_loop: chunks * cdiv(chunk, kda.STATE_ROWS)}, rows_loop,
-               4 * kda.STATE_ROWS * KDA_K * kda.STATE_BLOCK_V, "FLOP", chain=state_loop),
-        Launch(jit_variant("chunk_kda_output_bf16"), (chunks, heads, cdiv(KDA_V, kda.BLOCK_V)),
-               {"for c0 in range(0, K, BV)": cdiv(KDA_K, kda.BLOCK_V)}),
+        # The scores' factored products take 16 key channels a trip; the steep chunks' loop is not taken; the
+        # 16-row solve compiles unrolled (straight-line code).
+        Launch(jit_variant("kda_prepare_bf16_k128"), (chunks, heads),
+               {"for c0 in range(0, K, BC)": cdiv(KDA_K, 16),
+                "for v0 in range(0, V, BV)": cdiv(KDA_V, kda.BLOCK_V)}),
+        Launch(jit_variant("kda_chunk_recurrence_bf16_k128"), (heads, cdiv(KDA_V, block_v)), {chain: chunks},
+               chain, 2 * chunk * (3 * KDA_K + chunk) * block_v, "FLOP", chain=chain),
     ]
 
 
