@@ -495,3 +495,103 @@ def test_plan_sizes_the_verify_profile(tmp_path):
         copy = rollback_bytes(plan.config, stage.layers, plan.dtype) * plan.batch
         assert stage.rollback_bytes == copy > 0 and without.rollback_bytes == 0
         assert stage.total_bytes == stage.weight_bytes + stage.cache_bytes + stage.activation_bytes + copy
+
+
+# -- sampling with drafts ---------------------------------------------------------------------------
+
+SAMPLER = dict(temperature=0.7, top_k=16, top_p=0.9)  # every cut plain sampling makes, in use
+DRAWS, ALPHA = 6000, 1e-4
+
+
+def accepting_every_draft(drafts, logits, sampler, rng):
+    """A broken rule: every draft accepted, then one token from p."""
+    tokens, p = sampler.distribution(logits[len(drafts)])
+    return len(drafts), int(tokens[rng.choice(len(p), p=p)])
+
+
+def not_renormalising(drafts, logits, sampler, rng):
+    """A broken rule: on a rejection, an inverse-CDF draw over p with the draft removed, not
+    renormalised (a draw past its mass falls to the last kept token)."""
+    for i, draft in enumerate(drafts):
+        tokens, p = sampler.distribution(logits[i])
+        if rng.random() < p[tokens == draft].sum():
+            continue
+        residual = np.cumsum(np.where(tokens == draft, 0.0, p))
+        return i, int(tokens[min(int(np.searchsorted(residual, rng.random())), len(p) - 1)])
+    tokens, p = sampler.distribution(logits[len(drafts)])
+    return len(drafts), int(tokens[rng.choice(len(p), p=p)])
+
+
+def chi_square_p_value(observed: list[int], tokens: np.ndarray, p: np.ndarray) -> float:
+    """Pearson's test of `observed` tokens against the distribution (`tokens`, `p`); tokens expected
+    fewer than 5 times pooled, and a token outside `tokens` fails at once (p-value 0)."""
+    if not set(observed) <= set(tokens.tolist()):
+        return 0.0
+    counts = np.array([observed.count(t) for t in tokens.tolist()], np.float64)
+    expected = p * len(observed)
+    small = expected < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    if expected[-1] == 0:
+        counts, expected = counts[:-1], expected[:-1]
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    dof = len(expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize(("rule", "agrees"), [(speculation_module.sampled, True),
+                                              (accepting_every_draft, False), (not_renormalising, False)],
+                         ids=["standard", "accepting-every-draft", "not-renormalising"])
+def test_speculative_sampling_draws_from_plain_samplings_distribution(model, rule, agrees):
+    """k3-tiny's 3-layer cut on a fixed prompt, drafts x1, x2 (each position's most likely token: p 0.24
+    and 0.19 after temperature 0.7, top-k 16, top-p 0.9, 12 and 13 tokens kept): over 6000 seeded draws
+    the first token, and the second given that the first is x1 (about 1400 draws), have plain
+    sampling's distribution at that position (Sampler.distribution, what plain sampling draws from) by
+    Pearson's chi-square at alpha 1e-4 (the statistic's bound: about 36 at 11 or 12 degrees of
+    freedom). Power: a rule accepting every draft gives x1 always; one that does not renormalise after
+    removing the draft gives the last kept token (p 0.025) p(x1)(1 - p(x1)) = 0.18 more: expected
+    statistics in the thousands, so either fails with probability ~1 (p-values 0 and 1e-200 here)."""
+    from k3export.runtime import Sampler
+
+    sampler = Sampler(**SAMPLER)
+    prompt = prompts_of((12,))[0]
+    with torch.no_grad():
+        first = model(torch.tensor([prompt]), model.empty_cache(1, capacity=64))[0][0, -1].numpy()
+        drafts = [int(sampler.distribution(first)[0][0])]
+        second = model(torch.tensor([prompt + drafts]), model.empty_cache(1, capacity=64))[0][0, -1].numpy()
+        drafts.append(int(sampler.distribution(second)[0][0]))
+        logits = model(torch.tensor([prompt + drafts]), model.empty_cache(1, capacity=64))[0][0, -3:].numpy()
+    firsts, seconds = [], []
+    for seed in range(DRAWS):
+        kept, token = rule(drafts, logits, sampler, np.random.default_rng(seed))
+        firsts.append(drafts[0] if kept >= 1 else token)
+        if kept >= 1:
+            seconds.append(drafts[1] if kept >= 2 else token)
+    p_values = [chi_square_p_value(firsts, *sampler.distribution(logits[0])),
+                chi_square_p_value(seconds, *sampler.distribution(logits[1]))]
+    assert len(seconds) > 1000  # x1 was accepted often enough to test what follows it
+    assert (min(p_values) > ALPHA) == agrees, p_values
+
+
+def test_sampled_runs_are_seeded_per_row(build, model, references):
+    """run's sampler with drafts end to end (the pipeline's stages, 2 micro-batches or 1): a row's
+    tokens depend on the seed and not on the other rows or the grouping, and drafts are accepted."""
+    from k3export.runtime import Sampler
+
+    lengths = (13, 5, 30)
+    prompts, expected = prompts_of(lengths), references[lengths]
+
+    def sampled_run(rows: list[int], micro_batches: int, seed: int):
+        drafters = [ContinuationDrafter(prompts[r] + expected[r], VOCAB) for r in rows]
+        pipeline = stage_pipeline(build, model, eager=False)
+        try:
+            return speculate(pipeline, Speculation([prompts[r] for r in rows], 12, drafters, 4,
+                                                   sampler=Sampler(**SAMPLER, seed=seed)), micro_batches)
+        finally:
+            pipeline.close()
+
+    whole = sampled_run([0, 1, 2], 2, seed=3)
+    assert whole.tokens[:2] == sampled_run([0, 1], 1, seed=3).tokens
+    assert whole.tokens != sampled_run([0, 1, 2], 2, seed=4).tokens
+    assert all(len(row) == 12 for row in whole.tokens) and whole.drafts["accepted"] > 0
