@@ -588,7 +588,7 @@ def kda_jit_launches(tokens: int, heads: int) -> list[Launch]:
                        loop, 7 * KDA_K * kda.BLOCK_V, "FLOP", chain=loop)]
     chunk = kda.CHUNK_SIZE
     chunks = cdiv(tokens, chunk)
-    block_v = kda.RECURRENCE_BLOCK_V["bf16"]
+    block_v = kda.RECURRENCE_BLOCKS["bf16"][0]
     chain = "for i_t in range(n_chunks)"
     return [
         # The scores' factored products take 16 key channels a trip; the steep chunks' loop is not taken; the

@@ -37,12 +37,16 @@ from k3plugins.variants import DTYPES, KernelVariant, pointer
 CHUNK_SIZE = 16
 # Head dims the state-holding kernels are built for (the presets use 32, 64 and 128).
 BLOCK_KS = (32, 64, 128)
+# The head dims, compiled as multiples of 16 as Triton's JIT specialises them at every preset's widths: the
+# token rows' offsets are then aligned, so the loads vectorise (and can be pipelined with cp.async).
+HEAD_DIMS = ("K", "V")
 # Value columns a program of the recurrent kernel holds, and a step of the prepare kernel's U = UT V.
 BLOCK_V = 32
-# Value columns a program of the chunk recurrence holds: as many as fit without spilling on sm_90a at 8 warps
-# and K = 128 (tests/test_aot.py): 64 with products in float16 / bfloat16 (254 registers; 128 spill), 16 with
-# float32 FMA products (247 registers; 32 spill).
-RECURRENCE_BLOCK_V = {"fp32": 16, "fp16": 64, "bf16": 64}
+# Value columns a program of the chunk recurrence holds, and its pipeline stages (2: the next chunk's tiles
+# fetched with cp.async during this chunk's products): as many columns as fit without spilling on sm_90a at
+# 8 warps and K = 128 (tests/test_aot.py): 64 with products in float16 / bfloat16 (228 registers; 128
+# spill), 16 with float32 FMA products at one stage (two stages spill).
+RECURRENCE_BLOCKS = {"fp32": (16, 1), "fp16": (64, 2), "bf16": (64, 2)}
 _DTYPE_NAMES = dict(zip((torch.float32, torch.float16, torch.bfloat16), DTYPES, strict=True))
 # A chunk whose cumulative gate falls below -STEEP_GATE has its scores formed from differences of the gates:
 # exp(-G) of a factored score would pass e^80 (float32 overflows at e^88.7), as in k3export/ops/kda.py.
@@ -134,18 +138,18 @@ def _scores_factored(q, k, g, tok, mask_t, K, BT: tl.constexpr, BC: tl.constexpr
 
 @triton.jit
 def _ut_transform(A_kk, b_beta, BT: tl.constexpr):
-    """UT = (I + A)^-1 diag(beta), A = diag(beta) A_kk strictly below the diagonal, by forward substitution:
-    row i of UT = beta_i e_i - A[i, :] UT, where the rows not yet filled are zero."""
+    """UT = (I + A)^-1 diag(beta), A = diag(beta) A_kk strictly below the diagonal. A is nilpotent (A^BT = 0),
+    so (I + A)^-1 = (I - A)(I + A^2)(I + A^4) ... (I + A^(BT/2)): log2(BT) - 1 squarings and as many
+    products, float32 throughout (the eager op's doubling inverse, as whole-matrix products; BT a power of
+    two, at least 16 for tl.dot)."""
     offs_t = tl.arange(0, BT)
     A = tl.where(offs_t[:, None] > offs_t[None, :], A_kk * b_beta[:, None], 0.0)
-    UT = tl.zeros([BT, BT], dtype=tl.float32)
-    for i in range(BT):
-        row = offs_t == i
-        a_i = tl.sum(tl.where(row[:, None], A, 0.0), axis=0)
-        beta_i = tl.sum(tl.where(row, b_beta, 0.0))
-        ut_i = tl.where(row, beta_i, 0.0) - tl.sum(a_i[:, None] * UT, axis=0)
-        UT = tl.where(row[:, None], ut_i[None, :], UT)
-    return UT
+    inverse = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0) - A
+    power = A
+    for _ in tl.static_range(BT.bit_length() - 2):
+        power = tl.dot(power, power, input_precision="ieee")
+        inverse += tl.dot(inverse, power, input_precision="ieee")
+    return inverse * b_beta[None, :]
 
 
 @triton.jit
@@ -293,12 +297,10 @@ class _Kernel(NamedTuple):
 
 RECURRENT = _Kernel(_recurrent_kda_kernel, {"BV": BLOCK_V}, num_warps=4)
 PREPARE = _Kernel(_kda_prepare_kernel, {"BT": CHUNK_SIZE, "BV": BLOCK_V}, num_warps=4)
-# One recurrence per dtype: its value columns depend on the products' precision (RECURRENCE_BLOCK_V). One
-# stage: Triton's three pipelined the float32 one's loads (61 KB of shared memory) and it spilled; the half
-# precision one compiles to the same code at one stage or three.
+# One recurrence per dtype: its value columns and stages depend on the products' precision.
 RECURRENCE = {dtype: _Kernel(_kda_chunk_recurrence_kernel, {"BT": CHUNK_SIZE, "BV": bv}, num_warps=8,
-                             num_stages=1)
-              for dtype, bv in RECURRENCE_BLOCK_V.items()}
+                             num_stages=stages)
+              for dtype, (bv, stages) in RECURRENCE_BLOCKS.items()}
 
 
 def _block_k(K: int) -> int:
@@ -388,6 +390,7 @@ def kernel_variants() -> list[KernelVariant]:
         for name, kernel in kernels.items():
             signature = {arg: signatures[name].get(arg, "constexpr") for arg in kernel.fn.arg_names}
             variants += [KernelVariant(f"{name}_{dtype}_k{bk}", kernel.fn, signature,
-                                       {**kernel.blocks, "BK": bk}, kernel.num_warps, kernel.num_stages)
+                                       {**kernel.blocks, "BK": bk}, kernel.num_warps, kernel.num_stages,
+                                       divisible_by_16=HEAD_DIMS)
                          for bk in BLOCK_KS]
     return variants

@@ -75,8 +75,9 @@ DEFAULT_SHARED_BYTES = 48 * 1024
 KDA_CHUNK = CHUNK_SIZE
 BLOCK_V = 32
 # Calls of at most this many tokens (decode; a verify call of 4 drafts) step the recurrence in float16 and
-# bfloat16 too: compiled for sm_90a, a token's step is 499 SASS instructions a warp with 9 barriers, a chunk
-# of 16 tokens about 2,690 with 115 (docs/kernels.md), so the recurrence issues less up to 5 tokens.
+# bfloat16 too: compiled for sm_90a, a token's step is 315 SASS instructions a warp with 40 barriers and
+# shuffles, a chunk of 16 tokens about 2,030 with 150 (docs/kernels.md): the recurrence costs less up to 6
+# tokens by issue slots, up to 4 with tools/kernel_estimate.py's latency terms.
 KDA_STEP_TOKENS = 5
 
 
@@ -116,7 +117,11 @@ def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
         fn, num_warps = _kda_aot_chunk_kernel, 8
         constexprs = {"BT": KDA_CHUNK, "BK": block_k, "BV": BLOCK_V, "STEP_TOKENS": KDA_STEP_TOKENS}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return KernelVariant(f"kda_aot_{t}_k{block_k}", fn, signature, constexprs, num_warps, num_stages=1)
+    # The model's KDA heads are head_dim wide in q, k and v: at a multiple of 16 (every preset) the token
+    # rows' offsets are aligned and the loads vectorise.
+    aligned = ("K", "V") if head_dim % 16 == 0 else ()
+    return KernelVariant(f"kda_aot_{t}_k{block_k}", fn, signature, constexprs, num_warps, num_stages=1,
+                         divisible_by_16=aligned)
 
 
 def kda_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
