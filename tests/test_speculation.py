@@ -277,22 +277,24 @@ def test_the_rollback_restores_the_state_before_the_verify(build, model, kind, m
 
 
 def test_drafts_find_the_longest_earlier_suffix():
-    """The suffix automaton's match is the naive search's longest (any length), and both drafters
-    propose what followed an earlier occurrence of the text's end, within `count`."""
+    """The suffix automaton's match is the naive search's longest (any length), and both drafters,
+    fed a growing text, propose what followed an earlier occurrence of the text's end, within `count`,
+    when that match holds at least their minimum length (1 and 2)."""
     rng = random.Random(0)
     for _ in range(60):
         text = [rng.randrange(3) for _ in range(rng.randrange(1, 50))]
-        suffix = SuffixDrafter()
+        drafters = [(SuffixDrafter(s), NgramDrafter(3, s)) for s in (1, 2)]
         for n in range(1, len(text) + 1):
             prefix = text[:n]
-            proposal = suffix.propose(prefix, 4)
-            length, end = suffix.match()
-            assert length == earlier_match(prefix, n)[0]
-            if length:
-                assert prefix[end - length + 1:end + 1] == prefix[n - length:] and end < n - 1
-            assert proposal == (prefix[end + 1:end + 5] if length else [])
-            longest, at = earlier_match(prefix, 3)
-            assert NgramDrafter().propose(prefix, 4) == (prefix[at + 1:at + 5] if longest else [])
+            for shortest, (suffix, ngram) in enumerate(drafters, start=1):
+                proposal = suffix.propose(prefix, 4)
+                length, end = suffix.match()
+                assert length == earlier_match(prefix, n)[0]
+                if length:
+                    assert prefix[end - length + 1:end + 1] == prefix[n - length:] and end < n - 1
+                assert proposal == (prefix[end + 1:end + 5] if length >= shortest else [])
+                longest, at = earlier_match(prefix, 3)
+                assert ngram.propose(prefix, 4) == (prefix[at + 1:at + 5] if longest >= shortest else [])
     assert NgramDrafter().propose([1, 2, 3, 1, 2], 5) == [3, 1, 2]
     assert SuffixDrafter().propose([5, 6], 3) == []
 
@@ -341,14 +343,15 @@ def test_the_rollback_costs_the_kda_caches_at_the_published_widths():
 def test_torchrun_speculates_across_stages_and_micro_batches(build):
     """`torchrun -m k3export.runtime --speculate 4`, one process a stage, the rows in 2 micro-batches in
     flight together: the lengths each call's rows were given by the last stage's acceptance ride with
-    every message, and the tokens are those of plain decoding in one process (100 tokens a row, so
-    that some drafts are accepted and most are rejected)."""
+    every message, and the tokens are those of plain decoding in one process (100 tokens a row and
+    matches of one token drafted, so that some drafts are accepted and most are rejected)."""
     from test_shards import in_process, torchrun
 
     from k3export.runtime import Sampler, random_prompts
 
     options = ["--runner", "onnx", "--batch", "3", "--prompt-len", "40", "--max-new-tokens", "100"]
-    speculative = torchrun(build, *options, "--speculate", "4", "--drafts", "suffix", "--micro-batches", "2")
+    speculative = torchrun(build, *options, "--speculate", "4", "--drafts", "suffix", "--draft-min-match",
+                           "1", "--micro-batches", "2")
     plain = in_process(build, random_prompts(3, 40, VOCAB, seed=0), 100, Sampler())
     assert speculative["tokens"] == plain.tokens
     assert 0 < speculative["drafts"]["accepted"] < speculative["drafts"]["drafted"]

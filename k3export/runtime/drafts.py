@@ -2,15 +2,18 @@
 generated so far), which a verify call then checks (runtime.speculation). A draft costs no engine call.
 
 A drafter is one object per row with `propose(text, count)`; a draft model would be another such
-object. Two are here:
+object. Two are here, each proposing only from a match of at least `shortest` tokens (run
+--draft-min-match; a shorter match is as likely a coincidence as a pattern):
 
-    ngram    prompt lookup: the last n tokens (n from `longest` down to 1) found earlier in the text,
-             the tokens that followed their latest earlier occurrence proposed
-    suffix   a suffix automaton over the text, extended a token at a time: the longest suffix of the
-             text that occurred before, at any length, and what followed it (as SuffixDecoding's
-             suffix tree finds it, without its frequency counts)
+    suffix   (the default) a suffix automaton over the text, extended a token at a time: the longest
+             suffix of the text that occurred before, at any length, and what followed it (as
+             SuffixDecoding's suffix tree finds it, without its frequency counts)
+    ngram    prompt lookup: the last n tokens (n from `longest` down to `shortest`) found earlier in
+             the text, the tokens that followed their latest earlier occurrence proposed; an index of
+             each n-gram's latest end, extended a token at a time
 
-`earlier_match` is the naive search, the n-gram drafter's and the suffix automaton's reference.
+Both cost a few dictionary operations a new token, whatever the text's length (docs/benchmarks.md);
+`earlier_match` is the naive search, their reference.
 """
 
 from __future__ import annotations
@@ -42,13 +45,24 @@ def earlier_match(text: Sequence[int], longest: int) -> tuple[int, int]:
 
 @dataclass
 class NgramDrafter:
-    """Prompt lookup: the last `longest` tokens, or fewer, found earlier in the text."""
+    """Prompt lookup: the last `longest` tokens, or fewer down to `shortest`, found earlier in the text.
+    `ends` maps every n-gram (n up to `longest`) to its latest end before the text's last token."""
 
     longest: int = 3
+    shortest: int = 1
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    consumed: int = 0  # ends indexed: 0 up to consumed - 1
 
     def propose(self, text: Sequence[int], count: int) -> list[int]:
-        length, end = earlier_match(text, self.longest)
-        return list(text[end + 1:end + 1 + count]) if length else []
+        for end in range(self.consumed, len(text) - 1):
+            for n in range(1, min(self.longest, end + 1) + 1):
+                self.ends[tuple(text[end - n + 1:end + 1])] = end
+        self.consumed = max(self.consumed, len(text) - 1)
+        for n in range(min(self.longest, len(text) - 1), self.shortest - 1, -1):
+            end = self.ends.get(tuple(text[len(text) - n:]))
+            if end is not None:
+                return list(text[end + 1:end + 1 + count])
+        return []
 
 
 @dataclass
@@ -56,8 +70,10 @@ class SuffixDrafter:
     """A suffix automaton of the text (Blumer et al.), one state per class of substrings that end at
     the same positions: `link` to the longest suffix in another class, `length` of its longest
     substring, `end` an earlier position where it ends. The text's own state's link is the longest
-    suffix that occurred before; its `end` says where. Extending costs amortised O(1) a token."""
+    suffix that occurred before; its `end` says where. Extending costs amortised O(1) a token. Drafts
+    follow a match of at least `shortest` tokens."""
 
+    shortest: int = 1
     length: list[int] = field(default_factory=lambda: [0])
     link: list[int] = field(default_factory=lambda: [-1])
     end: list[int] = field(default_factory=lambda: [-1])
@@ -101,7 +117,7 @@ class SuffixDrafter:
         for token in text[self.consumed:]:
             self.extend(token)
         length, end = self.match()
-        return list(text[end + 1:end + 1 + count]) if length else []
+        return list(text[end + 1:end + 1 + count]) if length >= self.shortest else []
 
 
 @dataclass
@@ -122,5 +138,10 @@ class ContinuationDrafter:
         return drafts
 
 
-DRAFTS: dict[str, Callable[[], Drafter]] = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
-DEFAULT_DRAFTS = "ngram"
+NGRAM_LONGEST = 3  # prompt lookup's longest n-gram
+# Drafter by name, made for a minimum match length.
+DRAFTS: dict[str, Callable[[int], Drafter]] = {
+    "suffix": lambda shortest: SuffixDrafter(shortest),
+    "ngram": lambda shortest: NgramDrafter(max(NGRAM_LONGEST, shortest), shortest)}
+DEFAULT_DRAFTS = "suffix"
+DEFAULT_MIN_MATCH = 2  # docs/benchmarks.md: the measurement that chose it

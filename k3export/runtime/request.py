@@ -24,7 +24,7 @@ from k3export.options import (
     seed,
     token_ids,
 )
-from k3export.runtime.drafts import DRAFTS
+from k3export.runtime.drafts import DEFAULT_MIN_MATCH, DRAFTS, NGRAM_LONGEST
 from k3export.runtime.engines import RUNNERS
 from k3export.runtime.generation import Generation
 from k3export.runtime.pipeline import Stage
@@ -80,11 +80,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "onnx: their ONNX graphs in ONNX Runtime on CPU (default: engine when the build "
                         "holds engines for every stage, else onnx)")
     parser.add_argument("--speculate", type=positive_int, metavar="K",
-                        help="speculative greedy decoding: up to K drafted tokens a row checked in each call "
-                        "(the same tokens as without; --temperature 0 only)")
+                        help="speculative decoding: up to K drafted tokens a row checked in each call, the "
+                        "call after a rejection re-feeding up to K + 1 (engines need a verify profile of "
+                        "2K + 1 tokens); greedy: the same tokens as without; sampled: each token from the "
+                        "same distribution, a generator a row")
     parser.add_argument("--drafts", choices=DRAFTS,
-                        help="with --speculate: ngram (prompt lookup, the default) or suffix (a suffix "
-                        "automaton of the text)")
+                        help="with --speculate: suffix (a suffix automaton of the text, the default) or "
+                        f"ngram (prompt lookup, n-grams of up to {NGRAM_LONGEST} tokens)")
+    parser.add_argument("--draft-min-match", type=positive_int, metavar="N",
+                        help="with --speculate: draft only after a match of at least N tokens of the text's "
+                        f"end, 1 up to K (default {DEFAULT_MIN_MATCH})")
     parser.add_argument("--json", action="store_true")
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from k3export.errors import UserError
 from k3export.onnx.export import MANIFEST_FILE
-from k3export.runtime.drafts import DEFAULT_DRAFTS, DRAFTS, Drafter
+from k3export.runtime.drafts import DEFAULT_DRAFTS, DEFAULT_MIN_MATCH, DRAFTS, Drafter
 from k3export.runtime.generation import Generation, Sampler, through_stages
 from k3export.runtime.pipeline import Pipeline
 from k3export.runtime.schedule import MicroBatch, StageTimes, round_robin, split_prompts
@@ -44,11 +44,16 @@ def speculation_of(args: argparse.Namespace, exports: list[Path],
     """The request's speculation (None without --speculate), refused before any stage loads unless the
     sampler keeps more than one token (or is greedy), the last stage gives every position's logits, and
     each row's caches hold its prompt, its new tokens and a call's padding."""
-    if args.drafts and not args.speculate:
-        raise UserError(f"--drafts {args.drafts}: expected --speculate K (drafts are made to be verified)")
+    for name, value in (("--drafts", args.drafts), ("--draft-min-match", args.draft_min_match)):
+        if value and not args.speculate:
+            raise UserError(f"{name} {value}: expected --speculate K (drafts are made to be verified)")
     if not args.speculate:
         return None
     option = f"--speculate {args.speculate}"
+    if (args.draft_min_match or 0) > args.speculate:
+        raise UserError(f"--draft-min-match {args.draft_min_match}: expected 1 up to K = --speculate "
+                        f"{args.speculate}")
+    min_match = args.draft_min_match or min(DEFAULT_MIN_MATCH, args.speculate)
     sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     if args.temperature > 0 and (args.top_k == 1 or args.top_p == 0):
         cut = "--top-k 1" if args.top_k == 1 else "--top-p 0"
@@ -66,7 +71,7 @@ def speculation_of(args: argparse.Namespace, exports: list[Path],
         raise UserError(f"{option}: a row's cache holds its prompt, its new tokens and a call's padding "
                         f"up to 2K + 1 tokens: {prompt_len} + {args.max_new_tokens} + 2 x {args.speculate} > "
                         f"the cache capacity {capacity}; {room}")
-    drafters = [DRAFTS[args.drafts or DEFAULT_DRAFTS]() for _ in prompts]
+    drafters = [DRAFTS[args.drafts or DEFAULT_DRAFTS](min_match) for _ in prompts]
     return Speculation(prompts, args.max_new_tokens, drafters, args.speculate, frozenset(args.stop),
                        sampler if args.temperature > 0 else None)
 
