@@ -545,41 +545,45 @@ def kda_bytes(tokens: int, heads: int) -> float:
 
 
 def kda_rows() -> list[Row]:
-    """KDA (bf16, one row): prefill T = 8192 and decode (one token), 96 heads and 12 a rank of 8."""
+    """KDA (bf16): prefill T = 8192 (one row) and decode (one token a row, batch 1, 8 and 64), 96 heads and 12
+    a rank of 8."""
     from k3plugins.trt_aot import KDA_CHUNK, kda_aot_kernel, kda_aot_launch
 
     rows = []
-    for tokens, phase in ((8192, "prefill"), (1, "decode")):
+    for tokens, phase, batches in ((8192, "prefill", (1,)), (1, "decode", (1, 8, 64))):
         for heads in (KDA_HEADS, KDA_HEADS // RANKS):
-            nbytes = kda_bytes(tokens, heads)
-            flops = kda_chunk_flops(tokens, heads) if tokens > 1 else 7 * heads * KDA_K * KDA_V
-            shape = f"{phase} T{tokens} H{heads}"
-            # AOT: one program per head and 32 value columns; a call of at most KDA_STEP_TOKENS steps the
-            # recurrence, a longer one walks chunks of 16 (the kernel's T picks the path at run time).
-            aot = kda_aot_kernel("bfloat16", KDA_K)
-            grid, _ = kda_aot_launch([1, tokens, heads, KDA_K], [1, tokens, heads, KDA_V])
-            if tokens <= aot.constexprs["STEP_TOKENS"]:
-                loop = "for t in range(T)"
-                trips = {loop: tokens}
-                work = 7 * KDA_K * aot.constexprs["BV"]
-            else:
-                chunks = cdiv(tokens, KDA_CHUNK)
-                loop = "for t0 in range(0, T, BT)"
-                trips = {loop: chunks, "for c0 in range(0, K, BC)": chunks * cdiv(KDA_K, 16)}
-                work = kda_chunk_flops(KDA_CHUNK, 1, KDA_CHUNK) * aot.constexprs["BV"] / KDA_V
-            case = {"B": 1, "T": tokens, "heads": heads, "gate_dtype": "float32"}
-            rows.append(Row("kda", "AOT", shape, [Launch(aot, grid, trips, loop, work, "FLOP", chain=loop)],
-                            nbytes, flops, case={"kernel": "aot:kda", **case}))
-            jit = "chunk_kda" if tokens > 1 else "recurrent_kda"
-            rows.append(Row("kda", "JIT", shape, kda_jit_launches(tokens, heads), nbytes, flops,
-                            note=f"{jit} ({len(kda_jit_launches(tokens, heads))} launches)",
-                            case={"kernel": jit, **case}))
+            for batch in batches:
+                nbytes = batch * kda_bytes(tokens, heads)
+                flops = batch * (kda_chunk_flops(tokens, heads) if tokens > 1 else 7 * heads * KDA_K * KDA_V)
+                shape = f"{phase} T{tokens} H{heads}" + (f" B{batch}" if phase == "decode" else "")
+                # AOT: one program per row, head and 32 value columns; a call of at most KDA_STEP_TOKENS steps
+                # the recurrence, a longer one walks chunks of 16 (the kernel's T picks the path at run time).
+                aot = kda_aot_kernel("bfloat16", KDA_K)
+                grid, _ = kda_aot_launch([batch, tokens, heads, KDA_K], [batch, tokens, heads, KDA_V])
+                if tokens <= aot.constexprs["STEP_TOKENS"]:
+                    loop = "for t in range(T)"
+                    trips = {loop: tokens}
+                    work = 7 * KDA_K * aot.constexprs["BV"]
+                else:
+                    chunks = cdiv(tokens, KDA_CHUNK)
+                    loop = "for t0 in range(0, T, BT)"
+                    trips = {loop: chunks, "for c0 in range(0, K, BC)": chunks * cdiv(KDA_K, 16)}
+                    work = kda_chunk_flops(KDA_CHUNK, 1, KDA_CHUNK) * aot.constexprs["BV"] / KDA_V
+                case = {"B": batch, "T": tokens, "heads": heads, "gate_dtype": "float32"}
+                launch = Launch(aot, grid, trips, loop, work, "FLOP", chain=loop)
+                rows.append(Row("kda", "AOT", shape, [launch], nbytes, flops,
+                                case={"kernel": "aot:kda", **case}))
+                jit = "chunk_kda" if tokens > 1 else "recurrent_kda"
+                launches = kda_jit_launches(tokens, batch * heads)
+                rows.append(Row("kda", "JIT", shape, launches, nbytes, flops,
+                                note=f"{jit} ({len(launches)} launches)", case={"kernel": jit, **case}))
     return rows
 
 
 def kda_jit_launches(tokens: int, heads: int) -> list[Launch]:
-    """What k3plugins.kda launches: the recurrence for one token; for a prompt chunk_kda's parallel prepare
-    over (chunk, head), then its recurrence over the chunks (the dependent chain)."""
+    """What k3plugins.kda launches for `heads` (row, head) pairs: the recurrence for one token; for a prompt
+    chunk_kda's parallel prepare over (chunk, head), then its recurrence over the chunks (the dependent
+    chain)."""
     from k3plugins import kda
 
     if tokens == 1:
