@@ -23,8 +23,10 @@ Weights are the model's float tensors or MXFP4 dequantised in registers, weight-
 run in z's dtype with float32 accumulation. MXFP4 experts come as the plugin receives them, int32
 words of the checkpoint's bytes (k3export/ops/mxfp4.py, "Words"): codes [E, O*K/8] (E2M1, eight per
 word, the lowest nibble first), E8M0 scales [E, O*K/128] (2^(s - 127), four per word, one per 32
-inputs), each expert flattened row-major. A scale byte of 0 or 1 decodes as 0 instead of 2^-127 or
-2^-126 (values below 1e-37; the export refuses 255, NaN). `words` makes them from uint8 bytes.
+inputs), each expert flattened row-major; every scale byte decodes exactly (the export refuses 255, NaN).
+`words` makes them from uint8 bytes. The decode is a few bit operations and two multiplies a value (_e2m1);
+on tensor cores each K step takes one code of every word at a time (_expert_step), so that no reshape
+moves the decoded values between registers.
 
 NOT PROVEN here (no GPU on the machines this was written on): the speed, and the plugin's enqueue
 under TensorRT. The numerics are tested under Triton's interpreter (tests/kernels/test_moe.py) and
@@ -63,8 +65,11 @@ class Tiles(NamedTuple):
 # operands sit in registers: short K steps. Sized so that no variant spills on sm_90a (tests/test_aot.py).
 DECODE = Tiles(block_p=16, block_w=64, block_k=64, num_warps=4, num_stages=2)
 PREFILL = Tiles(block_p=64, block_w=128, block_k=32, num_warps=8, num_stages=2)
-DECODE_FP32 = Tiles(block_p=16, block_w=64, block_k=32, num_warps=4, num_stages=2)
-PREFILL_FP32 = Tiles(block_p=64, block_w=64, block_k=16, num_warps=8, num_stages=2)
+DECODE_FP32 = Tiles(block_p=16, block_w=64, block_k=16, num_warps=4, num_stages=2)
+PREFILL_FP32 = Tiles(block_p=32, block_w=32, block_k=16, num_warps=4, num_stages=2)
+# MXFP4 experts on tensor cores: a K step is 8 products of one code of each word (_expert_step), 16 inputs
+# each (the least tl.dot takes).
+PACKED_BLOCK_K = 128
 # Decode tiles while the pairs average fewer than this per expert (decode and short prompts).
 DECODE_PAIRS_PER_EXPERT = 16
 # Pairs the grouping kernel reads at a time; weighted-sum columns per program.
@@ -72,16 +77,18 @@ GROUP_BLOCK = 1024
 COMBINE_BLOCK = 256
 
 
-def tile_choices(dtype: torch.dtype) -> dict[str, Tiles]:
-    """The decode and prefill tiles for activations of `dtype`."""
-    if dtype == torch.float32:
-        return {"decode": DECODE_FP32, "prefill": PREFILL_FP32}
-    return {"decode": DECODE, "prefill": PREFILL}
+def tile_choices(dtype: torch.dtype, packed: bool = False) -> dict[str, Tiles]:
+    """The decode and prefill tiles for activations of `dtype`, float or MXFP4 (`packed`) experts."""
+    tiles = {"decode": DECODE_FP32, "prefill": PREFILL_FP32} if dtype == torch.float32 else \
+        {"decode": DECODE, "prefill": PREFILL}
+    if packed and dtype != torch.float32:
+        return {mode: t._replace(block_k=PACKED_BLOCK_K) for mode, t in tiles.items()}
+    return tiles
 
 
-def pick_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> Tiles:
+def pick_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype, packed: bool = False) -> Tiles:
     mode = "decode" if num_pairs < DECODE_PAIRS_PER_EXPERT * num_experts else "prefill"
-    return tile_choices(dtype)[mode]
+    return tile_choices(dtype, packed)[mode]
 
 
 @triton.jit
@@ -93,54 +100,82 @@ def _tanh(x):
 
 
 @triton.jit
-def _e2m1_twice(code):
-    # Twice the E2M1 value of a 4-bit code (bit 3 sign, bits 1-2 exponent, bit 0 mantissa): integers
-    # 0, 1, 2, 3, 4, 6, 8, 12, so the decode is exact integer arithmetic.
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
-    return tl.where(code >= 8, -twice, twice).to(tl.float32)
+def _scale_factors(scale):
+    # 2^(s - 127) times 2^126 (which _e2m1 leaves out) as two powers of two within float32's range,
+    # 2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), from their exponent bits: exact for every scale byte.
+    low = ((tl.minimum(scale, 128) + 126) << 23).to(tl.float32, bitcast=True)
+    high = ((tl.maximum(scale, 128) - 1) << 23).to(tl.float32, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def _e2m1(code, low, high):
+    # The E2M1 code in bits 0 .. 3 of `code` (sign, exponent e (2 bits), mantissa m) times the scale
+    # (_scale_factors), float32. As float32 bits, the sign to bit 31 and e, m to bits 24 .. 22 are the value
+    # times 2^-126 for every code (e = 0 gives the denormal 0.5 m 2^-126): a shift and two masked shifts,
+    # no table, no select; then two multiplies by powers of two (products below 2^-126 are float32
+    # denormals, exact down to 2^-149).
+    bits = ((code & 8) << 28) | ((code & 7) << 22)
+    return bits.to(tl.float32, bitcast=True) * low * high
+
+
+@triton.jit
+def _packed_words(w, w_scale, rows, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """MXFP4 weight rows `rows` [BLOCK_N] (int64, expert offset included), inputs k0 .. k0 + BLOCK_K: their
+    int32 words [BLOCK_N, BLOCK_K / 8] and each word's scale as _scale_factors' two factors."""
+    # Word j of the stacked experts holds codes 8j .. 8j + 7 of the flat [E * O, K] matrix, code 8j + i in
+    # bits 4i .. 4i + 3.
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = mask_n[:, None] & (offs_w < K // 8)[None, :]
+    word = tl.load(w + rows[:, None] * (K // 8) + offs_w[None, :], mask=mask, other=0)
+    # Scale byte g of the flat [E * O, K / 32] scales (codes 32g ..) is byte g of the words' memory
+    # (little-endian words: bits 8(g % 4) .. of word g // 4), read as a byte; one per 4 code words, the
+    # repeated addresses served from cache.
+    scale_bytes = w_scale.to(tl.pointer_type(tl.uint8))
+    scale = tl.load(scale_bytes + rows[:, None] * (K // 32) + (offs_w // 4)[None, :], mask=mask,
+                    other=0).to(tl.int32)
+    low, high = _scale_factors(scale)
+    return word, low, high
 
 
 @triton.jit
 def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight rows `rows` [BLOCK_N] (int64, expert offset included), inputs k0 .. k0 + BLOCK_K, as a
-    [BLOCK_N, BLOCK_K] tile in `dtype`. Packed: int32 words [BLOCK_N, BLOCK_K / 8] and their scales
-    decoded here, each word's eight codes (lowest nibble first) spread along a third axis and
-    reshaped back into the row."""
+    [BLOCK_N, BLOCK_K] tile in `dtype`. Packed: each word's eight codes (lowest nibble first) spread along a
+    third axis and reshaped back into the row."""
     if PACKED:
-        # Word j of the stacked experts holds codes 8j .. 8j + 7 of the flat [E * O, K] matrix, code
-        # 8j + i in bits 4i .. 4i + 3; scale byte g (codes 32g ..) is bits 8(g % 4) .. of word g // 4.
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        mask = mask_n[:, None] & (offs_w < K // 8)[None, :]
-        word = tl.load(w + rows[:, None] * (K // 8) + offs_w[None, :], mask=mask, other=0)
-        # Scale byte g of the flat [E * O, K / 32] scales is byte g of the words' memory (little-endian
-        # words: bits 8(g % 4) .. of word g // 4), read as a byte; one per 4 code words, the repeated
-        # addresses served from cache.
-        scale_bytes = w_scale.to(tl.pointer_type(tl.uint8))
-        scale = tl.load(scale_bytes + rows[:, None] * (K // 32) + (offs_w // 4)[None, :], mask=mask,
-                        other=0).to(tl.int32)
-        # 2^(s - 128) from its float32 bits (exact for s >= 2), which halves _e2m1_twice's values.
-        factor = tl.where(scale > 1, (tl.maximum(scale - 1, 0) << 23).to(tl.float32, bitcast=True), 0.0)
-        # Code i of each word as [BLOCK_N, BLOCK_K / 8] values, put back in order (input 8j + i) by
-        # joins: join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), join(c3, c7)))[.., j, a, b, c]
-        # is code 4a + 2b + c of word j, which the reshape puts at 8j + 4a + 2b + c.
-        c0 = _e2m1_twice(word & 15) * factor
-        c1 = _e2m1_twice((word >> 4) & 15) * factor
-        c2 = _e2m1_twice((word >> 8) & 15) * factor
-        c3 = _e2m1_twice((word >> 12) & 15) * factor
-        c4 = _e2m1_twice((word >> 16) & 15) * factor
-        c5 = _e2m1_twice((word >> 20) & 15) * factor
-        c6 = _e2m1_twice((word >> 24) & 15) * factor
-        c7 = _e2m1_twice((word >> 28) & 15) * factor
-        joined = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-        tile = tl.reshape(joined, (BLOCK_N, BLOCK_K))
+        word, low, high = _packed_words(w, w_scale, rows, mask_n, k0, K, BLOCK_N, BLOCK_K)
+        codes = word[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]
+        tile = tl.reshape(_e2m1(codes, low[:, :, None], high[:, :, None]), (BLOCK_N, BLOCK_K))
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w + rows[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
                        other=0.0)
     return tile.to(dtype)
+
+
+@triton.jit
+def _expert_step(acc, w, w_scale, rows, mask_w, k0, K, x_rows, mask_p, PACKED: tl.constexpr,
+                 BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_W, BLOCK_P] + the weight rows `rows` times the pairs' inputs k0 .. k0 + BLOCK_K: x_rows
+    [1, BLOCK_P] point at each pair's input row (masked by mask_p [1, BLOCK_P])."""
+    if PACKED and x_rows.dtype.element_ty != tl.float32:
+        # On tensor cores, code i of every word is one elementwise decode of the word tile, no reshape, so the
+        # decoded codes can stay in the registers of tl.dot's operand layout: eight products of BLOCK_K / 8
+        # inputs each, code i of word j times input k0 + 8j + i (a sum over the inputs in another order).
+        word, low, high = _packed_words(w, w_scale, rows, mask_w, k0, K, BLOCK_W, BLOCK_K)
+        for i in tl.static_range(8):
+            offs_k = k0 + 8 * tl.arange(0, BLOCK_K // 8) + i
+            x = tl.load(x_rows + offs_k[:, None], mask=mask_p & (offs_k < K)[:, None], other=0.0)
+            acc = tl.dot(_e2m1(word >> 4 * i, low, high).to(x.dtype), x, acc)
+    else:
+        # float32 (FMA products, operands in registers: the eight products spill) and float experts.
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + offs_k[:, None], mask=mask_p & (offs_k < K)[:, None], other=0.0)
+        tile = _weight_tile(w, w_scale, rows, mask_w, k0, K, x.dtype, PACKED, BLOCK_W, BLOCK_K)
+        acc = tl.dot(tile, x, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
@@ -158,8 +193,9 @@ def _moe_group_kernel(experts, num_pairs, sorted_pairs, offsets, slots, E, OFFSE
         start += tl.sum(((p < num_pairs) & (group < g)).to(tl.int32))
     tl.store(offsets + g, start)  # offsets[E]: the pairs held here
     slot = start
-    for p0 in range(0, num_pairs, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
+    # (q0: a name of its own, since tools/kernel_estimate.py keys loops by their text)
+    for q0 in range(0, num_pairs, BLOCK):
+        p = q0 + tl.arange(0, BLOCK)
         local = tl.load(experts + p, mask=p < num_pairs, other=0) - OFFSET
         group = tl.where((local >= 0) & (local < E), local, E)
         mine = (p < num_pairs) & (group == g)
@@ -201,16 +237,12 @@ def _moe_gate_up_kernel(z, sorted_pairs, offsets, w1, w1_scale, w3, w3_scale, h,
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mask_w = offs_w < I
     rows = e.to(tl.int64) * I + offs_w  # rows of w1 / w3 viewed as [E * I, L]
+    x, x_mask = z + tokens[None, :] * L, mask_p[None, :]  # each pair's input row
     acc_a = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(z + tokens[None, :] * L + offs_k[:, None], mask=mask_p[None, :] & (offs_k < L)[:, None],
-                    other=0.0)
-        gate = _weight_tile(w1, w1_scale, rows, mask_w, k0, L, x.dtype, PACKED, BLOCK_W, BLOCK_K)
-        up = _weight_tile(w3, w3_scale, rows, mask_w, k0, L, x.dtype, PACKED, BLOCK_W, BLOCK_K)
-        acc_a = tl.dot(gate, x, acc_a, input_precision="ieee")
-        acc_b = tl.dot(up, x, acc_b, input_precision="ieee")
+        acc_a = _expert_step(acc_a, w1, w1_scale, rows, mask_w, k0, L, x, x_mask, PACKED, BLOCK_W, BLOCK_K)
+        acc_b = _expert_step(acc_b, w3, w3_scale, rows, mask_w, k0, L, x, x_mask, PACKED, BLOCK_W, BLOCK_K)
     # SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)].
     out = BETA * _tanh(acc_a / BETA) * tl.sigmoid(acc_a) * (LINEAR_BETA * _tanh(acc_b / LINEAR_BETA))
     tl.store(h + slots.to(tl.int64)[None, :] * I + offs_w[:, None], out.to(h.dtype.element_ty),
@@ -229,13 +261,10 @@ def _moe_down_kernel(h, offsets, w2, w2_scale, y, L, I, E, PACKED: tl.constexpr,
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mask_w = offs_w < L
     rows = e.to(tl.int64) * L + offs_w  # rows of w2 viewed as [E * L, I]
+    x_rows, x_mask = h + slots[None, :] * I, mask_p[None, :]
     acc = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(h + slots[None, :] * I + offs_k[:, None], mask=mask_p[None, :] & (offs_k < I)[:, None],
-                    other=0.0)
-        down = _weight_tile(w2, w2_scale, rows, mask_w, k0, I, x.dtype, PACKED, BLOCK_W, BLOCK_K)
-        acc = tl.dot(down, x, acc, input_precision="ieee")
+        acc = _expert_step(acc, w2, w2_scale, rows, mask_w, k0, I, x_rows, x_mask, PACKED, BLOCK_W, BLOCK_K)
     tl.store(y + slots[None, :] * L + offs_w[:, None], acc, mask=mask_p[None, :] & mask_w[:, None])
 
 
@@ -298,7 +327,7 @@ def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3
     u = z.new_empty(N, L, dtype=torch.float32) if out is None else out
     if num_pairs == 0:
         return u.zero_()
-    tiles = tiles or pick_tiles(num_pairs, num_experts, z.dtype)
+    tiles = tiles or pick_tiles(num_pairs, num_experts, z.dtype, packed)
     z = z.contiguous()
     # A no-op for the exports (the experts are in the model dtype); other float weights are copied
     # whole here, which keeps the compiled variants one per activation dtype.
@@ -418,5 +447,5 @@ def kernel_variants() -> list[KernelVariant]:
     torch_dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     return [group_variant(), combine_variant()] + [
         v for dtype in DTYPES for packed in (False, True)
-        for mode, tiles in tile_choices(torch_dtypes[dtype]).items()
+        for mode, tiles in tile_choices(torch_dtypes[dtype], packed).items()
         for v in grouped_variants(dtype, packed, tiles, mode)]
