@@ -93,7 +93,7 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
 
 # The published shapes.
 KDA_H, KDA_K, KDA_V = 96, 128, 128
-CHUNK = 64  # chunk_kda's chunk length
+CHUNK = 16  # chunk_kda's chunk length (k3plugins.kda.CHUNK_SIZE)
 MLA_H, MLA_D, MLA_VDIM = 96, 576, 512
 MLA_SCALE = 192 ** -0.5
 MOE_L, MOE_I, MOE_K = 3584, 3072, 16  # routed_expert_hidden_size, moe_intermediate_size, top-k

@@ -530,9 +530,9 @@ def mla_rows() -> list[Row]:
     return rows
 
 
-def kda_chunk_flops(tokens: int, heads: int, chunk: int = 64) -> float:
-    """FLOPs of the chunked form at chunk 64 (tools/gpu_check.py's count): scores, W, U, the state's
-    products and the triangular solve, a partial chunk counted whole."""
+def kda_chunk_flops(tokens: int, heads: int, chunk: int = 16) -> float:
+    """FLOPs of the chunked form at chunk_kda's chunk of 16 (tools/gpu_check.py's count): scores, W, U, the
+    state's products and the triangular solve, a partial chunk counted whole."""
     chunks = cdiv(tokens, chunk)
     return heads * chunks * (6 * chunk ** 2 * KDA_K + 4 * chunk ** 2 * KDA_V + 6 * chunk * KDA_K * KDA_V
                              + 2 * chunk ** 3 / 3)
