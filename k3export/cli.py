@@ -144,12 +144,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     dtype_name = args.dtype or config.torch_dtype
     layers = parse_layers(args.layers, config)
     check_rank(config, args.rank, args.ranks)
+    if args.seed is not None and (args.no_weights or args.checkpoint):
+        source = "--no-weights" if args.no_weights else "--checkpoint"
+        raise UserError(f"--seed with {source}: the seed draws random weights, and {source} has "
+                        f"{'none' if args.no_weights else 'its own'}; expected one of them")
     if args.no_weights:
         weights: dict = {"stripped": True}
     elif args.checkpoint:
         weights = {"checkpoint": str(Path(args.checkpoint).resolve())}
     else:
-        weights = {"seed": args.seed}
+        weights = {"seed": args.seed or 0}
     if args.packed_experts:
         if not (args.checkpoint or args.no_weights):
             raise UserError("--packed-experts: expected --checkpoint DIR with MXFP4 routed experts, or "
@@ -453,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="the model (or a layer range) as one ONNX graph")
     _add_model_source(export, checkpoint=True)
-    export.add_argument("--seed", type=seed, default=0, help="seeded random weights (no --checkpoint)")
+    export.add_argument("--seed", type=seed, help="seeded random weights (default 0; not with --checkpoint "
+                        "or --no-weights)")
     export.add_argument("--out", required=True, metavar="DIR", type=output_path,
                         help="a new or empty folder, or one a previous export wrote (it is replaced)")
     export.add_argument("--overwrite", action="store_true",
@@ -564,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per decode call; with --onnx")
     build.add_argument("--verify-seq", type=positive_int, metavar="N",
                        help="a verify profile too: --decode-batch sequences x N tokens (run --speculate K's "
-                       "calls: N = K + 1); with --onnx")
+                       "calls: N = 2K + 1, a call after a rejection re-feeding K + 1 and drafting K); with "
+                       "--onnx")
     build.add_argument("--strip", action="store_true",
                        help="weight-stripped engines (STRIP_PLAN, REFIT_IDENTICAL): the engine file holds no "
                        "weights; loading refits it from its export's model.onnx. Needs a GPU where it builds")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 TINY_LAYERS, TINY_VOCABULARY, CAPACITY = 9, 256, 256
 RECIPE_STAGES = 2  # engines/k3-tiny.toml
 TINY_RANKS = (1, 2)  # the rank counts that divide k3-tiny's 2 KDA heads, 2 MLA heads and 8 experts
+RUN_PROMPT_LEN = 32  # run's longest random prompt unless --prompt-len
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,7 @@ def past_capacity(args: argparse.Namespace, program: str) -> bool:
     """Whether the longest row's prompt and decoded tokens overflow a 256-token cache."""
     if program == "check":
         return args.prompt_len + args.steps > CAPACITY
-    prompt = len(args.prompt_ids) if args.prompt_ids else args.prompt_len
-    return prompt + args.max_new_tokens - 1 > CAPACITY
+    return run_prompt_len(args) + args.max_new_tokens - 1 > CAPACITY
 
 
 def drafts_past_capacity(args: argparse.Namespace) -> bool:
@@ -60,8 +60,17 @@ def drafts_past_capacity(args: argparse.Namespace) -> bool:
     last of them the row's last token) overflow a 256-token cache."""
     if not given(args, "speculate"):
         return False
-    prompt = len(args.prompt_ids) if args.prompt_ids else args.prompt_len
-    return prompt + args.max_new_tokens + 2 * args.speculate > CAPACITY
+    return run_prompt_len(args) + args.max_new_tokens + 2 * args.speculate > CAPACITY
+
+
+def run_prompt_len(args: argparse.Namespace) -> int:
+    """The longest prompt of a `run` request."""
+    return len(args.prompt_ids) if args.prompt_ids else args.prompt_len or RUN_PROMPT_LEN
+
+
+def stage_without_build(program: str, args: argparse.Namespace) -> bool:
+    """`check --stage I` with an artifact other than --build DIR (--onnx, --network or --engine)."""
+    return program == "check" and args.stage is not None and not args.build
 
 
 def onnx_build(args: argparse.Namespace) -> bool:
@@ -73,8 +82,13 @@ REFUSALS = [
     # check
     Refusal(("check", "--onnx", "{export}", "--runner", "onnx"), "--runner: expected --build DIR",
             lambda p, a: p == "check" and bool(a.runner) and not a.build),
+    # (each artifact option once: a refusal dropped for one of them fails its example)
     Refusal(("check", "--onnx", "{export}", "--stage", "0"), "--stage: expected --build DIR",
-            lambda p, a: p == "check" and a.stage is not None and not a.build),
+            stage_without_build),
+    Refusal(("check", "--network", "{export}", "--stage", "0"), "--stage: expected --build DIR",
+            stage_without_build),
+    Refusal(("check", "--engine", "{build}", "--stage", "0"), "--stage: expected --build DIR",
+            stage_without_build),
     Refusal(("check", "--onnx", "{export}", "--kernels"), "--kernels: expected --network DIR",
             lambda p, a: p == "check" and a.kernels and not a.network),
     Refusal(("check", "--onnx", "{export}", "--taps"), "--taps: ",
@@ -133,6 +147,12 @@ REFUSALS = [
             "--rank 0: ", lambda p, a: p == "build" and bool(a.recipe) and a.rank is not None),
     Refusal(("build", "{recipe}", "--stage", "2", "--out", "{missing}"), "--stage 2: expected a stage of",
             lambda p, a: p == "build" and bool(a.recipe) and any(i >= RECIPE_STAGES for i in a.stage or [])),
+    Refusal(("build", "{recipe}", "--backend", "onnx", "--strip", "--out", "{missing}"),
+            "build --backend onnx --strip: ", lambda p, a: p == "build" and bool(a.recipe)
+            and a.backend == "onnx" and a.strip),
+    Refusal(("build", "{recipe}", "--backend", "onnx", "--target", "sm89", "--out", "{missing}"),
+            "build --backend onnx --target: ", lambda p, a: p == "build" and bool(a.recipe)
+            and a.backend == "onnx" and a.target is not None),
     # plan
     Refusal(("plan",), "plan: expected a RECIPE file or --preset NAME --stages N",
             lambda p, a: p == "plan" and (a.recipe is None) == (a.preset is None)),
@@ -160,7 +180,15 @@ REFUSALS = [
     Refusal(("export", "--preset", "k3-tiny", "--layers", "3:1", "--out", "{missing}"),
             "--layers '3:1': expected A:B with 0 <= A < B <= 9",
             lambda p, a: p == "export" and a.preset == "k3-tiny" and layers_out_of_range(a.layers)),
+    Refusal(("export", "--preset", "k3-tiny", "--no-weights", "--seed", "1", "--out", "{missing}"),
+            "--seed with --no-weights: ", lambda p, a: p == "export" and a.seed is not None
+            and bool(a.no_weights or a.checkpoint)),
     # run
+    Refusal(("run", "{build}", "--prompt-ids", "1,2,3", "--batch", "2"), "--prompt-ids with --batch: ",
+            lambda p, a: p == "run" and bool(a.prompt_ids) and a.batch is not None),
+    Refusal(("run", "{build}", "--prompt-ids", "1,2,3", "--prompt-len", "32"),
+            "--prompt-ids with --prompt-len: ",
+            lambda p, a: p == "run" and bool(a.prompt_ids) and a.prompt_len is not None),
     Refusal(("run", "{build}", "--prompt-ids", "1,2,256"), "--prompt-ids: token id 256",
             lambda p, a: p == "run" and any(t >= TINY_VOCABULARY for t in a.prompt_ids or [])),
     Refusal(("run", "{build}", "--stop", "300"), "--stop: token id 300",

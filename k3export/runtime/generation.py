@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from k3export.errors import UserError
 from k3export.runtime.pipeline import Pipeline, passed_on
 from k3export.runtime.schedule import MicroBatch, StageTimes, Tokens, nbytes, round_robin, split_prompts
 
@@ -105,9 +106,13 @@ def generate(pipeline: Pipeline, prompts: list[list[int]], max_new_tokens: int, 
     pipeline's stages in this process (k3export.runtime.schedule's order); a row that has stopped
     runs on with its micro-batch, its new tokens dropped. Each stage call runs in a `waits()` context
     (under torchrun: a split stage's sums named when they fail, or an engine's under the watchdog)."""
+    stages = pipeline.stages
+    if "logits" not in {s.name for s in stages[-1].signature.outputs}:  # not the model's last layers
+        raise UserError(f"stage {stages[-1].runner.name} (layers {stages[-1].layers.start}.."
+                        f"{stages[-1].layers.stop - 1}) gives no logits, so no token can be sampled: the "
+                        "pipeline lacks the model's last stage (an incomplete build?)")
     batches = split_prompts(prompts, micro_batches)
     pipeline.reset_slots([b.size for b in batches])
-    stages = pipeline.stages
     tokens = Tokens(len(prompts), max_new_tokens, sampler, stop_tokens)
     times = [StageTimes(s.runner.name) for s in stages]
     start = time.perf_counter()

@@ -51,16 +51,22 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
+# A request's random prompts unless --batch and --prompt-len say otherwise.
+BATCH, PROMPT_LEN = 1, 32
+
+
 def vocab_size(export_dir: Path) -> int:
     return json.loads((export_dir / "config.json").read_text())["vocab_size"]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("build", metavar="DIR", type=BUILD_DIR, help="a `k3export build RECIPE` folder")
-    parser.add_argument("--prompt-len", type=positive_int, default=32, help="tokens of the longest prompt")
+    parser.add_argument("--prompt-len", type=positive_int,
+                        help=f"tokens of the longest random prompt (default {PROMPT_LEN})")
     parser.add_argument("--prompt-ids", metavar="IDS", type=token_ids,
-                        help="one prompt, comma-separated token ids")
-    parser.add_argument("--batch", type=positive_int, default=1, help="random prompts of different lengths")
+                        help="one prompt, comma-separated token ids (instead of --batch and --prompt-len)")
+    parser.add_argument("--batch", type=positive_int,
+                        help=f"random prompts of different lengths (default {BATCH})")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the prompts and the sampler")
     parser.add_argument("--max-new-tokens", type=positive_int, default=16)
     parser.add_argument("--temperature", type=non_negative_real, default=0.0, help="0: greedy")
@@ -104,10 +110,16 @@ def prompts_of(args: argparse.Namespace, exports: list[Path]) -> list[list[int]]
             raise UserError(f"{option}: token id {outside[0]} is outside the vocabulary of {args.build} "
                             f"(ids 0..{vocab - 1})")
     if args.prompt_ids:
+        # One prompt of its own length: a --batch or --prompt-len beside it would be ignored.
+        given = (("--batch", args.batch), ("--prompt-len", args.prompt_len))
+        ignored = [option for option, value in given if value is not None]
+        if ignored:
+            raise UserError(f"--prompt-ids with {ignored[0]}: --prompt-ids is one prompt of its own length; "
+                            "expected --prompt-ids IDS alone, or --batch N --prompt-len L (random prompts)")
         batch, prompt_len = 1, len(args.prompt_ids)
         request = f"--prompt-ids ({prompt_len} tokens)"
     else:
-        batch, prompt_len = args.batch, args.prompt_len
+        batch, prompt_len = args.batch or BATCH, args.prompt_len or PROMPT_LEN
         request = f"--batch {batch} --prompt-len {prompt_len}"
     manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in exports]
     require_request_fits(f"{request} --max-new-tokens {args.max_new_tokens}", manifests, batch, prompt_len,

@@ -386,6 +386,11 @@ def build_recipe(recipe: Recipe, out: str | Path, *, backend: str | None = None,
 
 def cmd_build_recipe(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
+    given = (("--strip", args.strip), ("--target", args.target is not None))
+    engine_only = [option for option, present in given if present]
+    if (args.backend or recipe.backend) == "onnx" and engine_only:
+        raise UserError(f"build --backend onnx {engine_only[0]}: an ONNX build has no engines, which "
+                        f"{engine_only[0]} is for; expected --backend tensorrt-rtx or tensorrt with it")
     if args.target is not None:  # instead of the recipe's [build] target, as --backend is for its backend
         recipe = dataclasses.replace(recipe, target=args.target)
     manifest = build_recipe(recipe, args.out, backend=args.backend, no_weights=args.no_weights,
