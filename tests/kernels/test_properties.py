@@ -119,7 +119,7 @@ def mla_cases(draw) -> dict:
     """Per-row cache lengths within a capacity C (above the decode split size at times, so decode
     splits the cache), T on both sides of the decode/prefill switch, and the (v_dim, rope) widths of
     the kernels' two smaller block families."""
-    T = draw(st.sampled_from([1, 2, mla.DECODE_MAX_T, mla.DECODE_MAX_T + 1, CHUNK + 1]))
+    T = draw(st.sampled_from([1, 2, mla.DECODE_MAX_T, mla.DECODE_MAX_T + 1, 65]))
     C = draw(st.integers(T, 300 if T <= mla.DECODE_MAX_T else 100))
     B = draw(st.integers(1, 3))
     v_dims, ropes = draw(st.sampled_from([((17, 32), (1, 16)), ((65, 128), (17, 32))]))
