@@ -31,7 +31,7 @@ from k3export.onnx.moe import ROUTED_EXPERTS_MXFP4_SCHEMA, ROUTED_EXPERTS_SCHEMA
 from k3export.onnx.ops import KDA_SCHEMA, LATENT_MLA_SCHEMA
 from k3plugins import trt_aot
 from k3plugins.definitions import DEFINITIONS, KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
-from k3plugins.mla import PREFILL
+from k3plugins.mla import DECODE
 
 OPS = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4)
 TRT_NAMES = {"float32": "DataType.FLOAT", "float16": "DataType.HALF", "bfloat16": "DataType.BF16",
@@ -106,8 +106,8 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
     expected = {
         # One program per (batch, head) and 32 value columns; scalars T, H, K, V.
         "KDA": ((B * H, math.ceil(V / trt_aot.BLOCK_V)), [T, H, V, V], "kda_aot_bf16_k128"),
-        # One program per (batch, block of PREFILL.block_t tokens) and block of heads; scalars T, C, H.
-        "LatentMLA": ((B * math.ceil(T / PREFILL.block_t), math.ceil(heads / PREFILL.block_h)), [T, C, heads],
+        # One program per (batch, block of DECODE.block_t tokens) and block of heads; scalars T, C, H.
+        "LatentMLA": ((B * math.ceil(T / DECODE.block_t), math.ceil(heads / DECODE.block_h)), [T, C, heads],
                       "latent_mla_aot_bf16_kvbf16_d576_v512"),
         # One program per token and 256 output columns; every width compiled in.
         "RoutedExperts": ((N, math.ceil(c.routed_expert_hidden_size / 256)), [],

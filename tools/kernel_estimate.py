@@ -490,10 +490,18 @@ def moe_rows() -> list[Row]:
 def mla_rows() -> list[Row]:
     """LatentMLA decode (one new token a row) at cache 4K / 16K / 64K and batch 1 / 8 / 64, 12 heads a rank
     of 8 and 96 unsplit; every row sees the whole length, in a cache of twice that capacity (as
-    tools/gpu_check allocates it; the JIT kernel's split count follows the capacity)."""
-    from k3plugins.mla import COMBINE_BLOCK_R, DECODE, MAX_SPLITS, SPLIT_ROWS
-    from k3plugins.trt_aot import latent_mla_aot_kernel, latent_mla_aot_launch
+    tools/gpu_check allocates it). Both forms run the same two launches: the attention kernel over
+    (row, 16 heads, split), `split_count` splits (B x head blocks x splits >= 264), then the combine."""
+    from k3plugins.mla import COMBINE_SPLITS, DECODE, SPLIT_ROWS, split_count
+    from k3plugins.trt_aot import (
+        latent_mla_aot_kernel,
+        latent_mla_aot_launch,
+        latent_mla_combine_aot_kernel,
+        latent_mla_combine_aot_launch,
+    )
 
+    step = "for s0 in range(lo, hi, BLOCK_S)"
+    combine_step = "for s0 in range(0, n_splits, BLOCK_SPLITS)"  # its two loops: the max, then the sum
     rows = []
     for heads in (MLA_HEADS // RANKS, MLA_HEADS):
         for cache in (4096, 16384, 65536):
@@ -501,30 +509,28 @@ def mla_rows() -> list[Row]:
                 nbytes = BF16 * (batch * cache * MLA_D + batch * heads * (MLA_D + MLA_V))
                 flops = 2 * batch * heads * cache * (MLA_D + MLA_V)
                 shape = f"decode H{heads} S{cache // 1024}K B{batch}"
-                # AOT: one program per (row, 16 query positions, head) over the row's visible cache.
-                aot = latent_mla_aot_kernel("bfloat16", "bfloat16", MLA_D, MLA_V, MLA_SCALE)
-                grid, _ = latent_mla_aot_launch([batch, 1, heads, MLA_D], [batch, 1, cache, MLA_D])
-                block_s = aot.constexprs["BLOCK_S"]
-                step = "for s0 in range(lo, hi, BLOCK_S)"
-                useful = 2 * block_s * (MLA_D + MLA_V)  # one query row of the tile's 16 sees the cache
                 case = {"B": batch, "T": 1, "S": cache, "heads": heads, "full": True}
-                rows.append(Row("mla", "AOT", shape, [Launch(aot, grid, {step: cdiv(cache, block_s)}, step,
-                                                             useful, unit="FLOP")], nbytes, flops,
-                                case={"kernel": "aot:latent_mla", **case}))
-                # JIT: split-KV decode (16 heads a program, the capacity sets the splits) and the combine.
-                splits = min(MAX_SPLITS, cdiv(2 * cache, SPLIT_ROWS))
+                splits = split_count(batch, 1, heads)
                 split_len = max(cdiv(cache, splits), SPLIT_ROWS)
-                out = "fp32" if splits > 1 else "bf16"
-                attn = jit_variant(f"mla_decode_bf16_o{out}_v512_r64")
                 head_blocks = cdiv(heads, DECODE.block_h)
                 useful = 2 * DECODE.block_s * min(heads, DECODE.block_h) * (MLA_D + MLA_V)
-                launches = [Launch(attn, (batch, head_blocks, splits),
-                                   {step: cdiv(split_len, DECODE.block_s)}, step, useful, unit="FLOP",
-                                   programs=batch * head_blocks * cdiv(cache, split_len))]
-                if splits > 1:
-                    launches.append(Launch(jit_variant("mla_combine_bf16_v512"),
-                                           (cdiv(batch * heads, COMBINE_BLOCK_R),),
-                                           {"for sp in range(n_splits)": splits}))
+                trips = {step: cdiv(split_len, DECODE.block_s)}
+                programs = batch * head_blocks * cdiv(cache, split_len)
+                combine_trips = {combine_step: cdiv(splits, COMBINE_SPLITS)}
+                # AOT: k3::LatentMLASplits then k3::LatentMLACombine, two nodes.
+                attn = latent_mla_aot_kernel("bfloat16", "bfloat16", MLA_D, MLA_V, MLA_SCALE, splits=True)
+                grid, _ = latent_mla_aot_launch([batch, 1, heads, MLA_D], [batch, 1, 2 * cache, MLA_D],
+                                                splits=True)
+                combine = latent_mla_combine_aot_kernel("bfloat16", MLA_V)
+                combine_grid, _ = latent_mla_combine_aot_launch([splits, batch, 1, heads, MLA_V])
+                launches = [Launch(attn, grid, trips, step, useful, unit="FLOP", programs=programs),
+                            Launch(combine, combine_grid, combine_trips)]
+                rows.append(Row("mla", "AOT", shape, launches, nbytes, flops, note=f"{splits} splits",
+                                case={"kernel": "aot:latent_mla", **case}))
+                # JIT: the same kernels launched by latent_mla.
+                launches = [Launch(jit_variant("mla_decode_bf16_splits_v512_r64"), grid, trips, step, useful,
+                                   unit="FLOP", programs=programs),
+                            Launch(jit_variant("mla_combine_bf16_v512"), combine_grid, combine_trips)]
                 rows.append(Row("mla", "JIT", shape, launches, nbytes, flops, note=f"{splits} splits",
                                 case={"kernel": "mla_decode", **case}))
     return rows

@@ -9,13 +9,15 @@ them. D is split into the value part [0, v_dim) and the rest [v_dim, D) (the rop
 to a power of two with masks, so D = 576 = 512 + 64 and the tiny model's 48 = 32 + 16 need no padding
 in memory.
 
-Decode (small T) splits each row's visible cache among programs (flash-decoding) and a second kernel
-combines the partial results by their log-sum-exp; prefill walks a row's visible cache in one program.
+Each row's visible cache is split among programs where B x T x head blocks alone would leave SMs idle
+(`split_count`, flash-decoding; FlashMLA's shape: a block of latent rows loaded once for all the heads of
+the program and multiplied on tensor cores), and a second kernel combines the splits' float32 partial
+outputs by their log-sum-exp; a prefill's many token blocks take one split and write o directly.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -30,32 +32,44 @@ class _Tiles(NamedTuple):
     block_h: int  # query heads per program
     block_s: int  # cache rows per loop step
     num_warps: int
+    num_stages: int = 2
 
 
+# Decode: a program's 16 product rows are 16 heads of one token (12 heads a rank fill 12, 96 heads take
+# 6 programs), so each block of cache rows is loaded once (cp.async, two stages) and multiplied on tensor
+# cores (mma.sync) for all of them. At the published widths in half precision: 128 registers, 37,376 B of
+# shared memory (within the 48 KB a launch gets: three stages take 55,808 B), no spills, sm_90a and sm_100a.
 DECODE = _Tiles(block_t=1, block_h=16, block_s=16, num_warps=4)
+# Prefill (the JIT plugin, T > DECODE_MAX_T): 16 tokens of one head, 8 warps in every dtype (16 warps spill
+# float32 at the published width with two stages).
 PREFILL = _Tiles(block_t=16, block_h=1, block_s=16, num_warps=8)
-# At 8 warps float32 prefill spills registers at the published width (v_dim 512) on sm_90, and
-# at 4 warps at v_dim 128; 16 warps leave ptxas room.
-PREFILL_FP32 = PREFILL._replace(num_warps=16)
 DECODE_MAX_T = 16
-# Decode gives each split at least SPLIT_ROWS of a row's visible cache rows; the capacity sets the number
-# of splits, at most MAX_SPLITS.
+# Each split takes at least SPLIT_ROWS of a row's visible cache rows. The split count is chosen per shape
+# (`split_count`): enough programs for SPLIT_PROGRAMS, two on each of an H100's 132 SMs (at 4 a SM by
+# registers, so every SM keeps at least two blocks of cache rows in flight).
 SPLIT_ROWS = 256
-MAX_SPLITS = 32
-COMBINE_BLOCK_R = 16
+SPLIT_PROGRAMS = 2 * 132
+# The combine: one program per (query, head) row and COMBINE_BLOCK_V value columns, COMBINE_SPLITS splits
+# at a time, so that a batch-1 decode's few rows still spread over the SMs.
+COMBINE_BLOCK_V = 64
+COMBINE_SPLITS = 16
 COMBINE_WARPS = 4
 # (value block, rope block) of the presets: v_dim 32 / 128 / 512 with rope 16 / 32 / 64.
 BLOCK_DIMS = ((32, 16), (128, 32), (512, 64))
 
 
 @triton.jit
-def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, D, v_dim, n_rows, split_rows, scale,
-                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, split_rows, scale, D: tl.constexpr,
+                     V_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                      BDV: tl.constexpr, BDR: tl.constexpr, V_SLICES: tl.constexpr):
+    # Program (row b and block of BLOCK_T tokens, block of BLOCK_H heads, split): its BLOCK_T x BLOCK_H
+    # (token, head) rows are the M side of every product, against one block of the row's cache a step.
+    # The grid's third axis is the split count; o (and lse) hold each split's results one after another.
     n_tblocks = tl.cdiv(T, BLOCK_T)
     i_b = tl.program_id(0) // n_tblocks
     t0 = tl.program_id(0) % n_tblocks * BLOCK_T
     i_split, n_splits = tl.program_id(2), tl.num_programs(2)
+    n_rows = tl.num_programs(0) // n_tblocks * T * H
     offs_m = tl.arange(0, BLOCK_T * BLOCK_H)
     t = t0 + offs_m // BLOCK_H
     h = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
@@ -67,9 +81,9 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, D, v_dim, n_rows, split_ro
     BDO: tl.constexpr = BDV // V_SLICES
     if V_SLICES == 1:
         offs_v = tl.arange(0, BDV)
-        mask_v = mask_m[:, None] & (offs_v < v_dim)[None, :]
+        mask_v = mask_m[:, None] & (offs_v < V_DIM)[None, :]
         q_v = tl.load(q + row[:, None] * D + offs_v[None, :], mask=mask_v, other=0.0)
-    offs_r = v_dim + tl.arange(0, BDR)
+    offs_r = V_DIM + tl.arange(0, BDR)
     mask_r = offs_r < D
     q_r = tl.load(q + row[:, None] * D + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
 
@@ -79,39 +93,39 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, D, v_dim, n_rows, split_ro
     last = cache_len + t
     end = tl.minimum(cache_len + tl.minimum(t0 + BLOCK_T, T), C)
     # The row's own visible rows are split evenly among the splits, at least split_rows each: a short
-    # row leaves the later splits empty (they store only lse = -inf). (Rounding split_len to whole
-    # blocks lets Triton infer aligned rows, and ptxas then spills the half-precision tiles.)
+    # row leaves the later splits empty (they store only lse = -inf).
     split_len = tl.maximum(tl.cdiv(end, n_splits), split_rows)
     lo = i_split * split_len
     hi = tl.minimum(lo + split_len, end)
+    kv_row0 = kv + i_b.to(tl.int64) * C * D
     out_row = i_split * n_rows + row
     for i_slice in tl.static_range(V_SLICES):
         offs_o = i_slice * BDO + tl.arange(0, BDO)  # the value columns of this pass
-        mask_o = offs_o < v_dim
+        mask_o = offs_o < V_DIM
         m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_T * BLOCK_H, BDO], dtype=tl.float32)
         for s0 in range(lo, hi, BLOCK_S):
             cols = s0 + tl.arange(0, BLOCK_S)
             mask_s = cols < hi
-            kv_row = (i_b * C + cols).to(tl.int64) * D
+            kv_rows = kv_row0 + cols[:, None] * D
             # Cache rows in q's dtype: the AOT plugin gets kv in its own dtype (latent_mla casts it first).
-            kv_o = tl.load(kv + kv_row[:, None] + offs_o[None, :], mask=mask_s[:, None] & mask_o[None, :],
+            kv_o = tl.load(kv_rows + offs_o[None, :], mask=mask_s[:, None] & mask_o[None, :],
                            other=0.0).to(q.dtype.element_ty)
-            kv_r = tl.load(kv + kv_row[:, None] + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
+            kv_r = tl.load(kv_rows + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
                            other=0.0).to(q.dtype.element_ty)
             scores = tl.dot(q_r, tl.trans(kv_r), input_precision="ieee")
             if V_SLICES == 1:
-                scores += tl.dot(q_v, tl.trans(kv_o), input_precision="ieee")
+                scores = tl.dot(q_v, tl.trans(kv_o), scores, input_precision="ieee")
             else:
                 for c0 in range(0, BDV, BDO):  # a runtime loop, so that its slices share one buffer
                     offs_c = c0 + tl.arange(0, BDO)
-                    mask_c = offs_c < v_dim
+                    mask_c = offs_c < V_DIM
                     q_c = tl.load(q + row[:, None] * D + offs_c[None, :],
                                   mask=mask_m[:, None] & mask_c[None, :], other=0.0)
-                    kv_c = tl.load(kv + kv_row[:, None] + offs_c[None, :],
-                                   mask=mask_s[:, None] & mask_c[None, :], other=0.0).to(q.dtype.element_ty)
-                    scores += tl.dot(q_c, tl.trans(kv_c), input_precision="ieee")
+                    kv_c = tl.load(kv_rows + offs_c[None, :], mask=mask_s[:, None] & mask_c[None, :],
+                                   other=0.0).to(q.dtype.element_ty)
+                    scores = tl.dot(q_c, tl.trans(kv_c), scores, input_precision="ieee")
             visible = mask_s[None, :] & (cols[None, :] <= last[:, None])
             scores = tl.where(visible, scores * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -120,44 +134,46 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, D, v_dim, n_rows, split_ro
             p = tl.exp(scores - m_shift[:, None])
             alpha = tl.exp(m_i - m_shift)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv_o.dtype), kv_o, input_precision="ieee")
+            acc = tl.dot(p.to(kv_o.dtype), kv_o, acc * alpha[:, None], input_precision="ieee")
             m_i = m_new
 
         # A query with no visible key in this split writes lse = -inf (weight 0 in the combine) and, in a
         # split that has rows at all, zeros; an empty split skips the store, which the combine never reads.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o_tile = (acc / l_safe[:, None]).to(o.dtype.element_ty)
-        tl.store(o + out_row[:, None] * v_dim + offs_o[None, :], o_tile,
+        tl.store(o + out_row[:, None] * V_DIM + offs_o[None, :], o_tile,
                  mask=mask_m[:, None] & mask_o[None, :] & (lo < hi))
-    if lse is not None:  # None (a constexpr) for a single split that needs no combine: the AOT plugin
+    if lse is not None:  # None (a constexpr) for a single split that needs no combine
         tl.store(lse + out_row, m_i + tl.log(l_safe), mask=mask_m)
 
 
 @triton.jit
-def _mla_combine_kernel(o_part, lse, o, n_rows, v_dim, n_splits,
-                        BLOCK_R: tl.constexpr, BDV: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_v = tl.arange(0, BDV)
-    mask_r = rows < n_rows
-    mask = mask_r[:, None] & (offs_v < v_dim)[None, :]
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BDV], dtype=tl.float32)
-    for sp in range(n_splits):
-        # Rows past n_rows read lse = 0 (not -inf) so that they stay finite.
-        lse_s = tl.load(lse + sp * n_rows + rows, mask=mask_r, other=0.0)
+def _mla_combine_kernel(o_part, lse, o, n_rows, n_splits, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr,
+                        BLOCK_SPLITS: tl.constexpr):
+    # Program (one query and head row, BLOCK_V value columns): the splits' partial outputs weighted by
+    # exp(lse - max lse), BLOCK_SPLITS splits a step; the largest lse first, so that no weight overflows.
+    r = tl.program_id(0).to(tl.int64)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V_DIM
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    m = tl.full([BLOCK_SPLITS], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_SPLITS):
+        m = tl.maximum(m, tl.load(lse + (s0 + offs_s) * n_rows + r, mask=s0 + offs_s < n_splits,
+                                  other=float("-inf")))
+    m_max = tl.max(m, axis=0)  # finite: every query sees at least its own row
+    l_sum = tl.zeros([BLOCK_SPLITS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_SPLITS, BLOCK_V], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_SPLITS):
+        splits = s0 + offs_s
+        lse_s = tl.load(lse + splits * n_rows + r, mask=splits < n_splits, other=float("-inf"))
         # A part with lse = -inf has weight 0 and may never have been written: it is not read.
-        part = tl.load(o_part + (sp * n_rows + rows)[:, None] * v_dim + offs_v[None, :],
-                       mask=mask & (lse_s > float("-inf"))[:, None], other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_shift)
-        w = tl.exp(lse_s - m_shift)
-        acc = acc * alpha[:, None] + w[:, None] * part
-        l_sum = l_sum * alpha + w
-        m = m_new
-    tl.store(o + rows[:, None] * v_dim + offs_v[None, :], (acc / l_sum[:, None]).to(o.dtype.element_ty),
-             mask=mask)
+        part = tl.load(o_part + (splits * n_rows + r)[:, None] * V_DIM + offs_v[None, :],
+                       mask=(lse_s > float("-inf"))[:, None] & mask_v[None, :], other=0.0)
+        w = tl.exp(lse_s - m_max)
+        l_sum += w
+        acc += w[:, None] * part
+    out = tl.sum(acc, axis=0) / tl.sum(l_sum, axis=0)
+    tl.store(o + r * V_DIM + offs_v, out.to(o.dtype.element_ty), mask=mask_v)
 
 
 def block_dims(D: int, v_dim: int) -> tuple[int, int]:
@@ -169,65 +185,108 @@ def block_dims(D: int, v_dim: int) -> tuple[int, int]:
     return dims
 
 
-def latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float,
-               out: Tensor | None = None) -> Tensor:
-    """o [B, T, H, v_dim] in q's dtype (written into `out` when given): split-KV decode for
-    T <= DECODE_MAX_T, else prefill. kv [B, 1, C, D] is the whole cache, the T new rows already at
-    cache_lengths[b] ..; a row reads only its own cache_lengths[b] + T rows."""
-    B, T, H, D = q.shape
+def split_count(B: Any, T: Any, H: Any) -> Any:
+    """How many splits each row's visible cache is divided into for q [B, T, H, D]: enough that the
+    decode tile's programs (B x T x head blocks of DECODE) times the splits reach SPLIT_PROGRAMS; 1 once
+    they do (prefill). The dims may be ints or a builder's shape expressions: only +, * and // with the
+    dimension on the left (ceil(a / u) = (u + a - 1) // u for a, u >= 1)."""
+    bt, bh = DECODE.block_t, DECODE.block_h
+    units = B * ((T + (bt - 1)) // bt) * ((H + (bh - 1)) // bh)
+    return (units + (SPLIT_PROGRAMS - 1)) // units
+
+
+def _check_inputs(q: Tensor, kv: Tensor, cache_lengths: Tensor) -> None:
+    B, _, _, D = q.shape
     if kv.dim() != 4 or kv.shape[1] != 1 or kv.shape[0] != B or kv.shape[3] != D:
         raise ValueError(f"latent_mla: kv {list(kv.shape)} is not [{B}, 1, capacity, {D}] "
                          f"for q {list(q.shape)}")
     if cache_lengths.shape != (B,):
         raise ValueError(f"latent_mla: cache_lengths {list(cache_lengths.shape)} is not [{B}]")
-    C = kv.shape[2]
+
+
+def latent_mla_splits(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float, o_part: Tensor,
+                      lse: Tensor | None) -> None:
+    """Each split's softmax-normalised output into o_part [S, B, T, H, v_dim] (float32) and its
+    log-sum-exp into lse [S, B, T, H] (float32, -inf where a query saw no row of the split): split s of
+    row b covers its own visible rows s * n .. (s + 1) * n - 1, n = max(ceil(rows / S), SPLIT_ROWS).
+    With lse None, o_part is the one split's output in q's dtype ([1, B, T, H, v_dim] or [B, T, H, v_dim]).
+    Decode tiles for T <= DECODE_MAX_T, else prefill tiles."""
+    _check_inputs(q, kv, cache_lengths)
+    B, T, H, D = q.shape
     bdv, bdr = block_dims(D, v_dim)
     q = q.contiguous()
     # A no-op for the exports (cache and q share the model dtype); a cache of another dtype is copied
     # whole here, which keeps the compiled variants one per dtype.
     kv = kv.to(q.dtype).contiguous()
     lengths = cache_lengths.to(torch.int64).contiguous()
-    n_rows = B * T * H
-    o = q.new_empty(B, T, H, v_dim) if out is None else out
-    tiles = DECODE if T <= DECODE_MAX_T else PREFILL_FP32 if q.dtype == torch.float32 else PREFILL
-    # The split count is fixed by the capacity (the lengths stay on the device); each row divides
-    # its own visible rows among them (see the kernel).
-    n_splits = min(MAX_SPLITS, triton.cdiv(C, SPLIT_ROWS)) if tiles is DECODE else 1
-    lse = q.new_empty(n_splits, n_rows, dtype=torch.float32)
-    part = o if n_splits == 1 else q.new_empty(n_splits, n_rows, v_dim, dtype=torch.float32)
+    n_splits = 1 if lse is None else o_part.shape[0]
+    tiles = DECODE if T <= DECODE_MAX_T else PREFILL
     grid = (B * triton.cdiv(T, tiles.block_t), triton.cdiv(H, tiles.block_h), n_splits)
-    _mla_attn_kernel[grid](q, kv, lengths, part, lse, T, C, H, D, v_dim, n_rows, SPLIT_ROWS, scale,
-                           BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_S=tiles.block_s,
-                           BDV=bdv, BDR=bdr, V_SLICES=1, num_warps=tiles.num_warps)
-    if n_splits > 1:
-        _mla_combine_kernel[(triton.cdiv(n_rows, COMBINE_BLOCK_R),)](
-            part, lse, o, n_rows, v_dim, n_splits, BLOCK_R=COMBINE_BLOCK_R, BDV=bdv,
-            num_warps=COMBINE_WARPS)
+    _mla_attn_kernel[grid](q, kv, lengths, o_part, lse, T, kv.shape[2], H, SPLIT_ROWS, scale, D=D,
+                           V_DIM=v_dim, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_S=tiles.block_s,
+                           BDV=bdv, BDR=bdr, V_SLICES=1, num_warps=tiles.num_warps,
+                           num_stages=tiles.num_stages)
+
+
+def latent_mla_combine(o_part: Tensor, lse: Tensor, out: Tensor) -> None:
+    """out [B, T, H, v_dim] (its dtype) from the splits' o_part [S, B, T, H, v_dim] and lse [S, B, T, H]."""
+    n_splits, v_dim = o_part.shape[0], o_part.shape[-1]
+    n_rows = out.numel() // v_dim
+    grid = (n_rows, triton.cdiv(v_dim, COMBINE_BLOCK_V))
+    _mla_combine_kernel[grid](o_part, lse, out, n_rows, n_splits, V_DIM=v_dim, BLOCK_V=COMBINE_BLOCK_V,
+                              BLOCK_SPLITS=COMBINE_SPLITS, num_warps=COMBINE_WARPS)
+
+
+def latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float,
+               out: Tensor | None = None) -> Tensor:
+    """o [B, T, H, v_dim] in q's dtype (written into `out` when given): the splits `split_count` chooses,
+    then their combine (none for one split). kv [B, 1, C, D] is the whole cache, the T new rows already at
+    cache_lengths[b] ..; a row reads only its own cache_lengths[b] + T rows."""
+    B, T, H, _ = q.shape
+    o = q.new_empty(B, T, H, v_dim) if out is None else out
+    n_splits = split_count(B, T, H)
+    if n_splits == 1:
+        latent_mla_splits(q, kv, cache_lengths, v_dim, scale, o, None)
+        return o
+    o_part = q.new_empty(n_splits, B, T, H, v_dim, dtype=torch.float32)
+    lse = q.new_empty(n_splits, B, T, H, dtype=torch.float32)
+    latent_mla_splits(q, kv, cache_lengths, v_dim, scale, o_part, lse)
+    latent_mla_combine(o_part, lse, o)
     return o
 
 
+def _attention_variant(name: str, dtype: str, splits: bool, D: int, v_dim: int,
+                       tiles: _Tiles) -> KernelVariant:
+    """The attention kernel as `latent_mla_splits` launches it, q and the cache in `dtype`: float32 partials
+    and their lse (`splits`), or one split's output in `dtype` and no lse."""
+    bdv, bdr = block_dims(D, v_dim)
+    signature = {"q": pointer(dtype), "kv": pointer(dtype), "lengths": "*i64",
+                 "o": pointer("fp32" if splits else dtype), "lse": "*fp32" if splits else "constexpr",
+                 "T": "i32", "C": "i32", "H": "i32", "split_rows": "i32", "scale": "fp32"}
+    constexprs = {**({} if splits else {"lse": None}), "D": D, "V_DIM": v_dim, "BLOCK_T": tiles.block_t,
+                  "BLOCK_H": tiles.block_h, "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr, "V_SLICES": 1}
+    signature.update({k: "constexpr" for k in constexprs})
+    return KernelVariant(name, _mla_attn_kernel, signature, constexprs, tiles.num_warps, tiles.num_stages)
+
+
+def combine_variant(name: str, dtype: str, v_dim: int) -> KernelVariant:
+    """The combine kernel writing o in `dtype` for value width v_dim."""
+    signature = {"o_part": "*fp32", "lse": "*fp32", "o": pointer(dtype), "n_rows": "i32", "n_splits": "i32",
+                 "V_DIM": "constexpr", "BLOCK_V": "constexpr", "BLOCK_SPLITS": "constexpr"}
+    constexprs = {"V_DIM": v_dim, "BLOCK_V": COMBINE_BLOCK_V, "BLOCK_SPLITS": COMBINE_SPLITS}
+    return KernelVariant(name, _mla_combine_kernel, signature, constexprs, COMBINE_WARPS)
+
+
 def kernel_variants() -> list[KernelVariant]:
-    """Every (kernel, dtype, block) combination `latent_mla` can pick. The attention kernel
-    writes either the final output (q's dtype) or float32 partials for the combine."""
+    """Every (kernel, dtype, width) combination `latent_mla` can pick: the attention kernel writing the
+    output (q's dtype, one split) or float32 partials and their lse, and the combine."""
     variants = []
     for dtype in DTYPES:
         for bdv, bdr in BLOCK_DIMS:
-            prefill = PREFILL_FP32 if dtype == "fp32" else PREFILL
-            for mode, tiles in (("decode", DECODE), ("prefill", prefill)):
-                out_types = (dtype, "fp32") if mode == "decode" and dtype != "fp32" else (dtype,)
-                for out in out_types:
-                    signature = {"q": pointer(dtype), "kv": pointer(dtype), "lengths": "*i64",
-                                 "o": pointer(out), "lse": "*fp32", "T": "i32", "C": "i32", "H": "i32",
-                                 "D": "i32", "v_dim": "i32", "n_rows": "i32", "split_rows": "i32",
-                                 "scale": "fp32"}
-                    constexprs = {"BLOCK_T": tiles.block_t, "BLOCK_H": tiles.block_h,
-                                  "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr, "V_SLICES": 1}
-                    signature.update(dict.fromkeys(constexprs, "constexpr"))
-                    variants.append(KernelVariant(f"mla_{mode}_{dtype}_o{out}_v{bdv}_r{bdr}",
-                                                  _mla_attn_kernel, signature, constexprs,
-                                                  tiles.num_warps))
-            signature = {"o_part": "*fp32", "lse": "*fp32", "o": pointer(dtype), "n_rows": "i32",
-                         "v_dim": "i32", "n_splits": "i32", "BLOCK_R": "constexpr", "BDV": "constexpr"}
-            variants.append(KernelVariant(f"mla_combine_{dtype}_v{bdv}", _mla_combine_kernel, signature,
-                                          {"BLOCK_R": COMBINE_BLOCK_R, "BDV": bdv}, COMBINE_WARPS))
+            D = bdv + bdr
+            for mode, tiles in (("decode", DECODE), ("prefill", PREFILL)):
+                for splits in (False, True):
+                    name = f"mla_{mode}_{dtype}_{'splits' if splits else 'o'}_v{bdv}_r{bdr}"
+                    variants.append(_attention_variant(name, dtype, splits, D, bdv, tiles))
+            variants.append(combine_variant(f"mla_combine_{dtype}_v{bdv}", dtype, bdv))
     return variants

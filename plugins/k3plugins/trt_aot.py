@@ -60,7 +60,17 @@ import triton.language as tl
 from k3plugins.aot import compile_variant, device_target
 from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, PluginDefinition
 from k3plugins.kda import CHUNK_SIZE, _fused_chunk_kda_kernel, _recurrent_kda_kernel
-from k3plugins.mla import PREFILL, _mla_attn_kernel, block_dims
+from k3plugins.mla import (
+    COMBINE_BLOCK_V,
+    COMBINE_SPLITS,
+    COMBINE_WARPS,
+    DECODE,
+    SPLIT_ROWS,
+    _mla_attn_kernel,
+    _mla_combine_kernel,
+    block_dims,
+    split_count,
+)
 from k3plugins.moe import _tanh, _weight_tile
 from k3plugins.trt import launch_from_pointers
 from k3plugins.variants import KernelVariant
@@ -141,43 +151,83 @@ def _latent_mla_aot_kernel(q, kv, cache_lengths, T, C, H, o, D: tl.constexpr, V_
                            SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_S: tl.constexpr, BDV: tl.constexpr, BDR: tl.constexpr,
                            V_SLICES: tl.constexpr):
-    # One split (the grid has no third axis) of at least C rows, so covering each row's visible rows:
-    # o is written directly, no lse; n_rows only offsets later splits (0 here).
-    _mla_attn_kernel(q, kv, cache_lengths, o, None, T, C, H, D, V_DIM, 0, C, SCALE,
-                     BLOCK_T, BLOCK_H, BLOCK_S, BDV, BDR, V_SLICES)
+    # One split (grid z = 1) of at least C rows covers each row's visible rows: o written directly, no lse.
+    _mla_attn_kernel(q, kv, cache_lengths, o, None, T, C, H, C, SCALE, D, V_DIM, BLOCK_T, BLOCK_H, BLOCK_S,
+                     BDV, BDR, V_SLICES)
 
 
-def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int,
-                          scale: float) -> KernelVariant:
-    """The AOT LatentMLA kernel for q and o in `dtype`, the cache in `kv_dtype` (cast to `dtype` as it
-    is loaded, as `latent_mla` does), head dim `head_dim`, value width `v_dim` and softmax `scale`."""
+@triton.jit
+def _latent_mla_splits_aot_kernel(q, kv, cache_lengths, T, C, H, o_part, lse, D: tl.constexpr,
+                                  V_DIM: tl.constexpr, SCALE: tl.constexpr, BLOCK_T: tl.constexpr,
+                                  BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BDV: tl.constexpr,
+                                  BDR: tl.constexpr, V_SLICES: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+    # The grid's third axis is the split count: o_part [S, B, T, H, V_DIM] and lse [S, B, T, H], float32.
+    _mla_attn_kernel(q, kv, cache_lengths, o_part, lse, T, C, H, SPLIT_ROWS, SCALE, D, V_DIM, BLOCK_T,
+                     BLOCK_H, BLOCK_S, BDV, BDR, V_SLICES)
+
+
+@triton.jit
+def _latent_mla_combine_aot_kernel(q, o_part, lse, n_rows, n_splits, o, V_DIM: tl.constexpr,
+                                   BLOCK_V: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    # q gives the node its output's dtype and shape; it is not read.
+    _mla_combine_kernel(o_part, lse, o, n_rows, n_splits, V_DIM, BLOCK_V, BLOCK_SPLITS)
+
+
+def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int, scale: float,
+                          splits: bool = False) -> KernelVariant:
+    """The AOT LatentMLA attention kernel for q in `dtype`, the cache in `kv_dtype` (cast to `dtype` as it
+    is loaded, as `latent_mla` does), head dim `head_dim`, value width `v_dim` and softmax `scale`: one
+    split writing o in `dtype` (k3::LatentMLA), or the splits' float32 partials and lse (`splits`:
+    k3::LatentMLASplits, combined by `latent_mla_combine_aot_kernel`'s node)."""
     bdv, bdr = block_dims(head_dim, v_dim)
-    # 8 warps for every dtype: with the widths and scale compiled in, ptxas kept float32 at 16 warps to
-    # 64 registers and spilled at the published width.
-    tiles = PREFILL
-    # Two pipeline stages, and float32's value columns in slices of MLA_FP32_SLICE: within the 48 KB of
-    # dynamic shared memory a launch gets (DEFAULT_SHARED_BYTES) at the published widths on sm_90a and
-    # sm_100a (half precision 37,376 B, float32 28,672 B; with Triton's default three stages 55,808 B, and
-    # a whole 512-wide float32 block 73,728 B even at one stage).
+    # The decode tile (mla.DECODE: 16 heads of a token share each block of cache rows) with two pipeline
+    # stages, and float32's value columns in slices of MLA_FP32_SLICE: within the 48 KB of dynamic shared
+    # memory a launch gets (DEFAULT_SHARED_BYTES) at the published widths on sm_90a and sm_100a (half
+    # precision 37,376 B; with three stages 55,808 B, and a whole 512-wide float32 block 73,728 B). Float32
+    # takes 8 warps: at 4 its FMA products spill at the published width (255 registers).
+    tiles = DECODE._replace(num_warps=8) if dtype == "float32" else DECODE
     value_slices = max(1, bdv // MLA_FP32_SLICE) if dtype == "float32" else 1
     t, t_kv = _TRITON_DTYPES[dtype], _TRITON_DTYPES[kv_dtype]
+    outputs = {"o_part": "*fp32", "lse": "*fp32"} if splits else {"o": f"*{t}"}
     signature = {"q": f"*{t}", "kv": f"*{t_kv}", "cache_lengths": "*i64", "T": "i32", "C": "i32", "H": "i32",
-                 "o": f"*{t}"}
+                 **outputs}
     constexprs = {"D": head_dim, "V_DIM": v_dim, "SCALE": scale, "BLOCK_T": tiles.block_t,
                   "BLOCK_H": tiles.block_h, "BLOCK_S": tiles.block_s, "BDV": bdv, "BDR": bdr,
-                  "V_SLICES": value_slices}
+                  "V_SLICES": value_slices, **({"SPLIT_ROWS": SPLIT_ROWS} if splits else {})}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return KernelVariant(f"latent_mla_aot_{t}_kv{t_kv}_d{head_dim}_v{v_dim}", _latent_mla_aot_kernel,
-                         signature, constexprs, tiles.num_warps, num_stages=2)
+    fn = _latent_mla_splits_aot_kernel if splits else _latent_mla_aot_kernel
+    name = f"latent_mla_{'splits_' if splits else ''}aot_{t}_kv{t_kv}_d{head_dim}_v{v_dim}"
+    return KernelVariant(name, fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
 
 
-def latent_mla_aot_launch(q_dims: Sequence[Any], kv_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
-    """(grid, scalar args T, C, H) from q [B, T, H, D] and kv [B, 1, C, D]; the dims may be ints or
-    `tensorrt.plugin` shape expressions."""
+def latent_mla_aot_launch(q_dims: Sequence[Any], kv_dims: Sequence[Any],
+                          splits: bool = False) -> tuple[tuple[Any, Any, Any], list[Any]]:
+    """(grid, scalar args T, C, H) from q [B, T, H, D] and kv [B, 1, C, D]: one split, or `split_count`'s
+    (the partials' first dim); the dims may be ints or `tensorrt.plugin` shape expressions."""
     B, T, H, _ = q_dims
     C = kv_dims[2]
-    block_t, block_h = PREFILL.block_t, PREFILL.block_h
-    return (B * ((T + block_t - 1) // block_t), (H + block_h - 1) // block_h), [T, C, H]
+    block_t, block_h = DECODE.block_t, DECODE.block_h
+    n_splits = split_count(B, T, H) if splits else 1
+    return (B * ((T + block_t - 1) // block_t), (H + block_h - 1) // block_h, n_splits), [T, C, H]
+
+
+def latent_mla_combine_aot_kernel(dtype: str, v_dim: int) -> KernelVariant:
+    """The AOT LatentMLACombine kernel: o [B, T, H, v_dim] in `dtype` from the splits' partials."""
+    t = _TRITON_DTYPES[dtype]
+    signature = {"q": f"*{t}", "o_part": "*fp32", "lse": "*fp32", "n_rows": "i32", "n_splits": "i32",
+                 "o": f"*{t}"}
+    constexprs = {"V_DIM": v_dim, "BLOCK_V": COMBINE_BLOCK_V, "BLOCK_SPLITS": COMBINE_SPLITS}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return KernelVariant(f"latent_mla_combine_aot_{t}_v{v_dim}", _latent_mla_combine_aot_kernel, signature,
+                         constexprs, COMBINE_WARPS)
+
+
+def latent_mla_combine_aot_launch(part_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid, scalar args n_rows, n_splits) from o_part [S, B, T, H, v_dim]: a program per (query, head)
+    row and COMBINE_BLOCK_V value columns."""
+    S, B, T, H, v_dim = part_dims
+    n_rows = B * T * H
+    return (n_rows, (v_dim + COMBINE_BLOCK_V - 1) // COMBINE_BLOCK_V), [n_rows, S]
 
 
 @triton.jit
@@ -333,12 +383,12 @@ def _run(definition: PluginDefinition, names: dict[Any, str], tensors: Sequence[
                          [t.data_ptr for t in outputs], stream)
 
 
-def _aot_result(trtp: Any, variant: KernelVariant, grid: tuple[Any, Any],
+def _aot_result(trtp: Any, variant: KernelVariant, grid: tuple[Any, ...],
                 scalars: list[Any]) -> tuple[Any, ...]:
     """What an `aot_impl` returns: kernel name, PTX, launch parameters and the scalar arguments."""
     compiled = compile_variant(variant, device_target())  # the build GPU's: sm_90a, sm_100a
     params = trtp.KernelLaunchParams()
-    params.grid_x, params.grid_y = grid
+    params.grid_x, params.grid_y, params.grid_z = (*grid, 1)[:3]
     params.block_x = compiled.metadata.num_warps * 32
     params.shared_mem = compiled.metadata.shared
     extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(s) for s in scalars])

@@ -14,13 +14,28 @@ from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 import k3plugins
-from k3plugins import mla
-from k3plugins.trt_aot import latent_mla_aot_kernel, latent_mla_aot_launch
+from k3plugins import mla, trt_aot
+from k3plugins.trt_aot import (
+    latent_mla_aot_kernel,
+    latent_mla_aot_launch,
+    latent_mla_combine_aot_kernel,
+    latent_mla_combine_aot_launch,
+)
 
 # float16: q and kv are rounded before both sides see them; the kernel also rounds the softmax
 # weights to float16 for the value product and rounds o to float16, each relative 2^-11 (5e-4)
 # per element, so 2e-3 leaves room for their sum.
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+GPU_SPLIT_PROGRAMS = mla.SPLIT_PROGRAMS
+
+
+@pytest.fixture(autouse=True)
+def few_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split counts for 8 programs, not a GPU's 264: the interpreter runs every program in turn, and a
+    few splits exercise the combine as many do (test_split_count_fills_the_gpu holds the real rule)."""
+    monkeypatch.setattr(mla, "SPLIT_PROGRAMS", 8)
 
 
 def reference(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float) -> Tensor:
@@ -119,13 +134,35 @@ def test_refuses_a_cache_without_capacity_axis() -> None:
 
 
 def aot_latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float) -> Tensor:
-    """The AOT plugin's kernel, launched as TensorRT would: inputs, int32 scalars, outputs."""
+    """The single-node AOT plugin's kernel (k3::LatentMLA), launched as TensorRT would: inputs, int32
+    scalars, outputs."""
     B, T, H, D = q.shape
     dtype, kv_dtype = (str(x.dtype).removeprefix("torch.") for x in (q, kv))
     variant = latent_mla_aot_kernel(dtype, kv_dtype, D, v_dim, scale)
     grid, scalars = latent_mla_aot_launch(q.shape, kv.shape)
     o = q.new_empty(B, T, H, v_dim)
     variant.fn[grid](q, kv, cache_lengths, *scalars, o, **variant.constexprs, num_warps=variant.num_warps)
+    return o
+
+
+def aot_latent_mla_splits(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: float) -> Tensor:
+    """The two AOT nodes (k3::LatentMLASplits, then k3::LatentMLACombine) launched as TensorRT would, the
+    partials a tensor between them of the shape the split node declares."""
+    B, T, H, D = q.shape
+    dtype, kv_dtype = (str(x.dtype).removeprefix("torch.") for x in (q, kv))
+    variant = latent_mla_aot_kernel(dtype, kv_dtype, D, v_dim, scale, splits=True)
+    grid, scalars = latent_mla_aot_launch(q.shape, kv.shape, splits=True)
+    n_splits = grid[2]
+    assert n_splits == mla.split_count(B, T, H)
+    # NaN where no split writes: the combine must read only what the splits wrote.
+    o_part = torch.full((n_splits, B, T, H, v_dim), float("nan"))
+    lse = torch.full((n_splits, B, T, H), float("nan"))
+    variant.fn[grid](q, kv, cache_lengths, *scalars, o_part, lse, **variant.constexprs,
+                     num_warps=variant.num_warps)
+    combine = latent_mla_combine_aot_kernel(dtype, v_dim)
+    grid, scalars = latent_mla_combine_aot_launch(o_part.shape)
+    o = q.new_empty(B, T, H, v_dim)
+    combine.fn[grid](q, o_part, lse, *scalars, o, **combine.constexprs, num_warps=combine.num_warps)
     return o
 
 
@@ -138,3 +175,30 @@ def aot_latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, sca
                                                  (torch.float16, torch.float32)])
 def test_aot_kernel(case: tuple, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     check(*case, dtype=dtype, kv_dtype=kv_dtype, run=aot_latent_mla)
+
+
+# The split and combine nodes at the published widths (D 576, v_dim 512): 12 heads (a rank of 8) and 96
+# (unsplit, six head blocks); decode with ragged lengths (0, not a multiple of the 16-row block, the
+# capacity filled) and a verify call of K + 1 = 5 tokens; a short ragged prefill at the tiny widths.
+AOT_SPLIT_CASES = [(3, 1, 12, 90, 576, 512, (0, 37, 89)), (1, 5, 12, 70, 576, 512, (41,)),
+                   (1, 1, 96, 50, 576, 512, (49,)), (2, 20, 2, 40, 48, 32, (3, 20))]
+
+
+@pytest.mark.parametrize("case", AOT_SPLIT_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_aot_split_and_combine(case: tuple, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trt_aot, "SPLIT_ROWS", 32)  # compiled in: each split takes 32 rows or more
+    check(*case, dtype=dtype, run=aot_latent_mla_splits)
+
+
+def test_split_count_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splits per shape: B x T x head blocks x splits reaches SPLIT_PROGRAMS (264: two a SM on 132) at the
+    issue's decode shapes (12 heads a rank: one head block), and prefill takes one split."""
+    assert GPU_SPLIT_PROGRAMS == 264
+    monkeypatch.setattr(mla, "SPLIT_PROGRAMS", GPU_SPLIT_PROGRAMS)
+    assert mla.split_count(1, 1, 12) == 264  # batch 1
+    assert mla.split_count(8, 1, 12) == 33  # batch 8: 264 programs
+    assert mla.split_count(64, 1, 12) == 5  # batch 64: 320
+    assert mla.split_count(8, 1, 96) == 6  # 96 heads: 6 head blocks, 288
+    assert mla.split_count(8, 5, 12) == 7  # a verify call of 5 tokens: 280
+    assert mla.split_count(1, 8192, 12) == 1
