@@ -172,3 +172,20 @@ def test_a_check_that_compared_nothing_fails_with_its_reason():
     assert "0 greedy token positions" in compared_nothing(compared, 0, True)
     assert compared_nothing(compared, 0, False) is None  # a layer range: its boundaries are compared
     assert compared_nothing(compared, 4, True) is None
+
+
+def test_plans_unsplit_table_is_labelled_when_a_split_follows(monkeypatch, capsys):
+    """`plan` with ranks: its first table (each stage whole on one GPU) says so, and a stage too large
+    for one GPU there reads "no, unsplit", not an alarming NO (here every stage is too large: an H200
+    of 1 byte)."""
+    import k3export.shards.plan
+
+    monkeypatch.setattr(k3export.shards.plan, "H200_BYTES", 1)
+    tables = {}
+    for ranks in ("1", "2"):
+        assert main(["plan", "--preset", "k3-tiny", "--stages", "2", "--ranks", ranks]) == 0
+        tables[ranks] = capsys.readouterr().out.split("\n\n")[1]  # the first table, after the header
+    assert [line.endswith("  NO") for line in tables["1"].splitlines()[1:]] == [True, True]
+    assert tables["2"].startswith("each stage unsplit, whole on one GPU (for reference: it is served split "
+                                  "over 2 GPUs")
+    assert [line.endswith("  no, unsplit") for line in tables["2"].splitlines()[2:]] == [True, True]

@@ -351,7 +351,9 @@ def rollback_column(memory: GpuMemory) -> str:
     return f" + {_gb(memory.rollback_bytes):>8}"
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, ranks: int = 1) -> str:
+    """The plan's table of stages; `ranks` > 1: each is split over that many GPUs in a table after
+    this one, so this one is labelled as the unsplit reference (its "fits" is one GPU's, whole)."""
     c = plan.config
     experts = "routed experts MXFP4 (4.25 bits)" if plan.packed_experts else f"all weights {plan.dtype}"
     total = sum(s.weight_bytes for s in plan.stages)
@@ -361,6 +363,8 @@ def format_plan(plan: Plan) -> str:
         f"cache {plan.context} tokens x {plan.batch} sequences; activations at a prefill of "
         f"{plan.prefill_tokens} tokens; link {plan.link_gb_per_s:g} GB/s; one H200 {_gb(H200_BYTES)} GB",
         "",
+        *([f"each stage unsplit, whole on one GPU (for reference: it is served split over {ranks} GPUs, the "
+           "per-GPU table below, whose fits is the one that counts)"] if ranks > 1 else []),
         "stage  layers  KDA MLA MoE  params  weights  cache/seq  bank rows  in B/tok  out B/tok  out us/tok"
         f"    weights + cache + activations{ROLLBACK_COLUMN if plan.verify_tokens else ''} =  total  fits",
     ]
@@ -373,7 +377,7 @@ def format_plan(plan: Plan) -> str:
             f"{s.bytes_sent_per_token:>9}  {s.seconds_per_token_sent * 1e6:>10.3f}  "
             f"{_gb(s.weight_bytes):>10} + {_gb(s.cache_bytes):>5} + {_gb(s.activation_bytes):>11}"
             f"{rollback_column(s) if plan.verify_tokens else ''} = {_gb(s.total_bytes):>6}  "
-            f"{'yes' if s.fits_h200 else 'NO'}")
+            f"{'yes' if s.fits_h200 else 'no, unsplit' if ranks > 1 else 'NO'}")
     heavy = max(s.weight_bytes for s in plan.stages)
     light = min(s.weight_bytes for s in plan.stages)
     lines += [
@@ -599,7 +603,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         parallel = rank_plan_json(stages, collective_gb_per_s, args.host_gb * 1e9)
         print(json.dumps({**plan.to_json(), "parallel": parallel}, indent=2))
     else:
-        print(format_plan(plan) + "\n\n" + format_rank_plan(stages, collective_gb_per_s, args.host_gb * 1e9))
+        rank_plan = format_rank_plan(stages, collective_gb_per_s, args.host_gb * 1e9)
+        print(format_plan(plan, ranks) + "\n\n" + rank_plan)
     return 0
 
 
