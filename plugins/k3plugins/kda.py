@@ -232,7 +232,7 @@ def _kda_prepare_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, T, H, 
         A_qk, A_kk = _scores_factored(q, k, g, tok, mask_t, K, BT, SCORE_COLUMNS)
     else:
         A_qk, A_kk = _scores_from_differences(q, k, g, tok, mask_t, K, causal, BT)
-    UT = _ut_transform(A_kk, b_beta, BT)
+    UT = _ut_transform(A_kk, b_beta, BT).to(x)
     tl.store(a_qk + tok[:, None] * BT + offs_t[None, :], tl.where(causal, A_qk, 0.0).to(x),
              mask=mask_t[:, None])
     b_q = tl.load(q + tk_offs, mask=mask_tk, other=0.0).to(tl.float32)
@@ -240,13 +240,13 @@ def _kda_prepare_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, T, H, 
     decay = tl.exp(G)
     tl.store(qg + tk_offs, (b_q * decay).to(x), mask=mask_tk)
     tl.store(kt + tk_offs, (b_k * tl.exp(G_last[None, :] - G)).to(x), mask=mask_tk)  # <= k: G_last <= G
-    tl.store(w + tk_offs, tl.dot(UT, b_k * decay, input_precision="ieee").to(x), mask=mask_tk)
+    tl.store(w + tk_offs, tl.dot(UT, (b_k * decay).to(x), input_precision="ieee").to(x), mask=mask_tk)
     tl.store(decay_last + ((i_b * tl.cdiv(T, BT) + i_t) * H + i_h) * K + offs_k, tl.exp(G_last), mask=mask_k)
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         tv_offs = tok[:, None] * V + offs_v[None, :]
         mask_tv = mask_t[:, None] & (offs_v < V)[None, :]
-        b_v = tl.load(v + tv_offs, mask=mask_tv, other=0.0).to(tl.float32)
+        b_v = tl.load(v + tv_offs, mask=mask_tv, other=0.0)
         tl.store(u + tv_offs, tl.dot(UT, b_v, input_precision="ieee").to(x), mask=mask_tv)
 
 
