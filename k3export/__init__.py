@@ -32,8 +32,8 @@ refuses any import cycle between modules):
     floor  5   weights
     floor  4   model
     floor  3   ops
-    floor  2   config
-    floor  1   artifacts options
+    floor  2   config options
+    floor  1   artifacts
     floor  0   errors progress
 
 plugins/k3plugins (the Triton kernels and their TensorRT adapters) is a package of its own that
