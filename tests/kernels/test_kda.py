@@ -106,12 +106,13 @@ def aot_tolerances(T: int) -> dict:
 
 
 # Every edge of the AOT kernel's chunk: one token (decode), the most tokens stepped (a verify call) and one
-# more, a chunk less one, one chunk, one more, several and ragged; K and V not multiples of the blocks; the
-# published head dim.
+# more, a chunk less one, one chunk, one more, four chunks and either side, a few hundred tokens; K and V not
+# multiples of the blocks; the published head dim.
 C, STEPPED = trt_aot.KDA_CHUNK, trt_aot.KDA_STEP_TOKENS
 AOT_SHAPES = [(2, 1, 2, 32, 32), (1, 1, 2, 128, 128), (2, STEPPED, 2, 48, 40), (1, STEPPED + 1, 2, 32, 48),
               (1, C - 1, 2, 32, 48), (2, C, 1, 48, 32), (1, C + 1, 2, 32, 32), (2, 3 * C + 5, 1, 64, 40),
-              (1, 2 * C + 3, 1, 128, 128)]
+              (1, 4 * C - 1, 1, 32, 32), (1, 4 * C, 1, 32, 32), (1, 4 * C + 1, 1, 128, 128),
+              (1, 200, 1, 48, 40)]
 
 
 @pytest.mark.parametrize("shape", AOT_SHAPES, ids=str)
