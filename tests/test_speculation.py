@@ -370,14 +370,16 @@ def verify_engine(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 def test_a_verify_profile_is_built_recorded_and_taken(build, verify_engine, monkeypatch):
     """build --verify-seq 5 gives the engine a third profile, decode's batch x 5 tokens, in its build
-    record with its device memory; the engine runner (over the CPU stand-in) takes it for a verify
-    call, prefill's for the prefill and decode's for a token."""
+    record with its device memory and the K it serves (run --speculate 2: 2K + 1 = 5); the engine
+    runner (over the CPU stand-in) takes it for a verify call, prefill's for the prefill and decode's
+    for a token."""
     from engine_standin import CpuMemoryEngineRunner, install
 
     record = json.loads(verify_engine.with_name(f"{verify_engine.name}.json").read_text())
     prefill, decode, verify = record["profiles"]
     assert [p["input_ids"][2] for p in (prefill, decode, verify)] == [[3, 64], [3, 1], [3, 5]]
     assert [m["profile"] for m in record["device_memory"]] == ["prefill", "decode", "verify"]
+    assert record["device_memory"][2]["speculate_up_to"] == 2  # 2K + 1 = 5 tokens
     engine = install(monkeypatch)
     runner = CpuMemoryEngineRunner(verify_engine, stage_exports(build)[0])
     runner.activate()

@@ -9,16 +9,28 @@ The preset is exported once into --out (float32, capacity 512) and run as a one-
 
     plain    runtime.generate: one call a token
     oracle   run --speculate K with the true continuation as drafts (every draft accepted: the ceiling)
-    wrong    the same drafts, each call's first one wrong (nothing accepted: the floor, a wasted verify
-             and then a call that feeds the rejected call's token again)
-    ngram    prompt lookup (runtime.drafts.NgramDrafter)
-    suffix   the suffix automaton (runtime.drafts.SuffixDrafter)
+    wrong    the same drafts, each call's first one wrong (nothing accepted: the floor)
+    a=0.5..  the true continuation, each draft kept with probability a (seeded; `rate_drafter`)
+    suffix   the suffix automaton (runtime.drafts.SuffixDrafter), at the default minimum match
+    ngram    prompt lookup (runtime.drafts.NgramDrafter), the same
 
 and asserts each mode's tokens are plain's. Times are medians over the repeats, in CPU seconds of this
-process (ONNX Runtime's threads included; wall seconds beside them: the machine is shared). Then one
-call's cost at a cache of the prompt's length: a decode call (1 token), a verify call (K + 1 tokens,
-with the rollback's copy of the KDA states and conv tails before it) and the call after a rejected
-verify (1 token, its rows taken back first), medians over --calls calls each.
+process (ONNX Runtime's threads included; wall seconds beside them: the machine is shared). Then:
+
+- one call's cost at a cache of the prompt's length, as the runtime makes it (onnx.runner.Rollback
+  with the call's draft_lengths): a decode call; a verify (1 + K tokens, the row's KDA caches copied
+  first); the call after a verify rejected at its first draft (the row taken back, 2 tokens re-fed
+  and K new drafts, no copy: the kept one is its state) and at its last (K + 1 re-fed, K drafts);
+- tokens a call of runtime.speculation.Speculation driven by a model that always gives the true
+  continuation (no graph: every token is the truth's, so only the drafts decide), 4 rows x 2000
+  tokens of random text, each draft the true token with probability a: measured beside the formula
+  for per-draft state slots (1 - a^(K+1)) / (1 - a), at the runtime's 2K + 1 tokens a call and more;
+- the drafters' cost a call a row at 4K and 32K tokens of random text (no match: the case where they
+  cannot help): the suffix automaton, the n-gram index, and the naive rescan they replaced;
+- the minimum match length: tokens a call and drafted tokens a call of the suffix drafter at minimum
+  1 to 4 on text that repeats itself (each token copied from an earlier place with probability 0.8,
+  else random) and on random text over 256 ids (matches by coincidence only), and what a call then
+  costs on this CPU (a drafted token costs (verify - decode) / K of a decode call, measured above).
 """
 
 from __future__ import annotations
@@ -27,18 +39,29 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from k3export.cli import main as k3export
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
-from k3export.onnx.runner import BoundOnnxrtRunner, Signature
+from k3export.onnx.runner import DRAFT_LENGTHS, BoundOnnxrtRunner, Signature
 from k3export.runtime import Pipeline, Sampler, generate
-from k3export.runtime.drafts import ContinuationDrafter, NgramDrafter, SuffixDrafter
+from k3export.runtime.drafts import (
+    DEFAULT_MIN_MATCH,
+    DRAFTS,
+    NGRAM_LONGEST,
+    ContinuationDrafter,
+    Drafter,
+    SuffixDrafter,
+    earlier_match,
+)
+from k3export.runtime.schedule import MicroBatch
 from k3export.runtime.speculation import Speculation, speculate
 
 CAPACITY = 512
+RATES = (0.5, 0.7, 0.9)
 
 
 def export(out: Path, preset: str) -> Path:
@@ -62,11 +85,32 @@ def timed(run):
     return result, time.process_time() - cpu, time.perf_counter() - wall
 
 
-def modes(prompt: list[int], truth: list[int], vocab: int) -> dict:
+def rate_drafter(truth: list[int], vocab: int, rate: float, seed: int) -> ContinuationDrafter:
+    """The true continuation with each draft kept with probability `rate` (seeded): its first wrong
+    draft sits after a geometric number of right ones (none within a call's K: all right)."""
+    rng = np.random.default_rng(seed)
+
+    def first_wrong(_: int) -> int:
+        right = 0
+        while rng.random() < rate:
+            right += 1
+        return right
+
+    return ContinuationDrafter(truth, vocab, first_wrong)
+
+
+def slots_formula(rate: float, drafts: int) -> float:
+    """Tokens a call with per-draft state slots: 1 + a + ... + a^K."""
+    return (1 - rate ** (drafts + 1)) / (1 - rate)
+
+
+def modes(prompt: list[int], truth: list[int], vocab: int) -> dict[str, Callable[[], Drafter]]:
     """Each speculative mode's drafter factory."""
-    return {"oracle": lambda: ContinuationDrafter(prompt + truth, vocab),
-            "wrong": lambda: ContinuationDrafter(prompt + truth, vocab, lambda n: 0),
-            "ngram": NgramDrafter, "suffix": SuffixDrafter}
+    text = prompt + truth
+    return {"oracle": lambda: ContinuationDrafter(text, vocab),
+            "wrong": lambda: ContinuationDrafter(text, vocab, lambda n: 0),
+            **{f"a={a}": lambda a=a: rate_drafter(text, vocab, a, 0) for a in RATES},
+            **{name: lambda make=make: make(DEFAULT_MIN_MATCH) for name, make in DRAFTS.items()}}
 
 
 def generation_table(pipeline: Pipeline, prompt: list[int], tokens: int, drafts: int, vocab: int,
@@ -96,27 +140,133 @@ def generation_table(pipeline: Pipeline, prompt: list[int], tokens: int, drafts:
 
 
 def call_costs(folder: Path, prompt: list[int], drafts: int, threads: int, calls: int) -> dict[str, float]:
-    """Median CPU milliseconds of a decode call, a verify call of K + 1 tokens and the call after a
-    rejected verify, from a cache of the prompt (one more token each round, so each call is legal)."""
+    """Median CPU milliseconds of each kind of call the runtime makes, from a cache of the prompt (one
+    more token each round, so each call is legal), with its rollback as the runner does it."""
     signature = Signature(json.loads((folder / MANIFEST_FILE).read_text()))
     runner = BoundOnnxrtRunner(folder / GRAPH_FILE, signature, threads=threads)
     runner.activate()
     runner.reset(1)
 
-    def call(ids: list[int], cached: int) -> float:
-        feed = {"input_ids": np.array([ids], np.int64), "cache_lengths": np.array([cached], np.int64),
-                "input_lengths": np.array([len(ids)], np.int64)}
+    def call(fed: int, cached: int, drafted: int) -> float:
+        feed = {"input_ids": np.ones((1, fed), np.int64), "cache_lengths": np.array([cached], np.int64),
+                "input_lengths": np.array([fed], np.int64), DRAFT_LENGTHS: np.array([drafted], np.int64)}
         return timed(lambda: runner.infer(feed, check_inputs=False))[1] * 1e3
 
-    call(prompt, 0)
-    cached, times = len(prompt), {"decode": [], "verify": [], "after a rejected verify": []}
+    call(len(prompt), 0, 0)
+    first, last = "after a verify rejected at its first draft", "after a verify rejected at its last"
+    names = {"decode": [], "verify (copies)": [], first: [], last: []}
+    cached = len(prompt)
     for _ in range(calls):
-        times["verify"].append(call([1] * (drafts + 1), cached))
-        times["after a rejected verify"].append(call([1], cached))  # rows taken back, then one token
-        times["decode"].append(call([1], cached + 1))
-        cached += 2
+        names["verify (copies)"].append(call(1 + drafts, cached, drafts))
+        # Each taken back to the verify's cache length (the kept state is the row's own then).
+        names[first].append(call(2 + drafts, cached, drafts))  # 2 re-fed, K drafts
+        names[last].append(call(2 * drafts + 1, cached, drafts))  # K + 1 re-fed, K drafts
+        names["decode"].append(call(1, cached + 2 * drafts + 1, 0))  # all of the last accepted
+        cached += 2 * drafts + 2
     runner.deactivate()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in names.items()}
+
+
+def replay(texts: list[list[int]], prompt_len: int, drafters: list[Drafter], drafts: int,
+           longest: int = 0) -> dict:
+    """Speculation's counts for `texts` (each a prompt of `prompt_len` and its continuation) with a
+    model that always gives the text's next token (one-hot logits): no graph runs."""
+    prompts = [t[:prompt_len] for t in texts]
+    vocab = max(max(t) for t in texts) + 1
+    speculation = Speculation(prompts, len(texts[0]) - prompt_len, drafters, drafts, longest=longest)
+    batch = MicroBatch.of(0, range(len(prompts)), prompts)
+    while not batch.finished:
+        speculation.request(batch)
+        logits = np.zeros((*batch.input_ids.shape, vocab), np.float32)
+        for i, text in enumerate(texts):
+            for j in range(batch.input_lengths[i]):
+                logits[i, j, text[min(batch.cache_lengths[i] + j + 1, len(text) - 1)]] = 1
+        speculation.take(batch, logits)
+        batch.calls += 1
+    return speculation.counts
+
+
+def tokens_a_call_table(drafts: int) -> list[dict]:
+    """Tokens a call at each rate, at 2K + 1, 3K + 1 and any number of tokens a call (a row's caches
+    permitting), beside the slots' formula: 4 rows x 2000 tokens of random text."""
+    rng = np.random.default_rng(1)
+    texts = [rng.integers(0, 1000, 2016).tolist() for _ in range(4)]
+    rows = []
+    for rate in RATES:
+        measured = {}
+        for name, longest in (("2K+1", 2 * drafts + 1), ("3K+1", 3 * drafts + 1), ("any", 10 ** 6)):
+            drafters = [rate_drafter(t, 1000, rate, seed) for seed, t in enumerate(texts)]
+            counts = replay(texts, 16, drafters, drafts, longest)
+            measured[name] = counts["tokens_per_call"]
+        rows.append({"a": rate, "formula": slots_formula(rate, drafts), **measured,
+                     "row_calls": counts["row_calls"]})
+    return rows
+
+
+def naive_ngram(shortest: int) -> Drafter:
+    """The prompt lookup before the index: earlier_match rescanning the whole text each call."""
+    class Rescan:
+        def propose(self, text: list[int], count: int) -> list[int]:
+            length, end = earlier_match(text, NGRAM_LONGEST)
+            return list(text[end + 1:end + 1 + count]) if length >= shortest else []
+    return Rescan()
+
+
+def drafter_costs(lengths: tuple[int, ...] = (4096, 32768), calls: int = 50) -> list[dict]:
+    """Microseconds a propose a row, at each text length: the drafter extended to the length first
+    (untimed), then `calls` calls, 3 new tokens each; random tokens of a 163840-token vocabulary
+    (kimi-k3's), so no suffix of the text occurred before."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for length in lengths:
+        tokens = rng.integers(0, 163840, length + 3 * calls).tolist()
+        row = {"tokens": length}
+        for name, make in (("suffix", DRAFTS["suffix"]), ("ngram", DRAFTS["ngram"]),
+                           ("rescan (before)", naive_ngram)):
+            drafter, text = make(1), tokens[:length]  # a row's text: a list that grows, as the runtime's
+            drafter.propose(text, 4)
+            start = time.process_time()
+            for _ in range(calls):
+                text += tokens[len(text):len(text) + 3]
+                drafter.propose(text, 4)
+            row[name] = (time.process_time() - start) / calls * 1e6
+        rows.append(row)
+    return rows
+
+
+def repeating_text(rng: np.random.Generator, length: int, vocab: int, copy: float) -> list[int]:
+    """Tokens each copied, with probability `copy`, from where the text's last copy left off (a run
+    from a random earlier place, started afresh with probability 0.1), else random."""
+    text, source = rng.integers(0, vocab, 8).tolist(), 0
+    while len(text) < length:
+        if rng.random() < copy:
+            if rng.random() < 0.1 or source >= len(text) - 1:
+                source = int(rng.integers(0, len(text) - 1))
+            text.append(text[source])
+            source += 1
+        else:
+            text.append(int(rng.integers(0, vocab)))
+    return text
+
+
+def min_match_table(drafts: int, drafted_cost: float) -> list[dict]:
+    """Per minimum match 1..4: tokens a call and drafts a call of the suffix drafter, 4 rows x 1000
+    tokens after 32, on text that repeats itself (a 32768-token vocabulary) and on random text over 256
+    ids (k3-tiny's vocabulary: short matches by coincidence, nothing to gain); `efficiency` is tokens a
+    call over a call's cost in decode calls."""
+    rng = np.random.default_rng(3)
+    texts = {"repeating": [repeating_text(rng, 1032, 32768, 0.8) for _ in range(4)],
+             "random over 256": [rng.integers(0, 256, 1032).tolist() for _ in range(4)]}
+    rows = []
+    for shortest in range(1, 5):
+        row = {"min_match": shortest}
+        for name, rows_text in texts.items():
+            counts = replay(rows_text, 32, [SuffixDrafter(shortest) for _ in rows_text], drafts)
+            tokens, drafted = counts["tokens_per_call"], counts["drafted"] / counts["row_calls"]
+            row[name] = {"tokens_per_call": tokens, "drafted_per_call": drafted,
+                         "efficiency": tokens / (1 + drafted_cost * drafted)}
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -132,24 +282,53 @@ def main() -> None:
     folder = export(args.out, args.preset)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompt = prompt_of(vocab)
+    k = args.drafts
     pipeline = Pipeline([folder], args.threads)
     try:
-        rows = generation_table(pipeline, prompt, args.tokens, args.drafts, vocab, args.repeats)
+        rows = generation_table(pipeline, prompt, args.tokens, k, vocab, args.repeats)
+        costs = call_costs(folder, prompt, k, args.threads, args.calls)
+        drafted_cost = (costs["verify (copies)"] / costs["decode"] - 1) / k
     finally:
         pipeline.close()
-    print(f"{args.preset}, float32, batch 1, K = {args.drafts}, {args.tokens} tokens from a 64-token prompt, "
+    print(f"{args.preset}, float32, batch 1, K = {k}, {args.tokens} tokens from a 64-token prompt, "
           f"{args.threads} thread(s), medians of {args.repeats}")
     print("| mode | calls | tokens a call | drafts accepted | CPU s | wall s | vs plain (CPU) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['calls']} | {r['tokens_per_call']:.2f} | {r['accepted'] or '-'} | "
               f"{r['cpu_seconds']:.2f} | {r['wall_seconds']:.2f} | {r['speedup']:.2f}x |")
-    costs = call_costs(folder, prompt, args.drafts, args.threads, args.calls)
-    print(f"\none call at a cache of {len(prompt)} tokens, CPU ms, median of {args.calls}:")
-    print("| call | CPU ms | vs decode |")
-    print("|---|---|---|")
+    print(f"\none call at a cache of {len(prompt)}+ tokens as the runtime makes it, CPU ms, median of "
+          f"{args.calls}:")
+    print("| call | tokens | CPU ms | vs decode |")
+    print("|---|---|---|---|")
+    fed = {"decode": 1, "verify (copies)": 1 + k}
     for name, ms in costs.items():
-        print(f"| {name} | {ms:.1f} | {ms / costs['decode']:.2f}x |")
+        tokens = fed.get(name, 2 + k if "first" in name else 2 * k + 1)
+        print(f"| {name} | {tokens} | {ms:.1f} | {ms / costs['decode']:.2f}x |")
+    table = tokens_a_call_table(k)
+    print(f"\ntokens a call, Speculation with a model giving the truth, K = {k}, 4 rows x 2000 tokens "
+          f"({table[0]['row_calls']}+ row calls each):")
+    print("| a | slots' (1 - a^(K+1)) / (1 - a) | 2K + 1 a call (run's) | 3K + 1 | any |")
+    print("|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['a']} | {r['formula']:.2f} | {r['2K+1']:.2f} ({r['2K+1'] / r['formula'] - 1:+.1%}) | "
+              f"{r['3K+1']:.2f} ({r['3K+1'] / r['formula'] - 1:+.1%}) | {r['any']:.2f} |")
+    print("\nthe drafters a call a row, CPU us (random text: no match), 3 new tokens a call:")
+    costs_rows = drafter_costs()
+    print("| text tokens | suffix | ngram | rescan (before) |")
+    print("|---|---|---|---|")
+    for r in costs_rows:
+        print(f"| {r['tokens']} | {r['suffix']:.1f} | {r['ngram']:.1f} | {r['rescan (before)']:.1f} |")
+    print(f"\nminimum match length (suffix drafter, K = {k}); a drafted token costs {drafted_cost:.3f} of a "
+          "decode call here; efficiency = tokens a call / a call's cost in decode calls:")
+    print("| min match | repeating: tokens a call | drafts a call | efficiency | random over 256: tokens a "
+          "call | drafts a call | efficiency |")
+    print("|---|---|---|---|---|---|---|")
+    for r in min_match_table(k, drafted_cost):
+        a, b = r["repeating"], r["random over 256"]
+        print(f"| {r['min_match']} | {a['tokens_per_call']:.2f} | {a['drafted_per_call']:.2f} | "
+              f"{a['efficiency']:.2f} | {b['tokens_per_call']:.2f} | {b['drafted_per_call']:.2f} | "
+              f"{b['efficiency']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -53,8 +53,9 @@ _CACHE_PRESERVING = ("CAST", "IDENTITY", "SHUFFLE", "SLICE", "CONCATENATION", "K
 @dataclass(frozen=True)
 class Limits:
     """The largest shapes each profile takes: prefill batch x seq tokens, decode batch x 1, and with
-    `verify_seq` a verify profile, decode batch x verify_seq tokens (`run --speculate K`'s calls, K+1
-    tokens a row; the cache capacity is the export's). A profile sized for the other's batch would make
+    `verify_seq` a verify profile, decode batch x verify_seq tokens (`run --speculate K`'s calls, up to
+    2K + 1 tokens a row: K + 1 re-fed after a rejection and K drafts; the cache capacity is the
+    export's). A profile sized for the other's batch would make
     TensorRT reserve context memory for shapes never served (kimi-k3: 8 x 8192 prefill tokens instead of
     1 x 8192)."""
 
@@ -226,7 +227,7 @@ def profile_memory(manifest: dict[str, Any], limits: Limits, engine: Any = None)
     """Per profile, the device memory TensorRT sizes for its execution contexts: the engine's own
     figure (`get_device_memory_size_for_profile_v2`) when a deserialized `engine` is given, else an
     estimate, a lower bound: the profile's inputs and outputs at its largest shapes. Each entry says
-    which it is."""
+    which it is; the verify profile's, the largest K of `run --speculate K` it takes."""
     memory = []
     for index, (name, dims) in enumerate(limits.ranges().items()):
         if engine is not None:  # GPU only: an engine deserializes only where its GPU is
@@ -237,6 +238,8 @@ def profile_memory(manifest: dict[str, Any], limits: Limits, engine: Any = None)
                            "source": "estimate: the profile's inputs and outputs at its largest shapes "
                                      "(a lower bound; TensorRT's figure needs the engine deserialized on "
                                      "its GPU)"})
+    if limits.verify_seq:  # run --speculate K's calls take up to 2K + 1 tokens a row
+        memory[-1]["speculate_up_to"] = (limits.verify_seq - 1) // 2
     return memory
 
 
