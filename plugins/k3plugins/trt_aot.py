@@ -21,8 +21,9 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
 - KDA in float16 and bfloat16 walks chunks of 16 tokens in one launch, the state on chip and the
   products on tensor cores (kda.py's `_fused_chunk_kda_kernel`), and steps the recurrence for a call of at
   most KDA_STEP_TOKENS tokens (decode, a short verify call: the state read and written once),
-  where the JIT form's `chunk_kda` is four kernels with intermediate buffers (`tensorrt.plugin`'s AOT
-  interface has no workspace); float32 runs the recurrence (its chunked form spills registers).
+  where the JIT form's `chunk_kda` is two kernels with intermediates between them (`tensorrt.plugin`'s
+  AOT interface has no workspace: docs/kernels.md gives the two-node form's next step); float32 runs the
+  recurrence (its chunked form spills registers).
 - LatentMLA runs the attention kernel as one split over each row's visible cache (prefill tiles;
   exact for any T, T = 1 included): the split-KV decode needs a log-sum-exp buffer and a combine
   kernel. Decode is thus slower than under the JIT plugin. `scale`, the head dim and `v_dim` are
