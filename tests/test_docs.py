@@ -6,6 +6,7 @@ that are in the repository run, and succeed."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 from pathlib import Path
@@ -83,12 +84,20 @@ def name(value: str | list[str]) -> str:
     return value if isinstance(value, str) else " ".join(value)
 
 
+# The k3export output a folder given to these options (and to run's and verify's DIR) must be: a
+# manifest of its kind (k3export.artifacts.KINDS), the parser opens it.
+READS = {"--onnx": ("export.json", "export"), "--network": ("export.json", "export"),
+         "--build": ("manifest.json", "build"), "--engine": ("manifest.json", "build")}
+READ_BY_POSITION = {"run": READS["--build"], "verify": READS["--build"]}
+
+
 def lay_out_paths(argv: list[str], root: Path) -> None:
     """Makes the paths a command names under `root` (the parser refuses inputs that are not there):
     a name with a suffix (model.onnx, recipe.toml) or a file's placeholder (RECIPE, FILE, PATH) as a
-    file, any other path or placeholder (DIR, out/tiny) as a folder."""
-    for token in argv:
-        if token.startswith("-") or not ("/" in token or token.isupper()):
+    file, any other path or placeholder (DIR, out/tiny) as a folder, with the manifest of the kind of
+    output its option reads (READS)."""
+    for before, token in zip(["", *argv[:-1]], argv, strict=True):
+        if token.startswith("-") or not ("/" in token or token.isupper() or before in READS):
             continue
         path = root / token
         if path.suffix or token in ("RECIPE", "FILE", "PATH"):
@@ -96,6 +105,11 @@ def lay_out_paths(argv: list[str], root: Path) -> None:
             path.touch()
         else:
             path.mkdir(parents=True, exist_ok=True)
+            positional = not before.startswith("-")
+            read = READS.get(before) or (READ_BY_POSITION.get(argv[0]) if positional else None)
+            if read:
+                manifest = {"written_by": "k3export", "command": read[1], "files": {}, "stages": []}
+                (path / read[0]).write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize(("page", "argv"), documented(), ids=name)
