@@ -30,6 +30,7 @@ from k3export.onnx.runner import DRAFT_LENGTHS, BoundOnnxrtRunner, Signature
 from k3export.runtime import Pipeline, stage_exports
 from k3export.runtime import speculation as speculation_module
 from k3export.runtime.drafts import ContinuationDrafter, NgramDrafter, SuffixDrafter, earlier_match
+from k3export.runtime.schedule import MicroBatch
 from k3export.runtime.speculation import Speculation, speculate
 from k3export.shards.plan import rollback_bytes
 from k3export.shards.recipe import load_recipe
@@ -316,6 +317,12 @@ def test_run_speculate_gives_the_tokens_of_run(build, capsys):
         assert main(argv) == 0
         results.append(json.loads(capsys.readouterr().out))
     assert results[0]["tokens"] == results[1]["tokens"]
+    assert main(["run", str(build), "--prompt-ids", repeating, "--max-new-tokens", "24", "--speculate",
+                 "4"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    counts = results[1]["drafts"]
+    assert last.startswith(f"drafts: {counts['accepted']} of {counts['drafted']} accepted (by position: ")
+    assert f"{counts['refeeding_calls']} of {counts['decode_calls']} decode calls re-fed" in last
 
 
 def test_drafts_up_to_the_cache_capacity(build, capsys):
@@ -600,3 +607,32 @@ def test_sampled_runs_are_seeded_per_row(build, model, references):
     assert whole.tokens[:2] == sampled_run([0, 1], 1, seed=3).tokens
     assert whole.tokens != sampled_run([0, 1, 2], 2, seed=4).tokens
     assert all(len(row) == 12 for row in whole.tokens) and whole.drafts["accepted"] > 0
+
+
+def test_counts_per_position_stop_at_a_stop_token():
+    """Speculation's counts, driven by a model that gives each text's next token. Row 0's drafts all
+    match but its third is a stop token: 3 accepted, not 4, and 3 tokens that call. Row 1's second
+    draft of each call is wrong: each call accepts one and gives two tokens, its pending tokens grow
+    by two (3, 5, 7, 9), its drafts cut to 2K + 1 = 9 tokens a call (4, 4, 4, 2, then none: that call
+    accepts its 9 re-fed tokens whole), then one draft left of its 12 tokens."""
+    stop = 13
+    texts = [[1, 2, 3, 4, 5, 10, 11, 12, stop, 14, 15, 16], [1, 2, 3, 4, 5, *range(20, 40)]]
+    drafters = [ContinuationDrafter(texts[0], VOCAB), ContinuationDrafter(texts[1], VOCAB, lambda n: 1)]
+    speculation = Speculation([t[:5] for t in texts], 12, drafters, 4, frozenset([stop]))
+    batch = MicroBatch.of(0, range(2), speculation.prompts)
+    fed = []
+    while not batch.finished:
+        speculation.request(batch)
+        fed.append(batch.input_lengths[1])
+        logits = np.zeros((*batch.input_ids.shape, VOCAB), np.float32)
+        for i, text in enumerate(texts):
+            for j in range(batch.input_lengths[i]):
+                logits[i, j, text[min(batch.cache_lengths[i] + j + 1, len(text) - 1)]] = 1
+        speculation.take(batch, logits)
+        batch.calls += 1
+    counts = speculation.counts
+    assert speculation.rows == [texts[0][5:9], texts[1][5:17]] and fed == [5, 5, 7, 9, 9, 9, 2]
+    assert counts["drafted_per_position"] == [6, 5, 4, 4] and counts["accepted_per_position"] == [6, 1, 1, 0]
+    assert counts["drafted"] == 19 and counts["accepted"] == 8
+    assert counts["decode_calls"] == 6 and counts["refeeding_calls"] == 4
+    assert counts["row_calls"] == 7 and counts["tokens_per_call"] == (3 + 11) / 7

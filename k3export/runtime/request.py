@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -146,9 +147,6 @@ def report(args: argparse.Namespace, result: Generation, names: list[str]) -> No
           + f"; {result.micro_batches} micro-batch{'es' if result.micro_batches > 1 else ''}"
           + (f", {result.threads} thread{'s' if result.threads != 1 else ''} a stage" if result.threads
              else ", engines"))
-    if result.drafts is not None:
-        print(f"drafts: {result.drafts['accepted']} of {result.drafts['drafted']} accepted; "
-              f"{sum(len(t) for t in result.tokens) / (result.decode_steps + 1):.2f} tokens a call a batch")
     for name, seconds, times in zip(names, result.stage_seconds, result.stages, strict=True):
         line = f"  {name}: {seconds:.3f} s in its graph"
         if times["busy_fraction"] is not None:
@@ -157,6 +155,18 @@ def report(args: argparse.Namespace, result: Generation, names: list[str]) -> No
                      f"{times['waiting_seconds']:.3f} s ({times['busy_fraction']:.0%} busy), sends "
                      f"{times['sent_bytes_per_token']:.0f} B a token")
         print(line)
+    if result.drafts is not None:
+        print(drafts_line(result.drafts))
+
+
+def drafts_line(counts: dict[str, Any]) -> str:
+    """A speculative run's last line: runtime.speculation.Speculation's counts."""
+    positions = ", ".join(f"{a}/{n}" for a, n in zip(counts["accepted_per_position"],
+                                                     counts["drafted_per_position"], strict=True))
+    rate = counts["tokens_per_call"]
+    return (f"drafts: {counts['accepted']} of {counts['drafted']} accepted (by position: {positions}); "
+            f"{'-' if rate is None else f'{rate:.2f}'} tokens a call a row; {counts['refeeding_calls']} of "
+            f"{counts['decode_calls']} decode calls re-fed tokens after a rejection")
 
 
 def stage_name(stage: Stage) -> str:
