@@ -159,6 +159,10 @@ def recipe_file(text: str) -> str:
     if artifact is not None:
         recipe = (artifact.manifest or {}).get("recipe_file", "its RECIPE")
         built = f"; it was built from {recipe}" if artifact.kind is BUILD else ""
+        try:
+            artifact.require_whole("")
+        except UserError as e:
+            built += f". Besides, {e}"
         raise argparse.ArgumentTypeError(f"{text} is {artifact.describe()}; expected a RECIPE file{built}")
     return existing_file(text)
 

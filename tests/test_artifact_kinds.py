@@ -129,6 +129,7 @@ def test_each_kind_is_taken_back_by_its_own_command(paths):
 @pytest.mark.parametrize("argv", [
     ["run", "{half}"], ["runtime", "{half}"], ["check", "--build", "{half}"],
     ["check", "--build", "{half}", "--stage", "0"], ["check", "--engine", "{half}"], ["verify", "{half}"],
+    ["plan", "{half}"],
 ])
 def test_a_build_stopped_between_stages_is_refused_naming_what_finishes_it(paths, argv):
     refused(paths, argv, "{half}: an incomplete build: stage 1 of its 2 stages not built",
