@@ -31,7 +31,7 @@ from k3export.runtime import Pipeline, stage_exports
 from k3export.runtime import speculation as speculation_module
 from k3export.runtime.drafts import ContinuationDrafter, NgramDrafter, SuffixDrafter, earlier_match
 from k3export.runtime.schedule import MicroBatch
-from k3export.runtime.speculation import Speculation, speculate
+from k3export.runtime.speculation import Speculation, speculate, truth_logits
 from k3export.shards.plan import rollback_bytes
 from k3export.shards.recipe import load_recipe
 from k3export.shards.stages import build_recipe
@@ -624,11 +624,7 @@ def test_counts_per_position_stop_at_a_stop_token():
     while not batch.finished:
         speculation.request(batch)
         fed.append(batch.input_lengths[1])
-        logits = np.zeros((*batch.input_ids.shape, VOCAB), np.float32)
-        for i, text in enumerate(texts):
-            for j in range(batch.input_lengths[i]):
-                logits[i, j, text[min(batch.cache_lengths[i] + j + 1, len(text) - 1)]] = 1
-        speculation.take(batch, logits)
+        speculation.take(batch, truth_logits(batch, texts, VOCAB))
         batch.calls += 1
     counts = speculation.counts
     assert speculation.rows == [texts[0][5:9], texts[1][5:17]] and fed == [5, 5, 7, 9, 9, 9, 2]

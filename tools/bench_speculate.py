@@ -58,7 +58,7 @@ from k3export.runtime.drafts import (
     earlier_match,
 )
 from k3export.runtime.schedule import MicroBatch
-from k3export.runtime.speculation import Speculation, speculate
+from k3export.runtime.speculation import Speculation, speculate, truth_logits
 
 CAPACITY = 512
 RATES = (0.5, 0.7, 0.9)
@@ -177,11 +177,7 @@ def replay(texts: list[list[int]], prompt_len: int, drafters: list[Drafter], dra
     batch = MicroBatch.of(0, range(len(prompts)), prompts)
     while not batch.finished:
         speculation.request(batch)
-        logits = np.zeros((*batch.input_ids.shape, vocab), np.float32)
-        for i, text in enumerate(texts):
-            for j in range(batch.input_lengths[i]):
-                logits[i, j, text[min(batch.cache_lengths[i] + j + 1, len(text) - 1)]] = 1
-        speculation.take(batch, logits)
+        speculation.take(batch, truth_logits(batch, texts, vocab))
         batch.calls += 1
     return speculation.counts
 

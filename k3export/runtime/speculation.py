@@ -228,6 +228,17 @@ class Speculation:
         return self.last_at - self.prefilled_at
 
 
+def truth_logits(batch: MicroBatch, texts: list[list[int]], vocab: int) -> np.ndarray:
+    """`batch`'s next call's logits from a model that always gives the next token of each row's text
+    (one-hot, no graph run): the stand-in that the tests and tools/bench_speculate.py drive Speculation
+    with, so that only the drafts decide what a call gives."""
+    logits = np.zeros((*batch.input_ids.shape, vocab), np.float32)
+    for i, r in enumerate(batch.rows):
+        for j in range(batch.input_lengths[i]):
+            logits[i, j, texts[r][min(batch.cache_lengths[i] + j + 1, len(texts[r]) - 1)]] = 1
+    return logits
+
+
 def speculate(pipeline: Pipeline, speculation: Speculation, micro_batches: int = 1,
               waits: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> Generation:
     """Decoding of `speculation`'s prompts with its drafts (greedy, or sampled by its rule), micro-batch
