@@ -1,10 +1,11 @@
-"""Speculative greedy decoding through a pipeline in this process: drafts (runtime.drafts) checked by
-the model in one call, with the same tokens as plain greedy decoding.
+"""Speculative decoding through a pipeline in this process: drafts (runtime.drafts) checked by the
+model in one call, with the same tokens as plain greedy decoding, or, sampled, each token from the
+distribution plain sampling draws from (`sampled`).
 
 Each call feeds a row the tokens of its text not yet in the caches (`pending`) and then up to K drafts;
-the logits at the last pending token and at each draft are the greedy choices there. The drafts that
-match them are accepted, and the choice after the last accepted one is a token of its own (the
-correction, or the bonus when all match): one call gives 1 to K+1 tokens.
+the logits at the last pending token and at each draft are the choices there. The drafts that match
+them are accepted, and the choice after the last accepted one is a token of its own (the correction,
+or the bonus when all match): one call gives 1 to K+1 tokens.
 
 The rollback (onnx.runner.Rollback, in every runner) is a re-run from a kept state: when every draft
 of a row was accepted its caches hold its text and the next call goes on from there; when some was
@@ -14,7 +15,7 @@ correction, and new drafts after them. A row so drafts on every call after its p
 ever spent on the rollback alone. The kept state is the one before the call, so a re-run whose own
 drafts are rejected goes back there again and its pending tokens grow; a row's call feeds at most
 `longest` tokens (2K + 1, what a verify profile takes: 1 + j + 1 re-fed after j < K accepted, and K
-drafts), its drafts cut to fit. At K = 4 each draft accepted with probability 0.7 that gives 2.55
+drafts), its drafts cut to fit. At K = 4 each draft accepted with probability 0.7 that gives 2.56
 tokens a call where per-draft state slots give (1 - a^(K+1)) / (1 - a) = 2.77 (tools/bench_speculate.py).
 """
 
