@@ -48,10 +48,11 @@ seconds, default 360, and no row at all after --budget + 90):
    is): the MoE rows' timings will be the first measurement of the kernel's speed.
 6. The anchor: where flash-linear-attention's `fla` imports, or its wheel (fla_core-*.whl, pure
    Python) can be installed from tools/wheels, shared/wheels, .whl or --wheels (pip --no-index
-   --no-deps into a temporary folder), times fla.ops.kda.chunk_kda on the same inputs (the same
-   [B, T, H, K] layout and natural-log per-channel gate; our q is already scaled, so scale=1.0) at
-   T >= 1000 in --fla-dtypes (default bfloat16), and prints ours / fla. fla autotunes on its first
-   call per dtype: that counts in the elapsed time, not in its timings.
+   --no-deps into a temporary folder), times fla.ops.kda's chunk_kda beside our chunk_kda at
+   T >= 1000 and its fused_recurrent_kda beside our recurrent_kda (decode) on the same inputs (the same
+   [B, T, H, K] layout and natural-log per-channel gate; our q is already scaled, so scale=1.0) in
+   --fla-dtypes (default bfloat16), and prints ours / fla. fla autotunes on its first call per kernel
+   and dtype: that counts in the elapsed time, not in its timings.
 
 Exit status: 1 if any row's error exceeds its tolerance (TOLERANCE below), is NaN, or the row raised;
 2 if there is no CUDA device; the whole table is printed first either way. With $OUT set (the device
@@ -287,7 +288,7 @@ class Result:
 
 class Trial(NamedTuple):
     """A prepared row: `check` launches and returns the outputs to compare with `reference`; `bench`
-    launches on the current stream for timing; `anchor` is fla's chunk_kda on the same inputs."""
+    launches on the current stream for timing; `anchor` is fla's kernel of the same op on the same inputs."""
 
     check: Callable[[], Sequence[Tensor]]
     bench: Callable[[], Any]
@@ -390,7 +391,7 @@ def mla_reference(q: Tensor, kv: Tensor, cache_lengths: Tensor) -> list[Tensor]:
 
 # ---- the launches under test ----
 
-def native_trial(c: Case, gen: torch.Generator, fla_chunk_kda: Callable[..., Any] | None) -> Trial:
+def native_trial(c: Case, gen: torch.Generator, fla_kernel: Callable[..., Any] | None) -> Trial:
     import k3plugins
     from k3export import ops
 
@@ -415,7 +416,7 @@ def native_trial(c: Case, gen: torch.Generator, fla_chunk_kda: Callable[..., Any
         def run() -> Sequence[Tensor]:
             return launcher(*inputs)
 
-        anchor = fla_anchor(fla_chunk_kda, inputs) if fla_chunk_kda is not None else None
+        anchor = fla_anchor(fla_kernel, inputs) if fla_kernel is not None else None
     else:
         inputs = mla_inputs(c, gen)
         reference = mla_reference(*inputs)
@@ -427,13 +428,16 @@ def native_trial(c: Case, gen: torch.Generator, fla_chunk_kda: Callable[..., Any
     return Trial(run, run, reference, anchor, sum(t.nbytes for t in inputs))
 
 
-def fla_anchor(fla_chunk_kda: Callable[..., Any], inputs: Sequence[Tensor]) -> Callable[[], Sequence[Tensor]]:
+def fla_anchor(fla_kernel: Callable[..., Any], inputs: Sequence[Tensor]) -> Callable[[], Sequence[Tensor]]:
+    """fla's chunk_kda or fused_recurrent_kda on our inputs. fused_recurrent_kda writes the final state into
+    the initial state's buffer (as our plugins do): the anchor runs after our kernel's check and timing, its
+    first call (the one compared) starts from the state as given, and the later calls time the same work."""
     q, k, v, g, beta, h0 = inputs
 
     def run() -> Sequence[Tensor]:
         # Our q is already scaled by K^-0.5, so fla must not scale it again; no autograd records.
         with torch.no_grad():
-            return fla_chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=h0, output_final_state=True)
+            return fla_kernel(q, k, v, g, beta, scale=1.0, initial_state=h0, output_final_state=True)
 
     return run
 
@@ -582,7 +586,7 @@ def _matmul_tflops(dtype: torch.dtype, n: int = 8192) -> float:
     return 2 * n ** 3 / bench_ms(lambda: a @ b) / 1e9
 
 
-def check_case(c: Case, index: int, seed: int, fla_chunk_kda: Callable[..., Any] | None) -> Result:
+def check_case(c: Case, index: int, seed: int, fla_kernel: Callable[..., Any] | None) -> Result:
     import k3export.ops  # noqa: F401  (registers torch.ops.k3.*, the references)
 
     result = Result(c)
@@ -593,7 +597,7 @@ def check_case(c: Case, index: int, seed: int, fla_chunk_kda: Callable[..., Any]
     elif c.kernel.startswith("aot:"):
         trial = aot_trial(c, gen)
     else:
-        trial = native_trial(c, gen, fla_chunk_kda)
+        trial = native_trial(c, gen, fla_kernel)
     poison_allocator(6 * trial.input_bytes)  # about what chunk_kda allocates (its intermediates)
     outputs = trial.check()
     torch.cuda.synchronize()
@@ -619,9 +623,9 @@ def check_case(c: Case, index: int, seed: int, fla_chunk_kda: Callable[..., Any]
 
 # ---- fla, the anchor ----
 
-def load_fla(extra_dirs: Sequence[str]) -> tuple[Callable[..., Any] | None, str]:
-    """fla.ops.kda.chunk_kda, installing its wheel (and einops', if missing) from a wheel folder when
-    fla does not import; or None and why."""
+def load_fla(extra_dirs: Sequence[str]) -> tuple[dict[str, Callable[..., Any]] | None, str]:
+    """fla.ops.kda's kernels by the name of ours they stand beside, installing its wheel (and einops', if
+    missing) from a wheel folder when fla does not import; or None and why."""
     try:
         return _import_fla()
     except Exception as exc:  # ImportError, or whatever fla's import-time device probing raises
@@ -643,17 +647,18 @@ def load_fla(extra_dirs: Sequence[str]) -> tuple[Callable[..., Any] | None, str]
     sys.path.insert(0, str(target))
     importlib.invalidate_caches()
     try:
-        fn, version = _import_fla()
-        return fn, f"{version} (installed from {install[0].parent})"
+        kernels, version = _import_fla()
+        return kernels, f"{version} (installed from {install[0].parent})"
     except Exception as exc:
         return None, f"skipped: installed {[w.name for w in install]} but fla does not import: {exc}"
 
 
-def _import_fla() -> tuple[Callable[..., Any], str]:
+def _import_fla() -> tuple[dict[str, Callable[..., Any]], str]:
     import fla
-    from fla.ops.kda import chunk_kda
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    return chunk_kda, f"fla {getattr(fla, '__version__', '?')}"
+    return ({"chunk_kda": chunk_kda, "recurrent_kda": fused_recurrent_kda},
+            f"fla {getattr(fla, '__version__', '?')}")
 
 
 def find_wheels(extra_dirs: Sequence[str]) -> list[Path]:
@@ -753,7 +758,8 @@ def estimate_lines(pairs: Sequence[tuple[Case, Any]], results: dict[Case, Result
 
 
 def wants_fla(c: Case, fla_dtypes: Sequence[str]) -> bool:
-    return c.kernel == "chunk_kda" and c.T >= FLA_MIN_T and c.dtype in fla_dtypes
+    long_enough = c.kernel == "recurrent_kda" or (c.kernel == "chunk_kda" and c.T >= FLA_MIN_T)
+    return long_enough and c.dtype in fla_dtypes
 
 
 # ---- main ----
@@ -825,14 +831,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings['copy']:.0f} GB/s, bf16 matmul {ceilings['bf16']:.0f} TFLOP/s, "
           f"fp32 matmul {ceilings['fp32']:.1f} TFLOP/s", flush=True)
-    fla_chunk_kda, fla_status = (None, "skipped: --no-fla") if args.no_fla else load_fla(args.wheels)
+    fla_kernels, fla_status = (None, "skipped: --no-fla") if args.no_fla else load_fla(args.wheels)
     print(f"anchor: {fla_status}", flush=True)
 
     results = {c: Result(c) for c in cases}
     # Small rows first, the largest last: those are what the time budget drops.
     order = [c for c in cases if not c.big] + [c for c in cases if c.big]
     context_lost = False
-    fla_tuned: set[str] = set()  # dtypes fla has autotuned
+    fla_tuned: set[tuple[str, str]] = set()  # (kernel, dtype) fla has autotuned
     for index, c in enumerate(order):
         elapsed = time.monotonic() - start
         r = results[c]
@@ -842,15 +848,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if elapsed > args.budget + GRACE_S or (c.big and elapsed > args.budget):
             r.note = "time budget"
             continue
-        fla = fla_chunk_kda if wants_fla(c, args.fla_dtypes) else None
+        fla = fla_kernels[c.kernel] if fla_kernels and wants_fla(c, args.fla_dtypes) else None
         fla_note = ""
-        if fla is not None and c.dtype not in fla_tuned and elapsed > args.budget - FLA_TUNE_S:
+        if fla is not None and (c.kernel, c.dtype) not in fla_tuned and elapsed > args.budget - FLA_TUNE_S:
             fla, fla_note = None, "fla: no time left to autotune"
         try:
             results[c] = r = check_case(c, index, args.seed, fla)
             r.note = r.note or fla_note
             if r.fla_ms is not None:
-                fla_tuned.add(c.dtype)
+                fla_tuned.add((c.kernel, c.dtype))
         except Exception as exc:  # one failing kernel must not stop the others
             r.status, r.note = "ERROR", f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
