@@ -18,6 +18,7 @@ The packages, in pipeline order (model -> export -> engine -> shards -> check):
     config.py, artifacts.py, options.py, progress.py, errors.py   the model config, files written
                 whole with their manifests, the command-line option types (ranges, paths, requests
                 that fit), progress bars, the error a user gets
+    exits.py    how every process that has used gloo ends (os._exit, never the interpreter's teardown)
 
 Layers: a module imports from its own package and from the floors below its own, never from a
 floor above nor from another package on its floor (tests/test_layers.py reads this table, and also
@@ -34,7 +35,7 @@ refuses any import cycle between modules):
     floor  3   ops
     floor  2   config options
     floor  1   artifacts
-    floor  0   errors progress
+    floor  0   errors exits progress
 
 plugins/k3plugins (the Triton kernels and their TensorRT adapters) is a package of its own that
 imports nothing from k3export, so a serving process can load it alone.

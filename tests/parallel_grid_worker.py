@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from k3export.engine.network import NetworkEvaluator, parse_network, to_numpy
+from k3export.exits import run_to_end
 from k3export.onnx.runner import PAST, PRESENT, Signature
 
 PROMPT_LENGTHS = [6, 4]
@@ -56,8 +57,7 @@ def main(ranks_dir: str, out: str, new_tokens: str) -> None:
         cache_lengths = cache_lengths + lengths
         ids, lengths = tokens[-1][:, None], np.ones(len(lengths), dtype=np.int64)
     np.savez(Path(out) / f"rank-{rank}.npz", tokens=np.stack(tokens, 1), logits=np.stack(logits))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_to_end(lambda: main(*sys.argv[1:]))  # destroys the process group

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from k3export.config import K3Config
+from k3export.exits import run_to_end
 from k3export.model import K3ForCausalLM, KDACache
 from k3export.model.parallel import split_model
 
@@ -81,8 +82,7 @@ def main(config_path: str, out: str) -> None:
     result = {"rank": rank, "ranks": ranks, "logits_errors": logits_errors, "state_errors": state_errors,
               "router_choices": every_rank, "expert_hashes": expert_hashes(model)}
     (Path(out) / f"rank-{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_to_end(lambda: main(*sys.argv[1:]))  # destroys the process group

@@ -27,6 +27,7 @@ from k3export.check.compare import TOLERANCES, compare, half_precision_tolerance
 from k3export.check.routing import held_routing
 from k3export.config import K3Config
 from k3export.engine.network import NetworkEvaluator, parse_network, to_numpy
+from k3export.exits import run_to_end
 from k3export.model.parallel import split_model
 from k3export.onnx.export import ExportGraph, TensorSpec, resolve_shape
 from k3export.ops.collectives import recording_partials
@@ -103,8 +104,7 @@ def main(spec: str, out: str) -> None:
     rank = dist.get_rank()
     results = {case["name"]: run_case(case, rank) for case in json.loads(Path(spec).read_text())}
     (Path(out) / f"rank-{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_to_end(lambda: main(*sys.argv[1:]))  # destroys the process group

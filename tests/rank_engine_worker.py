@@ -22,6 +22,7 @@ from engine_standin import install
 
 import k3export.runtime.nccl
 from k3export.check.runners.grid import RankWorker
+from k3export.exits import run_to_end
 from k3export.runtime.engines import EnginePlace
 
 
@@ -53,8 +54,7 @@ def main(build_dir: str, out: str) -> None:
                                                                       *context.engine.outputs]),
         "routing": sorted(n for n in outputs if n.startswith("routing."))}))
     worker.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_to_end(lambda: main(*sys.argv[1:]))  # destroys the process group

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import succeeded, torchrun
 
 from k3export.config import K3Config
 from k3export.errors import UserError
@@ -30,21 +29,11 @@ def four_head_config() -> K3Config:
     return K3Config.from_dict(data)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(config: K3Config, ranks: int, folder: Path) -> list[dict]:
     """tests/parallel_worker.py under torchrun (gloo on 127.0.0.1): each rank's record."""
     folder.mkdir(parents=True)
     config.to_json(folder / "config.json")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           str(WORKER), str(folder / "config.json"), str(folder)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    succeeded(torchrun(ranks, str(WORKER), str(folder / "config.json"), str(folder), timeout=240))
     return [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(ranks)]
 
 

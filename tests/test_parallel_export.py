@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from launch import succeeded, torchrun
 from onnx import numpy_helper
 from reference import rel_error
 
@@ -178,18 +178,9 @@ def test_rank_options_that_do_not_fit_are_refused(options, message, tmp_path, ca
     assert not (tmp_path / "x").exists()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_network_grid(rank_exports, new_tokens: int, out: Path) -> list:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(GRID_WORKER),
-                           str(rank_exports["rank0"].parent), str(out), str(new_tokens)],
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    succeeded(torchrun(2, str(GRID_WORKER), str(rank_exports["rank0"].parent), str(out), str(new_tokens),
+                       timeout=400))
     return [np.load(out / f"rank-{r}.npz") for r in range(2)]
 
 

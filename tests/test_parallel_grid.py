@@ -10,9 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from launch import succeeded, torchrun, torchrun_command
 from reference import assert_eager_ran
 from test_parallel import four_head_config
 from test_shards import corrupt_stage, fault_a_worker
@@ -52,18 +50,6 @@ def grid_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copy(GRID_RECIPE, folder / "grid.toml")
     build_recipe(load_recipe(folder / "grid.toml"), folder / "build", log=lambda _: None)
     return folder / "build"
-
-
-def torchrun_command(processes: int, *args: str) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-            "--master-addr", "127.0.0.1", "--master-port", str(port), *args]
-
-
-def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_command(processes, *args), capture_output=True, text=True, timeout=300)
 
 
 @torch.no_grad()
@@ -101,7 +87,7 @@ def test_grid_generates_the_unsplit_models_tokens(grid_build: Path, tiny_model) 
     proc = torchrun(4, "-m", "k3export.runtime", str(grid_build), "--batch", "2", "--prompt-len", "8",
                     "--max-new-tokens", "6", "--seed", "3", "--json", "--threads", "1",
                     "--micro-batches", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    succeeded(proc)
     grid = json.loads(proc.stdout.strip().splitlines()[-1])
     assert grid["tokens"] == eager_greedy(tiny_model, random_prompts(2, 8, 256, 3), 6)
     assert grid["micro_batches"] == 2 and len(grid["stage_seconds"]) == len(grid["stages"]) == 4
@@ -112,7 +98,11 @@ def test_grid_generates_the_unsplit_models_tokens(grid_build: Path, tiny_model) 
 def test_wrong_process_count_and_single_process_run_are_refused(grid_build: Path, capsys) -> None:
     proc = torchrun(2, "-m", "k3export.runtime", str(grid_build))
     assert proc.returncode != 0
-    assert "2 stages x 2 ranks, started with 2 processes; expected torchrun --nproc-per-node 4" in proc.stderr
+    refusal = "2 stages x 2 ranks, started with 2 processes; expected torchrun --nproc-per-node 4"
+    assert refusal in proc.stderr
+    # torchrun's report of the failed process, which follows and would bury that line, names it too.
+    report = r"exitcode\s*: 2 .*\n.*\n\s*traceback : k3export.runtime: error: .*"
+    assert re.search(report + re.escape(refusal), proc.stderr), proc.stderr[-3000:]
     assert main(["run", str(grid_build)]) == 2
     assert "torchrun --nproc-per-node 4 -m k3export.runtime DIR" in capsys.readouterr().err
 
@@ -477,7 +467,7 @@ def test_checking_outputs_change_nothing_and_are_the_sums_inputs(grid_build: Pat
                      "ort": dtype != "bfloat16", "network": dtype != "float32"})
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     proc = torchrun(2, str(PARTIAL_WORKER), str(tmp_path / "spec.json"), str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    succeeded(proc)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert results["float32"]["partials"] == 10 and results["float16"]["partials"] == 6
@@ -502,7 +492,7 @@ def test_a_grid_rank_runs_on_its_engine(float16_grid: Path, tmp_path: Path) -> N
 
     build = engines_recorded(float16_grid, tmp_path / "build", LIMITS)
     proc = torchrun(2, str(Path(__file__).with_name("rank_engine_worker.py")), str(build), str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    succeeded(proc)
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert seen["refusals"] == [] and seen["bound"] == seen["engine_tensors"]

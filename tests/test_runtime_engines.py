@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_parallel_grid import torchrun_command
+from launch import torchrun_command
 
 import k3export.runtime
 from k3export.artifacts import file_record, write_json

@@ -13,13 +13,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import launch
 import numpy as np
 import onnx
 import pytest
@@ -259,16 +259,15 @@ def test_sharded_run_matches_unsharded_and_eager(sharded: Path, tiny_export: Pat
 
 def torchrun(build: Path, *options: str, timeout: float = 300) -> dict[str, Any]:
     """`torchrun -m k3export.runtime BUILD OPTIONS --json`, one process a stage: its summary."""
-    proc = subprocess.run(torchrun_command(build, *options, "--json"), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch.succeeded(launch.torchrun(len(stage_exports(build)), "-m", "k3export.runtime", str(build),
+                                            *options, "--json", timeout=timeout))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def torchrun_command(build: Path, *options: str, monitor_interval: float = 0.1) -> list[str]:
     """torchrun polls its processes every `monitor_interval` seconds (0.1, its default)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(stage_exports(build))),
-            "--monitor-interval", str(monitor_interval), "-m", "k3export.runtime", str(build), *options]
+    return launch.torchrun_command(len(stage_exports(build)), "-m", "k3export.runtime", str(build), *options,
+                                   monitor_interval=monitor_interval)
 
 
 def in_process(build: Path, prompts: list[list[int]], new_tokens: int, sampler: Sampler,

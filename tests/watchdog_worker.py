@@ -8,7 +8,6 @@ fails as the link closes), both on time.monotonic()'s clock, which the processes
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from k3export.exits import end_process, run_to_end
 from k3export.runtime.faults import process_name
 from k3export.runtime.watchdog import Watchdog
 
@@ -36,7 +36,7 @@ def main() -> None:
             dist.recv(torch.zeros(1), 0)  # silent until process 0 is gone
         except RuntimeError:
             print(f"process 0 gone at {time.monotonic()}", flush=True)
-        os._exit(0)  # at once: tearing down a group whose peer is gone takes seconds
+        end_process(0, fault=True)  # at once: destroying a group whose peer is gone takes seconds
 
     def abort() -> None:
         with aborts.open("a") as file:
@@ -56,4 +56,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_to_end(main)

@@ -19,14 +19,19 @@ runtime.links; runtime.faults names what it waited for when another process fail
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import json
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from k3export.errors import UserError
+from k3export.exits import run_to_end
 from k3export.options import positive_int
 from k3export.runtime.builds import stage_ranks
 from k3export.runtime.engines import ENGINE, choose_runner, device_of
@@ -47,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def refuse(error: UserError) -> int:
+    """Says the refusal on stderr and, under torchrun, in the process's error file, whose message
+    torchrun's report then shows as the failure's "traceback" (that 30-line report follows the line
+    here and would bury it; torch.distributed.elastic.multiprocessing.errors.ProcessFailure reads
+    {"message": str, "timestamp": int}). Returns the exit status of bad input."""
+    line = f"k3export.runtime: error: {error}"
+    print(line, file=sys.stderr, flush=True)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError):  # the report then says what it says without it
+            Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     process = int(os.environ.get("RANK", 0))
@@ -55,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         choice = choose_runner(args.build, args.runner)
         device = device_of(os.environ, torch.cuda.device_count()) if choice.kind == ENGINE else None
     except UserError as e:
-        print(f"k3export.runtime: error: {e}", file=sys.stderr)
-        return 2
+        return refuse(e)
     if process == 0:
         print(f"k3export.runtime: {choice.line()}", file=sys.stderr, flush=True)
     ranks = len(exports[0])
@@ -73,20 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         run_process(args, exports, choice, device, watchdog, nccl_groups)
     except UserError as e:
         board.say(f"{board.FAILED}error: {e}")
-        print(f"k3export.runtime: error: {e}", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
+        return refuse(e)
     except StageFailed as e:
-        watchdog.stop(str(e))  # not destroy_process_group: its teardown can wait on a peer that is gone
-    except Exception as e:  # its traceback follows; the others name it
+        watchdog.stop(str(e))  # exits 1 at once (end_process for a fault)
+    except Exception as e:  # its traceback follows (run_to_end, exit 1); the others name it
         board.say(f"{board.FAILED}{type(e).__name__}: {e}")
         raise
     else:
         board.say(board.FINISHED)
     finally:
-        board.close()
-    dist.destroy_process_group()
+        board.close()  # the heartbeat joined before the process ends
     return 0
 
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_to_end(main)  # destroys the process group and ends without the interpreter's teardown

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from k3export.exits import INTERRUPTED, end_process
 from k3export.runtime.watchdog import Watchdog
 
 BEAT_SECONDS = 0.2
@@ -126,7 +127,7 @@ def watch_signals(watchdog: Watchdog) -> None:
     def watch() -> None:
         if os.read(read, 1)[0] == signal.SIGINT:
             watchdog.say("interrupted (Ctrl-C)")
-            os._exit(130)
+            end_process(INTERRUPTED, fault=True)
         watchdog.stop("stopped by SIGTERM: torchrun stops every process when one fails")
 
     threading.Thread(target=watch, name="signals", daemon=True).start()
@@ -171,7 +172,7 @@ class FaultBoard:
     def close(self) -> None:
         """Stops the heartbeat before the interpreter's teardown, which must not find the thread inside
         the store's C++ client (a process whose run ended aborted there: "terminate called without an
-        active exception"). An exit for a fault is os._exit, which has no teardown."""
+        active exception"). Every exit is end_process (k3export.exits): os._exit, without the teardown."""
         self.stopped.set()
         self.beating.join()
 

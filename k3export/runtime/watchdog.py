@@ -15,12 +15,13 @@ SILENCE_SECONDS and one more) while the abort runs.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import NoReturn
+
+from k3export.exits import end_process
 
 ABORT_SECONDS = 10.0
 
@@ -88,5 +89,4 @@ class Watchdog:
         if aborting.is_alive():
             self.say(f"the abort of the NCCL communicators did not return within {self.abort_wait:g} s; "
                      "exiting without it")
-        # Not a normal exit: its teardown can wait on a peer that is gone, or on a blocked main thread.
-        os._exit(1)
+        end_process(1, fault=True)

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ from k3export.check.driver import read_export
 from k3export.check.runners.eager import EagerSide
 from k3export.config import K3Config
 from k3export.errors import UserError
+from k3export.exits import end_process
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE, graph_signature
 from k3export.onnx.runner import DRAFT_LENGTHS, Signature, StatefulRunner
 from k3export.ops.collectives import recording_partials
@@ -227,10 +228,10 @@ def rank_engine(folder: Path, engine: EnginePlace) -> StatefulRunner:  # GPU onl
 
 
 def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str,
-          engine: EnginePlace | None = None) -> None:
+          engine: EnginePlace | None = None) -> NoReturn:
     """A worker process's life: rank `rank` of a stage of `ranks` (gloo, rendezvous in `init_file`),
     its graph's pieces or its `engine`, answering (method, *arguments) messages from the check process
-    until STOP."""
+    until STOP; then the process ends (end_process)."""
     # Ctrl-C is the check process's: it stops every worker (a worker stopped alone would leave its
     # partners waiting in a sum).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -249,9 +250,7 @@ def serve(conn: Connection, folder: Path, rank: int, ranks: int, init_file: str,
         conn.send((FAILED, str(e)))
     except Exception:
         conn.send((FAILED, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    end_process(0)  # every answer is sent; the group destroyed, and no teardown to race gloo's threads
 
 
 @dataclass
