@@ -438,6 +438,30 @@ def moe_routing(tokens: int) -> list[list[int]]:
     return [[j * stride + (17 * n) % stride for j in range(MOE_TOP_K)] for n in range(tokens)]
 
 
+def moe_grouped_launches(mode: str, tokens: int, counts: dict[int, int]) -> list[Launch]:
+    """k3plugins.moe's four launches (group, gate/up, down, combine) for MXFP4 experts and bf16 activations
+    with `mode`'s tiles, `counts` the pairs of each expert held."""
+    from k3plugins import moe
+
+    tiles = moe.tile_choices(_torch_bf16(), packed=True)[mode]
+    pairs = tokens * MOE_TOP_K
+    used = sum(cdiv(n, tiles.block_p) for n in counts.values())  # tiles of the rank's own pairs
+    bound = moe.max_tiles(pairs, MOE_HELD, tiles.block_p)
+    scan = cdiv(pairs, moe.GROUP_BLOCK)
+    scans = {"for p0 in range(0, num_pairs, BLOCK)": scan, "for q0 in range(0, num_pairs, BLOCK)": scan}
+    launches = [Launch(moe.group_variant(), (MOE_HELD + 1,), scans)]
+    gate_up, down = moe.grouped_variants("bf16", True, tiles, mode)
+    products = ((gate_up, MOE_I, MOE_L, "L", 2), (down, MOE_L, MOE_I, "I", 1))
+    for variant, rows, reduce, width, matrices in products:
+        columns = cdiv(rows, tiles.block_w)
+        loop = f"for k0 in range(0, {width}, BLOCK_K)"
+        launches.append(Launch(variant, (bound, columns), {loop: cdiv(reduce, tiles.block_k)}, loop,
+                               matrices * tiles.block_w * tiles.block_k, programs=used * columns))
+    launches.append(Launch(moe.combine_variant(), (tokens, cdiv(MOE_L, moe.COMBINE_BLOCK)),
+                           {"for j in range(TOP_K)": MOE_TOP_K}))
+    return launches
+
+
 def moe_rows() -> list[Row]:
     """The routed experts (MXFP4 experts, bf16 activations) on one rank of 8: 112 experts held, top-16 of
     896, decode with 1 and 16 tokens a rank, prefill with 512 and 8192."""
@@ -469,21 +493,10 @@ def moe_rows() -> list[Row]:
         rows.append(Row("moe", "AOT", shape, [Launch(aot, grid, trips, "for k0 in range(0, L, BLOCK_K)",
                                                      2 * c["BLOCK_I"] * c["BLOCK_K"])], nbytes, flops,
                         case={"kernel": "aot:moe_mxfp4", **case}))
-        # JIT: the pairs grouped by expert (all N k pairs pick the tiles), gate/up then down.
-        tiles = moe.pick_tiles(tokens * MOE_TOP_K, MOE_HELD, _torch_bf16())
-        mode = "decode" if tiles is moe.DECODE else "prefill"
-        blocks = sum(cdiv(n, tiles.block_m) for n in counts.values())
-        bound = moe.max_blocks(tokens * MOE_TOP_K, MOE_HELD, tiles.block_m)
-        launches = []
-        for name, out_cols, reduce, width in (("gate_up", MOE_I, MOE_L, "L"), ("down", MOE_L, MOE_I, "I")):
-            columns = cdiv(out_cols, tiles.block_n)
-            loop = f"for k0 in range(0, {width}, BLOCK_K)"
-            weights = (2 if name == "gate_up" else 1) * tiles.block_n * tiles.block_k  # a trip's
-            launches.append(Launch(jit_variant(f"moe_{name}_{mode}_bf16_wmxfp4"), (bound, columns),
-                                   {loop: cdiv(reduce, tiles.block_k)}, loop, weights,
-                                   programs=blocks * columns))
-        rows.append(Row("moe", "JIT", shape, launches, nbytes, flops, note=f"{mode} tiles",
-                        case={"kernel": "moe_mxfp4", **case}))
+        # JIT: k3plugins.moe's grouped launches (all N k pairs pick the tiles: no host sync for the count).
+        mode = moe.tile_mode(tokens * MOE_TOP_K, MOE_HELD)
+        rows.append(Row("moe", "JIT", shape, moe_grouped_launches(mode, tokens, counts), nbytes, flops,
+                        note=f"{mode} tiles", case={"kernel": "moe_mxfp4", **case}))
     return rows
 
 

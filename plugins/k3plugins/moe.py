@@ -86,9 +86,13 @@ def tile_choices(dtype: torch.dtype, packed: bool = False) -> dict[str, Tiles]:
     return tiles
 
 
+def tile_mode(num_pairs: int, num_experts: int) -> str:
+    """"decode" while the pairs average fewer than DECODE_PAIRS_PER_EXPERT an expert, else "prefill"."""
+    return "decode" if num_pairs < DECODE_PAIRS_PER_EXPERT * num_experts else "prefill"
+
+
 def pick_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype, packed: bool = False) -> Tiles:
-    mode = "decode" if num_pairs < DECODE_PAIRS_PER_EXPERT * num_experts else "prefill"
-    return tile_choices(dtype, packed)[mode]
+    return tile_choices(dtype, packed)[tile_mode(num_pairs, num_experts)]
 
 
 @triton.jit
@@ -146,8 +150,15 @@ def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
     third axis and reshaped back into the row."""
     if PACKED:
         word, low, high = _packed_words(w, w_scale, rows, mask_n, k0, K, BLOCK_N, BLOCK_K)
-        codes = word[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]
-        tile = tl.reshape(_e2m1(codes, low[:, :, None], high[:, :, None]), (BLOCK_N, BLOCK_K))
+        # Code i of each word as [BLOCK_N, BLOCK_K / 8] values, put back in order (input 8j + i) by joins:
+        # join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), join(c3, c7)))[.., j, a, b, c] is code
+        # 4a + 2b + c of word j, which the reshape puts at 8j + 4a + 2b + c.
+        c0, c1 = _e2m1(word, low, high), _e2m1(word >> 4, low, high)
+        c2, c3 = _e2m1(word >> 8, low, high), _e2m1(word >> 12, low, high)
+        c4, c5 = _e2m1(word >> 16, low, high), _e2m1(word >> 20, low, high)
+        c6, c7 = _e2m1(word >> 24, low, high), _e2m1(word >> 28, low, high)
+        joined = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+        tile = tl.reshape(joined, (BLOCK_N, BLOCK_K))
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w + rows[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],

@@ -294,7 +294,7 @@ def _routed_experts_mxfp4_aot_kernel(z, experts, weights, w1_packed, w1_scale, w
 
 # Output columns per program, intermediate rows per step, reduction step (a multiple of 32: MXFP4
 # scale groups); sized so that no variant spills on sm_90a or sm_100a (tests/test_aot.py).
-MOE_BLOCK_L, MOE_BLOCK_I, MOE_BLOCK_K = 256, 32, 64
+MOE_BLOCK_L, MOE_BLOCK_I, MOE_BLOCK_K = 256, 16, 64
 MOE_NUM_WARPS = 4
 
 
