@@ -479,7 +479,7 @@ def test_check_speculate_names_the_layer_and_call_of_a_broken_rollback(build, mo
 
     def reset(self, batch, rows=None):
         real_reset(self, batch, rows)
-        self.rollback = NoRollback(self.rollback.before, self.rollback.after, held=self.rollback.held)
+        self.rollback = NoRollback(self.rollback.before, self.rollback.after)
 
     monkeypatch.setattr(BoundOnnxrtRunner, "reset", reset)
     report = run_build_check(build, steps=20, prompt_len=20, speculate=4, log=lambda _: None)

@@ -115,9 +115,13 @@ class Rollback:
     held: np.ndarray | None = None  # [batch] the rows of `kept` that hold that (the rows that drafted)
     copied_bytes: int = 0  # the bytes copied into `kept`, over every call (what a verify costs)
 
+    def __post_init__(self) -> None:
+        if self.held is None:
+            self.held = np.zeros(len(self.before), bool)
+
     @classmethod
     def fresh(cls, batch: int) -> Rollback:
-        return cls(np.zeros(batch, np.int64), np.zeros(batch, np.int64), held=np.zeros(batch, bool))
+        return cls(np.zeros(batch, np.int64), np.zeros(batch, np.int64))
 
     def rewind(self, caches: dict[str, Any], cache_lengths: np.ndarray, name: str) -> np.ndarray:
         """Takes back to their kept state the drafting rows whose `cache_lengths` is the last call's,
