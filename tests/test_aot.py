@@ -15,7 +15,7 @@ import triton.language as tl
 
 import k3plugins
 from k3export.config import K3Config
-from k3plugins import aot, trt_aot
+from k3plugins import aot, moe, trt_aot
 from k3plugins.aot import MAX_SHARED_BYTES, compile_variant, kernel_stats
 
 # Under the interpreter @triton.jit yields interpreted functions, which do not compile.
@@ -106,3 +106,32 @@ def test_routed_experts_aot_parameters_are_inputs_then_output() -> None:
     params = re.search(r"\.entry\s+\w+\((.*?)\)", ptx, re.S).group(1)
     # z, experts, weights, six MXFP4 tensors, u, then the scratch pointers.
     assert re.findall(r"\.param\s+\.(u64|u32)", params) == ["u64"] * 10 + ["u64"] * 2
+
+
+def published_grouped_moe_kernels() -> list[k3plugins.KernelVariant]:
+    """k3plugins.moe's grouped kernels (group, gate/up, down, combine) with kimi-k3's widths compiled in, as
+    grouped AOT nodes would embed them (one rank of 8: 112 experts, top-16), bfloat16 with float and MXFP4
+    experts, decode and prefill tiles."""
+    c = K3Config.from_preset("kimi-k3")
+    held = c.num_experts // 8
+    widths = {"L": c.routed_expert_hidden_size, "I": c.moe_intermediate_size, "E": held,
+              "TOP_K": c.num_experts_per_token, "BETA": c.activation_situ_beta,
+              "LINEAR_BETA": c.activation_situ_linear_beta}
+    variants = [moe.group_variant({"E": held, "OFFSET": 0}),
+                moe.combine_variant({"L": widths["L"], "TOP_K": widths["TOP_K"]})]
+    for packed in (False, True):
+        for mode, tiles in moe.tile_choices(torch.bfloat16, packed).items():
+            variants += moe.grouped_variants("bf16", packed, tiles, mode, widths)
+    return variants
+
+
+@pytest.mark.parametrize("variant", published_grouped_moe_kernels(), ids=lambda v: v.name)
+def test_grouped_moe_kernels_at_the_published_widths(variant: k3plugins.KernelVariant) -> None:
+    """Each compiles for sm_90a with no spills, no Triton scratch, within the 48 KB of dynamic shared memory
+    an AOT launch gets, and the gate/up and down products on wgmma."""
+    kernel = compile_variant(variant, "sm90")
+    assert_fits(kernel, "sm90")
+    assert_no_scratch(kernel)
+    assert kernel.metadata.shared <= trt_aot.DEFAULT_SHARED_BYTES, variant.name
+    if "gate_up" in variant.name or "down" in variant.name:
+        assert "wgmma.mma_async" in kernel.asm["ptx"], variant.name
