@@ -82,14 +82,17 @@ _TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 DEFAULT_SHARED_BYTES = 48 * 1024
 
 # KDA's chunk (tokens; kda.py's, 16: a chunk's decay stays within e^-80 at the published gate bound g >= -5,
-# so the factored scores always apply) and value columns per program.
+# so the factored scores always apply) and value columns per program: 64 halves the programs against 32, and
+# with them the chunks' state-free work each repeats (237 registers, 32 KB of shared memory, no spills;
+# tools/kernel_estimate.py on an H100: prefill at T = 8192 5.2 ms at 96 heads against 7.7, decode at 78-100%
+# of the state-bytes bound against 62-64%).
 KDA_CHUNK = CHUNK_SIZE
-BLOCK_V = 32
-# Calls of at most this many tokens (decode; a verify call of 4 drafts) step the recurrence in float16 and
-# bfloat16 too: compiled for sm_90a, a token's step is 315 SASS instructions a warp with 40 barriers and
-# shuffles, a chunk of 16 tokens about 2,030 with 150 (docs/kernels.md): the recurrence costs less up to 6
-# tokens by issue slots, up to 4 with tools/kernel_estimate.py's latency terms.
-KDA_STEP_TOKENS = 5
+BLOCK_V = 64
+# Calls of at most this many tokens (decode; a verify call of 3 drafts) step the recurrence in float16 and
+# bfloat16 too: compiled for sm_90a, a token's step is 461 SASS instructions a warp with 38 barriers and
+# shuffles, a chunk of 16 tokens about 2,060 with 150 (docs/kernels.md): the recurrence costs less up to 4
+# tokens, by issue slots and with tools/kernel_estimate.py's latency terms alike.
+KDA_STEP_TOKENS = 4
 
 
 @triton.jit
