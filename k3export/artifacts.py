@@ -104,7 +104,7 @@ class Artifact:
     manifest: dict[str, Any] | None
 
     def describe(self) -> str:
-        """"an export (export.json, written by `k3export export --out DIR`; check --onnx DIR, ...)"."""
+        """What it is, who writes it and what reads it, as messages name it."""
         kind = self.kind
         return f"{kind.name} ({kind.manifest}, written by `{kind.writer}`; {kind.readers})"
 
@@ -112,11 +112,13 @@ class Artifact:
         """A build's stages (and ranks of a split stage) not built yet, by name; [] when it is whole
         (or not a build). Every stage the plan has is in the manifest from the build's start, with no
         files until it is built; a split stage's ranks built so far are under "rank_builds"."""
-        if self.kind is not BUILD or not self.manifest:
-            return []
+        stages = (self.manifest or {}).get("stages")
+        whole_entries = isinstance(stages, list) and all(isinstance(s, dict) for s in stages)
+        if self.kind is not BUILD or not whole_entries:
+            return []  # not a build, or a damaged one: verify_build names what is wrong with it
         ranks = (self.manifest.get("recipe") or {}).get("parallel", {}).get("ranks", 1)
         missing = []
-        for stage in self.manifest.get("stages") or []:
+        for stage in stages:
             if stage.get("files"):
                 continue
             done = {int(r) for r in stage.get("rank_builds", {})}
@@ -149,7 +151,7 @@ def identify(path: str | Path) -> Artifact | None:
         return Artifact(path, ENGINE, record) if record and record.get("command") == "build" else None
     if not path.is_dir():
         return None
-    for name in dict.fromkeys(kind.manifest for kind in KINDS):
+    for name in MANIFEST_NAMES:
         if (path / name).is_file():
             manifest = _manifest_at(path / name)
             kinds = [k for k in KINDS if k.manifest == name]
@@ -267,31 +269,41 @@ def verify(folder: str | Path, manifest_name: str, full: bool = False,
     return manifest
 
 
+def _outputs_below(folder: Path) -> list[tuple[PurePosixPath, Kind, set[str]]]:
+    """Every k3export output in `folder` and below it (staging folders left out), outer ones first:
+    where, its kind, and its files (relative to `folder`): its manifest and what that lists, or for
+    one whose commit was interrupted, what its journal says was moving in."""
+    by_name = {kind.name: kind for kind in KINDS}
+    found = []
+    for name in (*MANIFEST_NAMES, _JOURNAL):
+        for path in folder.rglob(name):
+            base = PurePosixPath(path.parent.relative_to(folder).as_posix())
+            record = _manifest_at(path)  # one k3export cannot read is the user's file
+            if record is None or any(part.startswith(_STAGE_PREFIX) for part in base.parts):
+                continue
+            if name == _JOURNAL:
+                which, files = by_name.get(record.get("kind")), set(record.get("files") or [])
+            else:
+                which = next((k for k in KINDS if k.manifest == name and k.matches(record)), None)
+                files = {name, *(record.get("files") or {})}
+            if which is not None:
+                found.append((base, which, {str(base / f) for f in files}))
+    return sorted(found, key=lambda f: len(f[0].parts))
+
+
 def _owned(folder: Path, kind: Kind) -> tuple[set[str], dict[str, str]]:
     """Files in `folder` (relative posix paths) that the command writing `kind` there may replace: the
-    folder's own manifest and what it lists, its parts' (PARTS: a build's stages, an export's check/)
-    below it, and what an interrupted commit of the same kind was moving in. Also the other k3export
-    output below it, by sub-folder ("reports/": "a check report"): never replaced."""
+    folder's own output of that kind and its parts' below it (PARTS: a build's stages, an export's
+    check/), interrupted commits included. Also the other k3export output in it, by sub-folder
+    ("reports": "a check report"; "." for an interrupted write of another kind): never replaced."""
     owned, others = set(_OURS), {}
-    journal = _manifest_at(folder / _JOURNAL)
-    if journal is not None and journal.get("kind") == kind.name:
-        owned |= set(journal.get("files") or [])
-    elif journal is not None:
-        others["."] = f"an interrupted write of {journal.get('kind')}"
-    found = []
-    for name in MANIFEST_NAMES:
-        for path in folder.rglob(name):
-            manifest = _manifest_at(path)
-            which = next((k for k in KINDS if k.manifest == name and manifest and k.matches(manifest)), None)
-            if which is not None:  # a manifest k3export cannot read is the user's file
-                found.append((path.parent.relative_to(folder), which, manifest))
-    for base, which, manifest in sorted(found, key=lambda f: len(f[0].parts)):  # outer folders first
-        inside_other = any(base.is_relative_to(other) for other in map(PurePosixPath, others) if other.parts)
-        if (which is kind if not base.parts else which in PARTS.get(kind, ())) and not inside_other:
-            owned.add(str(PurePosixPath(base, which.manifest)))
-            owned |= {str(PurePosixPath(base, f)) for f in manifest.get("files") or {}}
-        elif base.parts and not inside_other:
-            others[base.as_posix()] = which.name
+    for base, which, files in _outputs_below(folder):
+        if any(base.is_relative_to(PurePosixPath(other)) for other in others if other != "."):
+            continue  # inside another output: its own
+        if which is kind if not base.parts else which in PARTS.get(kind, ()):
+            owned |= files
+        else:
+            others[base.as_posix()] = which.name if base.parts else f"an interrupted write of {which.name}"
     return owned, others
 
 

@@ -49,12 +49,19 @@ def paths(tiny_export: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     manifest["recipe"]["parallel"] = {"ranks": 2}
     manifest["stages"][1]["rank_builds"] = {"0": {"folder": "stage-1/rank-0"}}
     (grid / "manifest.json").write_text(json.dumps(manifest))
+    # What an export killed while its files move in leaves (test_bad_input kills real ones there):
+    # its journal, and no manifest.
+    interrupted = Path(shutil.copytree(tiny_export, root / "interrupted"))
+    files = json.loads((interrupted / "export.json").read_text())["files"]
+    (interrupted / ".k3export-journal.json").write_text(json.dumps(
+        {"written_by": "k3export", "kind": EXPORT.name, "files": [*files, "export.json"]}))
+    (interrupted / "export.json").unlink()
     engine = OutputFile(root / "tiny.sm89.engine", "build")  # as `build --onnx` records one
     engine.begin()
     engine.path.write_bytes(b"an engine's bytes")
     engine.finish({"export": str(export)})
     named = {"root": root, "export": export, "half": half, "report": root / "report", "grid": grid,
-             "engine": engine.path, "recipe": recipe}
+             "engine": engine.path, "recipe": recipe, "interrupted": interrupted}
     return {f"{{{name}}}": str(path) for name, path in named.items()}
 
 
@@ -107,6 +114,9 @@ def refused(paths: dict[str, str], argv: list[str], *culprits: str) -> None:
     (["build", "{recipe}", "--backend", "onnx", "--out", "{report}", "--overwrite"],
      ["holds a check report"]),
     (["demo", "--out", "{export}"], ["--out {export}: is an export"]),
+    (["check", "--onnx", "{export}", "--report", "{interrupted}"],
+     ["holds an interrupted write of an export"]),
+    (["build", "{recipe}", "--backend", "onnx", "--out", "{root}"], ["interrupted/ (an export, k3export's)"]),
 ])
 def test_an_output_folder_is_replaced_only_by_the_command_that_wrote_it(paths, argv, culprits):
     refused(paths, argv, *culprits)
@@ -118,6 +128,7 @@ def test_each_kind_is_taken_back_by_its_own_command(paths):
     export = Path(paths["{export}"])
     assert {"check/check.json", "model.onnx"} <= OutputDir(export, EXPORT).owned  # check/ goes with it
     OutputDir(export / "check", REPLAY, overwrite=None)
+    assert "model.onnx" in OutputDir(paths["{interrupted}"], EXPORT).owned  # the rerun finishes it
     OutputDir(paths["{report}"], REPORT, overwrite=None)
     assert "stage-0/model.onnx" in OutputDir(paths["{half}"], BUILD).owned
     assert identify(paths["{engine}"]).manifest["export"] == str(export)
