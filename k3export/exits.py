@@ -26,7 +26,10 @@ stdout, the workers' rank files), the fault board's heartbeat is joined first (F
 TemporaryDirectory is left to the collector in these processes (check's rendezvous folder belongs to
 the check process, which is no gloo process), logging's handlers are flushed here, and the atexit
 handlers torch and ONNX Runtime register in them (torch._dynamo's caches, torch.multiprocessing's)
-write no file.
+write no file. check --build's rank processes (multiprocessing's forkserver children) ended with
+os._exit before too (multiprocessing.forkserver), after multiprocessing's own exit work, which
+end_process now skips: its finalizers (none of ours: no multiprocessing.util.Finalize) and the join
+of children (they start none).
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-# Set to 1 (tools/fault_soak.py --gloo-exits --teardown), end_process ends through the interpreter's
-# teardown as before, to show the abort it prevents.
+# With this set to 1 (tools/fault_soak.py --gloo-exits --teardown), end_process ends through the
+# interpreter's teardown, as our processes ended before it, to show the abort it prevents.
 TEARDOWN = "K3EXPORT_GLOO_TEARDOWN"
 INTERRUPTED = 130  # Ctrl-C, as a shell reports a process that SIGINT ended
 
@@ -67,17 +70,16 @@ def run_to_end(main: Callable[[], int | None]) -> NoReturn:
     """Runs a process's `main` and ends it with end_process, the exit status as Python gives it: main's
     return (None: 0) or SystemExit's code; after an exception (a fault: the group is not destroyed), 1
     with its traceback, or INTERRUPTED on Ctrl-C."""
-    fault = True
+    fault = False
     try:
         code = main()
-        fault = False
     except SystemExit as e:
-        code, fault = e.code, False
+        code = e.code
     except KeyboardInterrupt:
-        code = INTERRUPTED
+        code, fault = INTERRUPTED, True
     except BaseException:
         traceback.print_exc()
-        code = 1
+        code, fault = 1, True
     if not isinstance(code, int):  # SystemExit("message"): Python prints it and exits 1
         if code is not None:
             print(code, file=sys.stderr)

@@ -20,14 +20,17 @@ FAILED_WORKER = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*exitcode\s*:
 TORCHRUN_LOG = re.compile(r"^[EWIF]\d{4} [\d:.]+ \d+ \S*torch/distributed/|^\*+$|^Setting OMP_NUM_THREADS")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def torchrun_command(processes: int, *args: str, monitor_interval: float = 0.1) -> list[str]:
     """torchrun of `processes` workers running `args` (a script and its arguments, or -m MODULE ...);
     it polls its workers every `monitor_interval` seconds (0.1, its default)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-            "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             "--monitor-interval", str(monitor_interval), *args]
 
 
@@ -39,10 +42,8 @@ def torchrun(processes: int, *args: str, timeout: float = 300) -> subprocess.Com
 def gloo_pair(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> list[tuple[int, str]]:
     """Two processes of `python ARGS`, ranks 0 and 1 of a gloo group (env://, without torchrun's own
     processes): each one's exit status and stderr."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    common = {**(env or os.environ), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    common = {**(env or os.environ), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+              "WORLD_SIZE": "2"}
     ranks = [subprocess.Popen([sys.executable, *args], env={**common, "RANK": str(rank)},
                               stderr=subprocess.PIPE, text=True) for rank in range(2)]
     errors = [rank.communicate(timeout=timeout)[1] for rank in ranks]

@@ -4,9 +4,10 @@ exception", SIGABRT, after the work was done)."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
-from launch import gloo_pair
+from launch import failure, gloo_pair
 
 WORKER = Path(__file__).with_name("gloo_exit_worker.py")
 
@@ -19,3 +20,38 @@ def test_a_gloo_process_ends_through_end_process() -> None:
     rates (tools/fault_soak.py --gloo-exits)."""
     for code, stderr in gloo_pair(str(WORKER), "--idle"):
         assert code == 0 and "terminate called" not in stderr, (code, stderr[-2000:])
+
+
+# torchrun's stderr when worker 1 aborted (tests/partial_outputs_worker.py's in CI, shortened): the
+# workers' lines, then torchrun's log, traceback and report.
+ABORTED_RUN = """\
+*****************************************
+Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid ...
+*****************************************
+rank 0 wrote OUT/rank-0.json
+terminate called without an active exception
+E1207 14:23:16.123000 20399 torch/distributed/elastic/multiprocessing/api.py:984] failed (exitcode: -6)
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+tests/partial_outputs_worker.py FAILED
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-07_14:23:16
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 20420)  (SIGABRT)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 20420
+======================================================
+"""
+
+
+def test_a_failed_torchrun_names_the_workers_exit_and_last_lines() -> None:
+    message = failure(subprocess.CompletedProcess([], 1, "", ABORTED_RUN))
+    assert message.splitlines()[0] == "torchrun exited 1: rank 1 killed by SIGABRT (pid 20420)"
+    assert message.splitlines()[-2:] == ["rank 0 wrote OUT/rank-0.json",
+                                         "terminate called without an active exception"]
+    assert "Traceback" not in message and "OMP_NUM_THREADS" not in message and "E1207" not in message
