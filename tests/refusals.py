@@ -168,6 +168,9 @@ REFUSALS = [
     Refusal(("plan", "--preset", "k3-tiny", "--stages", "10"), "10 stages for 9 layers: expected 1..9 stages",
             lambda p, a: p == "plan" and a.preset == "k3-tiny" and not a.recipe
             and (a.stages or 0) > TINY_LAYERS),
+    Refusal(("plan", "--preset", "k3-tiny", "--stages", "2", "--host-gb", "100"),
+            "plan --host-gb: expected --ranks N > 1", lambda p, a: p == "plan" and (a.ranks or 1) == 1
+            and (a.host_gb is not None or a.collective_gb_per_s is not None)),
     # export
     Refusal(("export", "--preset", "k3-tiny", "--packed-experts", "--out", "{missing}"),
             "--packed-experts: expected --checkpoint DIR",

@@ -596,14 +596,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     collective_gb_per_s = (args.collective_gb_per_s or (recipe and recipe.ranks_gb_per_s)
                            or COLLECTIVE_GB_PER_S)
     if ranks == 1:
+        # They size the per-GPU table of split stages, which an unsplit plan has not: not ignored.
+        split_only = [option for option, value in (("--collective-gb-per-s", args.collective_gb_per_s),
+                                                    ("--host-gb", args.host_gb)) if value is not None]
+        if split_only:
+            raise UserError(f"plan {split_only[0]}: expected --ranks N > 1 (or a recipe's [parallel] "
+                            "ranks) with it: it sizes the split stages' per-GPU table, which an unsplit plan "
+                            "has not")
         print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
         return 0
     stages = rank_stages(plan, ranks, collective_gb_per_s)
+    host_bytes = args.host_gb * 1e9 if args.host_gb else HOST_BYTES
     if args.json:
-        parallel = rank_plan_json(stages, collective_gb_per_s, args.host_gb * 1e9)
+        parallel = rank_plan_json(stages, collective_gb_per_s, host_bytes)
         print(json.dumps({**plan.to_json(), "parallel": parallel}, indent=2))
     else:
-        rank_plan = format_rank_plan(stages, collective_gb_per_s, args.host_gb * 1e9)
+        rank_plan = format_rank_plan(stages, collective_gb_per_s, host_bytes)
         print(format_plan(plan, ranks) + "\n\n" + rank_plan)
     return 0
 
@@ -633,7 +641,7 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--collective-gb-per-s", type=positive_real,
                       help="bandwidth of the collectives within a stage, GB/s (default: the recipe's [links] "
                            f"ranks_gb_per_s, else {COLLECTIVE_GB_PER_S:g}: NVLink 4, one direction)")
-    plan.add_argument("--host-gb", type=positive_real, default=HOST_BYTES / 1e9,
+    plan.add_argument("--host-gb", type=positive_real,
                       help="memory of a host building its ranks at once, GB (default "
                            f"{HOST_BYTES / 1e9:g}: 8 x H200, DGX H200)")
     plan.add_argument("--json", action="store_true")
