@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from k3export.cli import main as k3export
+from k3export.exits import run_to_end
 from k3export.onnx.runner import PAST, PRESENT, Signature
 from k3export.runtime.segments import SegmentedGraph
 
@@ -65,7 +66,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(every, result)
     if dist.get_rank() == 0:
         print(json.dumps(every))
-    dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank's process under torchrun
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        run_to_end(lambda: worker(args))  # a gloo process ends so (k3export.exits)
     split_dir = args.out / f"n{args.ranks}"
     export(args, args.out / "n1", 1, 0)
     for rank in range(args.ranks):
