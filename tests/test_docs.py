@@ -91,11 +91,20 @@ READS = {"--onnx": ("export.json", "export"), "--network": ("export.json", "expo
 READ_BY_POSITION = {"run": READS["--build"], "verify": READS["--build"]}
 
 
+def lay_out_folder(path: Path, before: str, program: str) -> None:
+    """Makes the folder `path` that follows `before` (an option, or else a positional of `program`)
+    on a command line, with the manifest of the kind of output it is read as (READS)."""
+    path.mkdir(parents=True, exist_ok=True)
+    read = READS.get(before) or (READ_BY_POSITION.get(program) if not before.startswith("-") else None)
+    if read:
+        manifest = {"written_by": "k3export", "command": read[1], "files": {}, "stages": []}
+        (path / read[0]).write_text(json.dumps(manifest))
+
+
 def lay_out_paths(argv: list[str], root: Path) -> None:
     """Makes the paths a command names under `root` (the parser refuses inputs that are not there):
     a name with a suffix (model.onnx, recipe.toml) or a file's placeholder (RECIPE, FILE, PATH) as a
-    file, any other path or placeholder (DIR, out/tiny) as a folder, with the manifest of the kind of
-    output its option reads (READS)."""
+    file, any other path or placeholder (DIR, out/tiny) as a folder (lay_out_folder)."""
     for before, token in zip(["", *argv[:-1]], argv, strict=True):
         if token.startswith("-") or not ("/" in token or token.isupper() or before in READS):
             continue
@@ -104,12 +113,7 @@ def lay_out_paths(argv: list[str], root: Path) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()
         else:
-            path.mkdir(parents=True, exist_ok=True)
-            positional = not before.startswith("-")
-            read = READS.get(before) or (READ_BY_POSITION.get(argv[0]) if positional else None)
-            if read:
-                manifest = {"written_by": "k3export", "command": read[1], "files": {}, "stages": []}
-                (path / read[0]).write_text(json.dumps(manifest))
+            lay_out_folder(path, before, argv[0])
 
 
 @pytest.mark.parametrize(("page", "argv"), documented(), ids=name)

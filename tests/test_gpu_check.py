@@ -18,6 +18,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.distributed.run
+from test_docs import lay_out_folder
 
 from k3export.cli import build_parser
 from k3export.runtime.__main__ import build_parser as runtime_parser
@@ -63,15 +64,17 @@ def planned_rows(stdout: str) -> list[dict[str, str]]:
 
 def lay_out(argv: list[str], work: Path) -> None:
     """The paths a command names under the work folder, made (the parsers refuse missing inputs): a
-    name with a suffix (an engine, a recipe) as a file, any other as a folder."""
-    for token in argv:
+    name with a suffix (an engine, a recipe) as a file, any other as a folder holding the manifest of
+    the kind of output it is read as (test_docs.lay_out_folder; torchrun's DIR is run's)."""
+    program = argv[1] if argv[0] == "k3export" else "run" if argv[0] == "torchrun" else ""
+    for before, token in zip(["", *argv[:-1]], argv, strict=True):
         if token.startswith(str(work)):
             path = Path(token)
             if path.suffix:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.touch()
             else:
-                path.mkdir(parents=True, exist_ok=True)
+                lay_out_folder(path, before, program)
 
 
 def parse_planned(command: str, work: Path) -> None:
