@@ -89,6 +89,13 @@ def test_published_recipe_reaches_the_gpu_boundary(tmp_path: Path, capsys) -> No
     assert "checkpoint" not in capsys.readouterr().err and not out.exists()
 
 
+def unread_export(folder: Path) -> str:
+    """A folder that is an export by its manifest (the parser takes it) and nothing else: each
+    refusal below comes before its files are read."""
+    (folder / "export.json").write_text('{"written_by": "k3export", "command": "export", "files": {}}')
+    return str(folder)
+
+
 @pytest.mark.parametrize(("options", "message"), [
     (["--backend", "tensorrt-rtx", "--target", "sm90"], "TensorRT-RTX's targets"),
     (["--backend", "tensorrt"], "expected --target"),
@@ -98,7 +105,7 @@ def test_published_recipe_reaches_the_gpu_boundary(tmp_path: Path, capsys) -> No
 ])
 def test_build_onnx_refusals(tmp_path: Path, capsys, options: list[str], message: str) -> None:
     out = tmp_path / "model.engine"
-    assert main(["build", "--onnx", str(tmp_path), "--out", str(out), *options]) == 2
+    assert main(["build", "--onnx", unread_export(tmp_path), "--out", str(out), *options]) == 2
     assert message in capsys.readouterr().err and not out.exists()
 
 
@@ -106,7 +113,7 @@ def test_build_onnx_refusals(tmp_path: Path, capsys, options: list[str], message
 def test_build_onnx_with_full_tensorrt_names_what_is_missing(tmp_path: Path, capsys) -> None:
     # The folder is no export: the refusal comes before it is read.
     out = tmp_path / "model.engine"
-    assert main(["build", "--onnx", str(tmp_path), "--out", str(out), "--backend", "tensorrt",
+    assert main(["build", "--onnx", unread_export(tmp_path), "--out", str(out), "--backend", "tensorrt",
                  "--target", "sm90"]) == 2
     err = capsys.readouterr().err
     assert "`import tensorrt` fails" in err and "no sm90 GPU" in err and not out.exists()
@@ -118,7 +125,7 @@ def test_stripped_build_needs_a_gpu(tmp_path: Path, capsys, monkeypatch: pytest.
     refused instead, before the export is read, as a recipe's stripped build is."""
     fake_nvidia_smi(tmp_path, [], monkeypatch)
     out = tmp_path / "model.engine"
-    assert main(["build", "--onnx", str(tmp_path), "--out", str(out), "--strip"]) == 2
+    assert main(["build", "--onnx", unread_export(tmp_path), "--out", str(out), "--strip"]) == 2
     assert "a GPU for a weight-stripped build (--strip)" in capsys.readouterr().err and not out.exists()
     assert main(["build", str(ROOT / "engines/k3-tiny.toml"), "--out", str(tmp_path / "b"), "--strip"]) == 2
     assert "weight-stripped" in capsys.readouterr().err and not (tmp_path / "b").exists()
