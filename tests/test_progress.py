@@ -59,7 +59,9 @@ def test_quiet_and_non_terminals_get_nothing(monkeypatch, quiet_reset):
                                      ["export", "--preset", "k3-tiny", "--out", "x"],
                                      ["build", "--onnx", "x", "--out", "y"]])
 def test_long_commands_take_quiet(command, tmp_path, monkeypatch):
-    (tmp_path / "x").mkdir()  # the input folder the parser requires
+    (tmp_path / "x").mkdir()  # the input folder the parser requires: an export, by its manifest
+    manifest = '{"written_by": "k3export", "command": "export", "files": {}}'
+    (tmp_path / "x" / "export.json").write_text(manifest)
     monkeypatch.chdir(tmp_path)
     assert build_parser().parse_args([*command, "--quiet"]).quiet
     assert not build_parser().parse_args(command).quiet
