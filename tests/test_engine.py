@@ -178,7 +178,8 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path, tiny_summary: dict[
     mixers = [layer["mixer"] for layer in manifest["schedule"]]
     expected = []  # per layer its mixer, then a MoE layer's routed experts
     for layer in manifest["schedule"]:
-        expected.append({"KDA": "k3::KDA v1", "MLA": "k3::LatentMLA v1"}[layer["mixer"]])
+        expected += {"KDA": ["k3::KDA v1"], "MLA": ["k3::LatentMLASplits v1", "k3::LatentMLACombine v1"]}[
+            layer["mixer"]]
         if layer["ffn"] == "moe":
             expected.append("k3::RoutedExperts v1")
     assert plugins == expected
@@ -195,14 +196,15 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path, tiny_summary: dict[
 
     # The fields the parser passed are the nodes' ONNX attributes.
     expected = [{"v_dim": onnx.helper.get_attribute_value(a_v), "scale": onnx.helper.get_attribute_value(a_s)}
-                for node in k3_nodes(tiny_export) if node.op_type == "LatentMLA"
+                for node in k3_nodes(tiny_export) if node.op_type == "LatentMLASplits"
                 for a_v in node.attribute if a_v.name == "v_dim"
                 for a_s in node.attribute if a_s.name == "scale"]
     assert len(expected) == mixers.count("MLA")
     fields = summary["plugin_fields"]
     assert fields["KDA"] == [{}] * mixers.count("KDA")
-    assert [f["v_dim"] for f in fields["LatentMLA"]] == [e["v_dim"] for e in expected]
-    assert [f["scale"] for f in fields["LatentMLA"]] == pytest.approx([e["scale"] for e in expected])
+    assert [f["v_dim"] for f in fields["LatentMLASplits"]] == [e["v_dim"] for e in expected]
+    assert [f["scale"] for f in fields["LatentMLASplits"]] == pytest.approx([e["scale"] for e in expected])
+    assert fields["LatentMLACombine"] == [{}] * mixers.count("MLA")
     # expert_offset: 0 on an unsplit model's nodes.
     betas = [{**{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
                  if a.name in ("situ_beta", "situ_linear_beta")}, "expert_offset": 0}
@@ -385,7 +387,8 @@ def assert_parser_inlines(export_dir: Path, register: bool = True) -> None:
 def test_wrong_plugin_version_is_refused(version9_export: Path) -> None:
     error = run("strict", version9_export)["error"]
     assert "asks for plugin k3::KDA version '9', which is not registered" in error
-    assert ("registered k3 plugins: k3::KDA v1, k3::LatentMLA v1, k3::RoutedExperts v1, "
+    assert ("registered k3 plugins: k3::KDA v1, k3::LatentMLA v1, k3::LatentMLACombine v1, "
+            "k3::LatentMLASplits v1, k3::RoutedExperts v1, "
             "k3::RoutedExperts v2, k3::RoutedExpertsMXFP4 v1, k3::RoutedExpertsMXFP4 v2") in error
 
     # What the check guards against: the parser inlines the functions without a word, and stops only

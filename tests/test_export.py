@@ -37,12 +37,13 @@ def census(path: Path) -> onnx.ModelProto:
     config = K3Config.from_json(path.parent / "config.json")
     layers = range(*json.loads((path.parent / "export.json").read_text())["layers"])
     nodes = [n for n in model.graph.node if n.domain == "k3"]
+    mixers = {True: ["LatentMLASplits", "LatentMLACombine"], False: ["KDA"]}
     assert [n.op_type for n in nodes] == [op for i in layers for op in (
-        "LatentMLA" if config.is_mla(i) else "KDA", *([] if config.is_dense(i) else ["RoutedExperts"]))]
+        *mixers[config.is_mla(i)], *([] if config.is_dense(i) else ["RoutedExperts"]))]
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert {k: attrs[k] for k in PLUGIN} == PLUGIN  # version 1: full TensorRT registers no other
-        if node.op_type == "LatentMLA":
+        if node.op_type == "LatentMLASplits":
             assert attrs["v_dim"] == config.kv_lora_rank
             assert attrs["scale"] == pytest.approx(config.mla_scale)
     assert {(f.domain, f.name) for f in model.functions} == {("k3", n.op_type) for n in nodes}
@@ -53,7 +54,8 @@ def census(path: Path) -> onnx.ModelProto:
 def test_census_and_checker(tiny_export):
     census(tiny_export / "model.onnx")  # bfloat16's: tests/test_half_precision.py
     manifest = json.loads((tiny_export / "export.json").read_text())
-    assert manifest["custom_nodes"] == {"KDA": 6, "LatentMLA": 3, "RoutedExperts": 8}
+    assert manifest["custom_nodes"] == {"KDA": 6, "LatentMLACombine": 3, "LatentMLASplits": 3,
+                                        "RoutedExperts": 8}
     names = [s["name"] for s in manifest["inputs"]]
     assert names[:4] == ["input_ids", "cache_lengths", "input_lengths", "past.0.kda_state"]
     assert "past.3.mla_latent" in names and manifest["opset"] == 24
@@ -168,8 +170,8 @@ def test_aot_plugins_export(tiny_export, aot_export):
                 for n in model.graph.node if n.domain == "k3"]
 
     census(aot_export / "model.onnx")
-    # 9 mixers and 8 MoE layers.
-    assert aot_values(aot_export) == [1] * 17 and aot_values(tiny_export) == [None] * 17
+    # 9 mixers (an MLA layer's two nodes) and 8 MoE layers.
+    assert aot_values(aot_export) == [1] * 20 and aot_values(tiny_export) == [None] * 20
     assert json.loads((aot_export / "export.json").read_text())["aot_plugins"] is True
     assert json.loads((tiny_export / "export.json").read_text())["aot_plugins"] is False
     assert sha256(aot_export / "model.onnx.data") == sha256(tiny_export / "model.onnx.data")
@@ -227,7 +229,8 @@ def test_layer_range_export(tmp_path):
     assert list(inputs)[2:5] == ["cache_lengths", "input_lengths", "past.2.kda_state"]
     assert inputs["past.3.mla_latent"] == ["batch", 1, "capacity", 48] and manifest["capacity"] == 128
     assert [s["name"] for s in manifest["outputs"]][:2] == ["attn_res.6.bank", "attn_res.6.partial"]
-    assert manifest["custom_nodes"] == {"KDA": 3, "LatentMLA": 1, "RoutedExperts": 4}
+    assert manifest["custom_nodes"] == {"KDA": 3, "LatentMLACombine": 1, "LatentMLASplits": 1,
+                                        "RoutedExperts": 4}
     census(folder / "model.onnx")
     report = run_check(folder, steps=2, batch=2, prompt_len=9, log=lambda _: None)
     assert report["passed"], report["failed_outputs"]

@@ -403,7 +403,7 @@ def test_network_altered_after_parsing_fails(tiny_export: Path) -> None:
     for layer in mla:
         layer.__class__ = net.trt.IPluginV3Layer
     plugin = next(p for p in (layer.plugin.get_capability_interface(net.trt.PluginCapabilityType.CORE)
-                              for layer in mla) if p.plugin_name == "LatentMLA")
+                              for layer in mla) if p.plugin_name == "LatentMLASplits")
     plugin.fields["scale"] *= 2
     report = run_network_check(tiny_export, steps=0, log=lambda line: None, net=net)
     assert not report["passed"] and "logits" in report["failed_outputs"]

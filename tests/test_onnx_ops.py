@@ -100,36 +100,44 @@ def assert_close(actual: Tensor, expected: Tensor, tol: float) -> None:
     assert rel_error(actual, expected) <= tol
 
 
-@pytest.mark.parametrize(("op", "op_type", "attributes"), [
-    ("kda", "KDA", {"plugin_namespace": "k3", "plugin_version": "1"}),
-    ("mla", "LatentMLA", {"plugin_namespace": "k3", "plugin_version": "1", "v_dim": V_DIM,
-                          "scale": pytest.approx(SCALE)}),
+PLUGIN = {"plugin_namespace": "k3", "plugin_version": "1"}
+MLA_FIELDS = {**PLUGIN, "v_dim": V_DIM, "scale": pytest.approx(SCALE)}
+
+
+@pytest.mark.parametrize(("op", "nodes"), [
+    ("kda", {"KDA": PLUGIN}),
+    # latent_mla as two nodes: the splits of the cache, then their combine (k3export/onnx/ops.py).
+    ("mla", {"LatentMLASplits": MLA_FIELDS, "LatentMLACombine": PLUGIN}),
 ])
-def test_one_custom_node_and_its_function(models, op, op_type, attributes):
+def test_custom_nodes_and_their_functions(models, op, nodes):
     path = models[op, torch.float32]
     onnx.checker.check_model(path, full_check=True)
     model = onnx.load(path)
     custom = [n for n in model.graph.node if n.domain == "k3"]
-    assert [n.op_type for n in custom] == [op_type]
-    assert node_attributes(custom[0]) == {
-        name: value.encode() if isinstance(value, str) else value for name, value in attributes.items()}
-    (function,) = model.functions
-    assert (function.domain, function.name) == ("k3", op_type)
-    assert set(attributes) <= set(function.attribute)
+    assert [n.op_type for n in custom] == list(nodes)
     opsets = {o.domain: o.version for o in model.opset_import}
     assert opsets["k3"] == 1
-    assert {o.domain: o.version for o in function.opset_import} == {"": opsets[""]}
+    functions = {f.name: f for f in model.functions}
+    assert sorted(functions) == sorted(nodes) and {f.domain for f in model.functions} == {"k3"}
+    for node in custom:
+        attributes = nodes[node.op_type]
+        assert node_attributes(node) == {
+            name: value.encode() if isinstance(value, str) else value for name, value in attributes.items()}
+        function = functions[node.op_type]
+        assert set(attributes) <= set(function.attribute)
+        assert {o.domain: o.version for o in function.opset_import} == {"": opsets[""]}
 
 
 @pytest.mark.parametrize("op", ["kda", "mla"])
 def test_aot_plugins_adds_only_the_aot_attribute(models, aot_models, op):
-    """`aot = 1` on the k3 node (the plain export has none), declared in its function: the file stays
+    """`aot = 1` on the k3 nodes (the plain export has none), declared in their functions: the file stays
     valid ONNX and ONNX Runtime's output is unchanged."""
     onnx.checker.check_model(aot_models[op], full_check=True)
     plain, marked = (onnx.load(path) for path in (models[op, torch.float32], aot_models[op]))
-    (plain_node,), (marked_node,) = ([n for n in m.graph.node if n.domain == "k3"] for m in (plain, marked))
-    assert node_attributes(marked_node) == {**node_attributes(plain_node), "aot": 1}
-    assert "aot" in marked.functions[0].attribute
+    plain_nodes, marked_nodes = ([n for n in m.graph.node if n.domain == "k3"] for m in (plain, marked))
+    for plain_node, marked_node in zip(plain_nodes, marked_nodes, strict=True):
+        assert node_attributes(marked_node) == {**node_attributes(plain_node), "aot": 1}
+    assert all("aot" in f.attribute for f in marked.functions)
     inputs = kda_inputs(2, 9, H, K, V, torch.float32) if op == "kda" else mla_inputs(2, 4, 11, torch.float32)
     plain_outputs = run_ort(models[op, torch.float32], inputs)
     for marked_out, plain_out in zip(run_ort(aot_models[op], inputs), plain_outputs, strict=True):

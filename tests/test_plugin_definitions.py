@@ -38,8 +38,9 @@ def test_lookup_keys_match_the_export() -> None:
     # Every op at version 1 (full TensorRT's tensorrt.plugin registers no other); the routed experts'
     # version 2 stays for the exports of 2026-11/12 that name it.
     assert [(d.name, d.namespace, d.version) for d in DEFINITIONS] == [
-        ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("RoutedExperts", "k3", "1"),
-        ("RoutedExpertsMXFP4", "k3", "1"), ("RoutedExperts", "k3", "2"), ("RoutedExpertsMXFP4", "k3", "2")]
+        ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("LatentMLASplits", "k3", "1"),
+        ("LatentMLACombine", "k3", "1"), ("RoutedExperts", "k3", "1"), ("RoutedExpertsMXFP4", "k3", "1"),
+        ("RoutedExperts", "k3", "2"), ("RoutedExpertsMXFP4", "k3", "2")]
 
 
 def test_output_shapes() -> None:
@@ -137,11 +138,14 @@ def test_aot_kda_kernel_parameter_order(dtype: str) -> None:
 
 
 def test_aot_latent_mla_launch() -> None:
-    # q [B, T, H, D], kv [B, 1, C, D]: one program per block of 16 tokens (T = 37: 3) and head.
+    # q [B, T, H, D], kv [B, 1, C, D]: one program per token and block of 16 heads; one split, or
+    # split_count's (the grid's z): 2 x 37 x 1 programs before the splits, 96 heads 6 head blocks.
     grid, scalars = latent_mla_aot_launch([2, 37, 3, 48], [2, 1, 40, 48])
-    assert grid == (2 * 3, 3)
+    assert grid == (2 * 37, 1, 1)
     assert scalars == [37, 40, 3]  # T, C, H
-    assert latent_mla_aot_launch([4, 1, 96, 576], [4, 1, 1000, 576]) == ((4, 96), [1, 1000, 96])
+    assert latent_mla_aot_launch([2, 37, 3, 48], [2, 1, 40, 48], splits=True) == ((2 * 37, 1, 4), [37, 40, 3])
+    published = latent_mla_aot_launch([4, 1, 96, 576], [4, 1, 1000, 576], splits=True)
+    assert published == ((4, 6, 11), [1, 1000, 96])
 
 
 def test_aot_latent_mla_kernel_refuses_unbuilt_widths() -> None:

@@ -28,12 +28,25 @@ from k3export.cli import main
 from k3export.config import PRESETS, K3Config
 from k3export.engine.flavours import load_tensorrt
 from k3export.onnx.moe import ROUTED_EXPERTS_MXFP4_SCHEMA, ROUTED_EXPERTS_SCHEMA
-from k3export.onnx.ops import KDA_SCHEMA, LATENT_MLA_SCHEMA
+from k3export.onnx.ops import (
+    KDA_SCHEMA,
+    LATENT_MLA_COMBINE_SCHEMA,
+    LATENT_MLA_SCHEMA,
+    LATENT_MLA_SPLITS_SCHEMA,
+)
 from k3plugins import trt_aot
-from k3plugins.definitions import DEFINITIONS, KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
-from k3plugins.mla import DECODE
+from k3plugins.definitions import (
+    DEFINITIONS,
+    KDA,
+    LATENT_MLA,
+    LATENT_MLA_COMBINE,
+    LATENT_MLA_SPLITS,
+    ROUTED_EXPERTS,
+    ROUTED_EXPERTS_MXFP4,
+)
+from k3plugins.mla import COMBINE_BLOCK_V, DECODE, split_count
 
-OPS = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4)
+OPS = (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4)
 TRT_NAMES = {"float32": "DataType.FLOAT", "float16": "DataType.HALF", "bfloat16": "DataType.BF16",
              "int64": "DataType.INT64", "int32": "DataType.INT32"}
 
@@ -64,8 +77,8 @@ def test_jit_impl_takes_every_dtype_through_tensorrt() -> None:
     impl's launch writes what the definition's own launch writes (KDA's state in place). On the CPU: the
     kernels in Triton's interpreter over host memory (tests/trt_plugin_shim.py, `use_host_memory`)."""
     launched = run_worker("jit", env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert launched == {f"{op} {dtype}": True for op in ("KDA", "LatentMLA")
-                        for dtype in ("float32", "float16", "bfloat16")}
+    ops = ("KDA", "LatentMLA", "LatentMLASplits", "LatentMLACombine")
+    assert launched == {f"{op} {dtype}": True for op in ops for dtype in ("float32", "float16", "bfloat16")}
 
 
 def test_tensorrt_registers_every_op_once_per_process(through_tensorrt: dict) -> None:
@@ -99,7 +112,7 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
     (B = 2, T = 37, C = 4096 cache rows, N = 9 tokens): a grid covering the work, one block of the kernel's
     warps, its shared memory, the int32 scalars, and PTX for sm_90a whose entry is the named kernel."""
     c = K3Config.from_preset("kimi-k3")
-    B, T, C, N = (worker.SIZES[k] for k in "BTCN")
+    B, T, C, N, S = (worker.SIZES[k] for k in "BTCNS")
     H, V = c.linear_attn_config.num_heads, c.linear_attn_config.head_dim
     heads = c.num_attention_heads
     shared = trt_aot.shared_memory(c, worker.EXPERTS_HELD)
@@ -109,6 +122,13 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
         # One program per (batch, block of DECODE.block_t tokens) and block of heads; scalars T, C, H.
         "LatentMLA": ((B * math.ceil(T / DECODE.block_t), math.ceil(heads / DECODE.block_h)), [T, C, heads],
                       "latent_mla_aot_bf16_kvbf16_d576_v512"),
+        # The same, over split_count's splits (the grid's z); then a program per (query, head) row and 64
+        # value columns, scalars the rows and the splits (the partials' first dim).
+        "LatentMLASplits": ((B * math.ceil(T / DECODE.block_t), math.ceil(heads / DECODE.block_h),
+                             split_count(B, T, heads)), [T, C, heads],
+                            "latent_mla_splits_aot_bf16_kvbf16_d576_v512"),
+        "LatentMLACombine": ((B * T * heads, math.ceil(c.kv_lora_rank / COMBINE_BLOCK_V)), [B * T * heads, S],
+                             "latent_mla_combine_aot_bf16_v512"),
         # One program per token and 256 output columns; every width compiled in.
         "RoutedExperts": ((N, math.ceil(c.routed_expert_hidden_size / 256)), [],
                           "routed_experts_aot_bf16_wbf16_l3584_i3072_e112_k16"),
@@ -118,7 +138,7 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
     for name, (grid, scalars, variant) in expected.items():
         seen = through_tensorrt[name]["dtypes"]["bfloat16"]
         launch = seen["launch"]
-        assert (launch["grid_x"], launch["grid_y"], launch["grid_z"]) == (*grid, 1), name
+        assert (launch["grid_x"], launch["grid_y"], launch["grid_z"]) == (*grid, 1)[:3], name
         assert launch["block_x"] % 32 == 0 and (launch["block_y"], launch["block_z"]) == (1, 1), name
         assert launch["shared_mem"] == shared[variant], name
         assert seen["scalars"] == scalars and set(seen["scalar_dtypes"]) <= {"PluginArgDataType.INT32"}, name
@@ -146,7 +166,8 @@ def carried_dtypes() -> set[str]:
     `onnx.checker.check_model(full_check=True)` against them, every preset and experts format alike) and
     the plugin definitions' groups."""
     types = set()
-    for schema in (KDA_SCHEMA, LATENT_MLA_SCHEMA, ROUTED_EXPERTS_SCHEMA, ROUTED_EXPERTS_MXFP4_SCHEMA):
+    for schema in (KDA_SCHEMA, LATENT_MLA_SCHEMA, LATENT_MLA_SPLITS_SCHEMA, LATENT_MLA_COMBINE_SCHEMA,
+                   ROUTED_EXPERTS_SCHEMA, ROUTED_EXPERTS_MXFP4_SCHEMA):
         types |= {t for c in schema.type_constraints for t in c.allowed_type_strs}
         types |= {p.type_str for p in schema.inputs + schema.outputs if p.type_str.startswith("tensor(")}
     names = {dtype_name(getattr(onnx.TensorProto, t.removeprefix("tensor(").removesuffix(")").upper()))
@@ -191,5 +212,6 @@ def test_every_export_carries_types_the_aot_plugins_take(preset: str, dtype: str
             codes = ", ".join(trt_aot._AUTOTUNE_CODES[dtype_name(types[n])] for n in tensors)
             assert codes in trt_aot.type_combinations(definitions[node.op_type, version], aot=True), node.name
             ops.add(node.op_type)
-    assert ops == {"KDA", "LatentMLA", "RoutedExpertsMXFP4" if packed else "RoutedExperts"}
+    experts = "RoutedExpertsMXFP4" if packed else "RoutedExperts"
+    assert ops == {"KDA", "LatentMLASplits", "LatentMLACombine", experts}
 

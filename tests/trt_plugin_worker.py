@@ -22,7 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import trt_plugin_shim
 
-SIZES = {"B": 2, "T": 37, "C": 4096, "N": 9}  # the dynamic dimensions' values where expressions are read
+# The dynamic dimensions' values where expressions are read; S: LatentMLACombine's input splits.
+SIZES = {"B": 2, "T": 37, "C": 4096, "N": 9, "S": 3}
 EXPERTS_HELD = 112  # kimi-k3's 896 routed experts over 8 ranks
 PARSER_TYPES = {int: np.int32, float: np.float32}  # an ONNX INT / FLOAT attribute as the parser passes it
 
@@ -33,9 +34,13 @@ def published_inputs(config: Any) -> dict[str, list[list[int | str]]]:
     D, L, I = config.latent_dim, config.routed_expert_hidden_size, config.moe_intermediate_size
     E, k = EXPERTS_HELD, config.num_experts_per_token
     routing = [["N", L], ["N", k], ["N", k]]
+    H, V = config.num_attention_heads, config.kv_lora_rank
+    mla = [["B", "T", H, D], ["B", 1, "C", D], ["B"]]
     return {
         "KDA": [["B", "T", H, K]] * 4 + [["B", "T", H], ["B", H, K, K]],
-        "LatentMLA": [["B", "T", config.num_attention_heads, D], ["B", 1, "C", D], ["B"]],
+        "LatentMLA": mla,
+        "LatentMLASplits": mla,
+        "LatentMLACombine": [mla[0], ["S", "B", "T", H, V], ["S", "B", "T", H]],
         "RoutedExperts": [*routing, [E, I, L], [E, I, L], [E, L, I]],
         # int32 words: codes [E, O*I/8], scales [E, O*I/128] (k3export/ops/mxfp4.py).
         "RoutedExpertsMXFP4": [*routing, *[[E, I * L // 8], [E, I * L // 128]] * 2,
@@ -47,7 +52,8 @@ def node_fields(config: Any) -> dict[str, dict[str, float | int]]:
     """The attributes each ONNX node carries (k3export/onnx): what the parser hands create_plugin."""
     routed = {"situ_beta": config.activation_situ_beta,
               "situ_linear_beta": config.activation_situ_linear_beta, "expert_offset": 0}
-    return {"KDA": {}, "LatentMLA": {"v_dim": config.kv_lora_rank, "scale": config.mla_scale},
+    mla = {"v_dim": config.kv_lora_rank, "scale": config.mla_scale}
+    return {"KDA": {}, "LatentMLA": mla, "LatentMLASplits": mla, "LatentMLACombine": {},
             "RoutedExperts": routed, "RoutedExpertsMXFP4": routed}
 
 
@@ -78,7 +84,14 @@ def main() -> None:
 
     from k3export.config import K3Config
     from k3plugins import trt_aot
-    from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4
+    from k3plugins.definitions import (
+        KDA,
+        LATENT_MLA,
+        LATENT_MLA_COMBINE,
+        LATENT_MLA_SPLITS,
+        ROUTED_EXPERTS,
+        ROUTED_EXPERTS_MXFP4,
+    )
 
     trt_aot.register(trt)
     trt_aot.register(trt)  # a second build or engine in the process registers again
@@ -88,7 +101,8 @@ def main() -> None:
     inputs, fields = published_inputs(config), node_fields(config)
     registry = trt.get_plugin_registry()
     result: dict[str, Any] = {"ops": sorted(n for n in vars(trtp.op.k3) if not n.startswith("_"))}
-    for definition in (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4):
+    for definition in (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE, ROUTED_EXPERTS,
+                       ROUTED_EXPERTS_MXFP4):
         name = definition.name
         creator = registry.get_creator(name, "1", "k3")
         collection, arrays = parser_fields(trt, creator, fields[name])
@@ -152,6 +166,10 @@ def jit_inputs(torch: Any, name: str, dtype: Any) -> list[Any]:
         q, k, v = (randn(1, 5, 2, 32) * 0.2 for _ in range(3))
         g, beta = -torch.rand(1, 5, 2, 32, generator=gen), torch.rand(1, 5, 2, generator=gen)
         return [q, k, v, g, beta, randn(1, 2, 32, 32, dtype=torch.float32)]
+    if name == "LatentMLACombine":  # 3 splits' partials, the last without a visible row (never written)
+        lse = torch.randn(3, 1, 3, 2, generator=gen)
+        lse[2] = float("-inf")
+        return [randn(1, 3, 2, 48), torch.randn(3, 1, 3, 2, 32, generator=gen), lse]
     return [randn(1, 3, 2, 48), randn(1, 1, 8, 48), torch.tensor([4])]
 
 
@@ -174,14 +192,16 @@ def jit_main() -> None:
     import tensorrt as trt
 
     from k3plugins import trt_aot
-    from k3plugins.definitions import KDA, LATENT_MLA
+    from k3plugins.definitions import KDA, LATENT_MLA, LATENT_MLA_COMBINE, LATENT_MLA_SPLITS
 
     trt_aot.register(trt)
     trt_plugin_shim.use_host_memory(torch)
     types = {torch.float32: trt.DataType.FLOAT, torch.float16: trt.DataType.HALF,
              torch.bfloat16: trt.DataType.BF16, torch.int64: trt.DataType.INT64}
     result: dict[str, Any] = {}
-    for definition, fields in ((KDA, {}), (LATENT_MLA, {"v_dim": 32, "scale": 48**-0.5})):
+    mla = {"v_dim": 32, "scale": 48**-0.5}
+    for definition, fields in ((KDA, {}), (LATENT_MLA, mla), (LATENT_MLA_SPLITS, mla),
+                               (LATENT_MLA_COMBINE, {})):
         creator = trt.get_plugin_registry().get_creator(definition.name, "1", "k3")
         collection, _arrays = parser_fields(trt, creator, fields)  # the arrays kept while it is used
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -190,17 +210,25 @@ def jit_main() -> None:
             inputs = jit_inputs(torch, definition.name, dtype)
             plugin.get_output_data_types([types[t.dtype] for t in inputs], [t.dim() for t in inputs])
             # o, and KDA's state aliased to its initial state (one buffer, as TensorRT hands it).
-            o = torch.full((*inputs[0].shape[:3], fields.get("v_dim", 32)), float("nan"), dtype=dtype)
-            outputs = [o, inputs[5]] if definition is KDA else [o]
+            shapes = definition.output_shapes([list(t.shape) for t in inputs], fields, int)
+            dtypes = definition.output_dtypes([str(t.dtype).removeprefix("torch.") for t in inputs])
+            outputs = [torch.full(shape, float("nan"), dtype=getattr(torch, d))
+                       for shape, d in zip(shapes, dtypes, strict=True)]
+            if definition is KDA:
+                outputs[1] = inputs[5]
             expected_inputs = [t.clone() for t in inputs]
-            expected = [torch.empty_like(o), *([expected_inputs[5]] if definition is KDA else [])]
+            expected = [torch.full_like(o, float("nan")) for o in outputs]
+            if definition is KDA:
+                expected[1] = expected_inputs[5]
             definition.launch(expected_inputs, expected, fields)
             descs = [[tensor_desc(trt, types[t.dtype], t.shape) for t in ts] for ts in (inputs, outputs)]
             key = f"{definition.name} {str(dtype).removeprefix('torch.')}"
             try:
                 plugin.enqueue(*descs, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
                                [t.stride() for t in inputs], [t.stride() for t in outputs], 0)
-                result[key] = all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
+                # NaN where neither wrote (a split without rows leaves its part unwritten).
+                result[key] = all(torch.equal(a.nan_to_num(), b.nan_to_num())
+                                  for a, b in zip(outputs, expected, strict=True))
             except Exception as error:  # reported to the test, which names it
                 result[key] = f"{type(error).__name__}: {error}"
     print("RESULT " + json.dumps(result))

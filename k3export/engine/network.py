@@ -353,7 +353,8 @@ def _plugin(net: ParsedNetwork, layer: Any, x: list[Tensor]) -> list[Tensor]:
                                   f"{plugin.plugin_name} is not a k3 plugin; it is not implemented")
     if net.kernels:
         return _launch(net, definition, plugin, x)
-    op_name = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", definition.name).lower()  # LatentMLA -> latent_mla
+    # LatentMLA -> latent_mla, LatentMLASplits -> latent_mla_splits, KDA -> kda
+    op_name = re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", definition.name).lower()
     op = getattr(getattr(torch.ops, definition.namespace), op_name)
     # The definition maps the plugin's inputs to the op's (the MXFP4 experts' int32 words to bytes).
     result = op(*definition.reference_arguments(x), *(plugin.fields[f.name] for f in definition.fields))

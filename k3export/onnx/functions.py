@@ -1,4 +1,5 @@
-"""Model-local ONNX functions `k3.KDA` and `k3.LatentMLA`: each op's decomposition in standard ops.
+"""Model-local ONNX functions `k3.KDA` and `k3.LatentMLA` (and its two-node form, LatentMLASplits and
+LatentMLACombine): each op's decomposition in standard ops.
 
 ONNX Runtime inlines them at load, so an exported file runs with no extra library; TensorRT maps a
 node to the plugin of the same name instead when one is registered (the node names its
@@ -77,13 +78,12 @@ def kda_function(opset_version: int) -> onnx.FunctionProto:
         [helper.make_opsetid("", opset_version)], attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE])
 
 
-def latent_mla_function(opset_version: int) -> onnx.FunctionProto:
-    """`k3.LatentMLA(q, kv, cache_lengths) -> o` with attributes v_dim and scale: softmax attention
-    of q [B, T, H, D] over the shared latent rows of the cache kv [B, 1, C, D] (this call's T rows
-    already written at cache_lengths[b] ..), query t of row b seeing rows j <= cache_lengths[b] + t;
-    values kv[..., :v_dim]. Only the rows up to max(cache_lengths) + T are read (a Slice), never
-    the whole capacity."""
-    nodes = [
+def _latent_mla_attention() -> list[onnx.NodeProto]:
+    """The nodes shared by the LatentMLA functions: from q [B, T, H, D], kv [B, 1, C, D] and cache_lengths,
+    in float32, `masked` [B, H, T, rows] (scale * q . kv, -inf where row j > cache_lengths[b] + t; rows up
+    to max(cache_lengths) + T, a Slice: never the whole capacity) and the attention's output `o_f`
+    [B, T, H, v_dim]."""
+    return [
         helper.make_node("Cast", ["q"], ["q_f"], to=TensorProto.FLOAT),
         _const("zero_1d", [0]),
         _const("axis_1", [1]),
@@ -121,16 +121,69 @@ def latent_mla_function(opset_version: int) -> onnx.FunctionProto:
         helper.make_node("Unsqueeze", ["v_dim_0d", "zero_1d"], ["v_dim_1d"]),
         helper.make_node("Slice", ["kv_f", "zero_1d", "v_dim_1d", "axis_3"], ["values"]),
         helper.make_node("MatMul", ["probs", "values"], ["o_heads"]),
+        # o_f [B, T, H, v_dim], float32.
         helper.make_node("Transpose", ["o_heads"], ["o_f"], perm=[0, 2, 1, 3]),
-        helper.make_node("CastLike", ["o_f", "q"], ["o"]),
     ]
+
+
+def latent_mla_function(opset_version: int) -> onnx.FunctionProto:
+    """`k3.LatentMLA(q, kv, cache_lengths) -> o` with attributes v_dim and scale: softmax attention
+    of q [B, T, H, D] over the shared latent rows of the cache kv [B, 1, C, D] (this call's T rows
+    already written at cache_lengths[b] ..), query t of row b seeing rows j <= cache_lengths[b] + t;
+    values kv[..., :v_dim]. Only the rows up to max(cache_lengths) + T are read (a Slice), never
+    the whole capacity. The one-node form of earlier exports; exports now hold LatentMLASplits and
+    LatentMLACombine."""
+    nodes = [*_latent_mla_attention(), helper.make_node("CastLike", ["o_f", "q"], ["o"])]
     return helper.make_function(
         DOMAIN, "LatentMLA", ["q", "kv", "cache_lengths"], ["o"], nodes,
         [helper.make_opsetid("", opset_version)],
         attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE, "v_dim", "scale"])
 
 
-_BUILDERS = {"KDA": kda_function, "LatentMLA": latent_mla_function}
+def latent_mla_splits_function(opset_version: int) -> onnx.FunctionProto:
+    """`k3.LatentMLASplits(q, kv, cache_lengths) -> (o_part, lse)`, attributes v_dim and scale: LatentMLA's
+    float32 output as one split, o_part [1, B, T, H, v_dim], and the log-sum-exp of each query's visible
+    scores, lse [1, B, T, H] (the kernels split the cache further; the combine's result is the same)."""
+    nodes = [
+        *_latent_mla_attention(),
+        helper.make_node("Unsqueeze", ["o_f", "zero_1d"], ["o_part"]),
+        # lse = m + log(sum(exp(masked - m))), m the row's largest score (finite: every query sees a row).
+        helper.make_node("ReduceMax", ["masked", "axis_3"], ["score_max"], keepdims=1),
+        helper.make_node("Sub", ["masked", "score_max"], ["shifted"]),
+        helper.make_node("Exp", ["shifted"], ["shifted_exp"]),
+        helper.make_node("ReduceSum", ["shifted_exp", "axis_3"], ["denominator"], keepdims=0),
+        helper.make_node("Log", ["denominator"], ["log_denominator"]),
+        helper.make_node("Squeeze", ["score_max", "axis_3"], ["score_max_3d"]),
+        helper.make_node("Add", ["log_denominator", "score_max_3d"], ["lse_heads"]),
+        # [B, H, T] -> [1, B, T, H]
+        helper.make_node("Transpose", ["lse_heads"], ["lse_3d"], perm=[0, 2, 1]),
+        helper.make_node("Unsqueeze", ["lse_3d", "zero_1d"], ["lse"]),
+    ]
+    return helper.make_function(
+        DOMAIN, "LatentMLASplits", ["q", "kv", "cache_lengths"], ["o_part", "lse"], nodes,
+        [helper.make_opsetid("", opset_version)],
+        attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE, "v_dim", "scale"])
+
+
+def latent_mla_combine_function(opset_version: int) -> onnx.FunctionProto:
+    """`k3.LatentMLACombine(q, o_part, lse) -> o`: the splits' outputs o_part [S, B, T, H, v_dim] weighted by
+    softmax over the splits of lse [S, B, T, H], summed, in q's dtype (q gives only the dtype)."""
+    nodes = [
+        helper.make_node("Softmax", ["lse"], ["weights"], axis=0),
+        _const("last", [-1]),
+        _const("first", [0]),
+        helper.make_node("Unsqueeze", ["weights", "last"], ["weights_5d"]),
+        helper.make_node("Mul", ["o_part", "weights_5d"], ["weighted"]),
+        helper.make_node("ReduceSum", ["weighted", "first"], ["o_f"], keepdims=0),
+        helper.make_node("CastLike", ["o_f", "q"], ["o"]),
+    ]
+    return helper.make_function(
+        DOMAIN, "LatentMLACombine", ["q", "o_part", "lse"], ["o"], nodes,
+        [helper.make_opsetid("", opset_version)], attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE])
+
+
+_BUILDERS = {"KDA": kda_function, "LatentMLA": latent_mla_function,
+             "LatentMLASplits": latent_mla_splits_function, "LatentMLACombine": latent_mla_combine_function}
 
 
 def k3_functions(op_types: Iterable[str], opset_version: int) -> list[onnx.FunctionProto]:

@@ -58,20 +58,47 @@ KDA_SCHEMA = OpSchema(
     attributes=_PLUGIN_ATTRS,
 )
 
+_MLA_ATTRS = [*_PLUGIN_ATTRS,
+              OpSchema.Attribute("v_dim", OpSchema.AttrType.INT, "value width: kv[..., :v_dim]"),
+              OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "softmax scale")]
+
 LATENT_MLA_SCHEMA = OpSchema(
     "LatentMLA", DOMAIN, DOMAIN_VERSION,
     doc="Absorbed latent attention; see k3export/ops/mla.py",
     inputs=_inputs(("q", "T"), ("kv", "TKV"), ("cache_lengths", "tensor(int64)")),
     outputs=_inputs(("o", "T")),
     type_constraints=[("T", _FLOATS, ""), ("TKV", _FLOATS, "")],
-    attributes=[*_PLUGIN_ATTRS,
-                OpSchema.Attribute("v_dim", OpSchema.AttrType.INT, "value width: kv[..., :v_dim]"),
-                OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "softmax scale")],
+    attributes=_MLA_ATTRS,
+)
+
+# latent_mla as the graph runs it: the splits of each row's cache (float32 partial outputs and their
+# log-sum-exp, a split count the kernel picks), then their combine into o. Two nodes, so that an engine's
+# AOT kernels can split the cache: an AOT plugin is one launch with no workspace, and the partials are a
+# graph tensor between the two launches. (LatentMLA, the one-node form, is what earlier exports hold.)
+LATENT_MLA_SPLITS_SCHEMA = OpSchema(
+    "LatentMLASplits", DOMAIN, DOMAIN_VERSION,
+    doc="Absorbed latent attention over splits of each row's cache: o_part [S, B, T, H, v_dim] and its "
+        "lse [S, B, T, H], float32; see k3export/ops/mla.py",
+    inputs=_inputs(("q", "T"), ("kv", "TKV"), ("cache_lengths", "tensor(int64)")),
+    outputs=_inputs(("o_part", "tensor(float)"), ("lse", "tensor(float)")),
+    type_constraints=[("T", _FLOATS, ""), ("TKV", _FLOATS, "")],
+    attributes=_MLA_ATTRS,
+)
+
+LATENT_MLA_COMBINE_SCHEMA = OpSchema(
+    "LatentMLACombine", DOMAIN, DOMAIN_VERSION,
+    doc="The splits of LatentMLASplits combined by their lse into o [B, T, H, v_dim] in q's dtype (q gives "
+        "only the dtype); see k3export/ops/mla.py",
+    inputs=_inputs(("q", "T"), ("o_part", "tensor(float)"), ("lse", "tensor(float)")),
+    outputs=_inputs(("o", "T")),
+    type_constraints=[("T", _FLOATS, "")],
+    attributes=_PLUGIN_ATTRS,
 )
 
 _K3 = values.Opset(DOMAIN, DOMAIN_VERSION)
 _KDA = values.Op(_K3, "KDA", KDA_SCHEMA)
-_LATENT_MLA = values.Op(_K3, "LatentMLA", LATENT_MLA_SCHEMA)
+_LATENT_MLA_SPLITS = values.Op(_K3, "LatentMLASplits", LATENT_MLA_SPLITS_SCHEMA)
+_LATENT_MLA_COMBINE = values.Op(_K3, "LatentMLACombine", LATENT_MLA_COMBINE_SCHEMA)
 # onnxscript 0.7.2 has no opset-24 module; the exporter takes an Op on the standard schema.
 _TENSOR_SCATTER = values.Op(values.Opset("", 24), "TensorScatter", onnx.defs.get_schema("TensorScatter", 24))
 
@@ -83,8 +110,10 @@ def _kda(q, k, v, g, beta, initial_state):
 
 # Annotated so that the exporter passes v_dim and scale as attributes, not as tensors.
 def _latent_mla(q, kv, cache_lengths, v_dim: int, scale: float):
-    return _LATENT_MLA(q, kv, cache_lengths, v_dim=v_dim, scale=scale,
-                       plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    o_part, lse = _LATENT_MLA_SPLITS(q, kv, cache_lengths, v_dim=v_dim, scale=scale,
+                                     plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    return _LATENT_MLA_COMBINE(q, o_part, lse, plugin_namespace=PLUGIN_NAMESPACE,
+                               plugin_version=PLUGIN_VERSION)
 
 
 def _tensor_scatter(past, update, write_indices):
@@ -124,6 +153,15 @@ def attach_functions_ir(model: ir.Model) -> ir.Model:
         model.functions[function.identifier()] = function
     model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
     return model
+
+
+def type_latent_mla_partials(model: ir.Model) -> None:
+    """The partials between LatentMLASplits and LatentMLACombine have no torch value behind them, so the
+    exporter leaves them untyped: declared float32 (their schema's one type), as every other tensor is."""
+    for node in model.graph:
+        if node.domain == DOMAIN and node.op_type == "LatentMLASplits":
+            for value in node.outputs:
+                value.dtype = ir.DataType.FLOAT
 
 
 def request_aot_plugins(model: ir.Model) -> ir.Model:
@@ -307,6 +345,7 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     for value, name in zip(model.graph.outputs, output_names or [], strict=bool(output_names)):
         value.name = name
     attach_functions_ir(model)
+    type_latent_mla_partials(model)
     if aot_plugins:
         request_aot_plugins(model)
     path = Path(path)

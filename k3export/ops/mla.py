@@ -51,3 +51,34 @@ def latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, scale: 
 @latent_mla.register_fake
 def _(q, kv, cache_lengths, v_dim, scale):
     return q.new_empty(*q.shape[:3], v_dim)
+
+
+# The exported graph runs latent_mla as two nodes (k3export/onnx/ops.py): the splits of each row's cache,
+# then their combine, so that an engine's AOT kernels can split the cache (an AOT plugin is one launch with
+# no workspace: the partials are a graph tensor between the two). These are the two nodes' references (the
+# parsed network's evaluator calls them): one split, the whole visible cache, which the combine returns as
+# it is; a kernel may split the cache in any number of parts, the combine's result is the same.
+
+
+@torch.library.custom_op("k3::latent_mla_splits", mutates_args=())
+def latent_mla_splits(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    """(o_part [S, B, T, H, v_dim], lse [S, B, T, H]), float32, S = 1: latent_mla's output before the cast
+    to q's dtype, and the log-sum-exp of each query's visible scores."""
+    T = q.shape[1]
+    rows = min(int(cache_lengths.max()) + T, kv.shape[2])
+    keys = kv[:, 0, :rows].float()
+    scores = torch.einsum("bthd,bsd->bths", q.float(), keys) * scale
+    last_visible = cache_lengths[:, None] + torch.arange(T, device=q.device)  # [B, T]
+    visible = torch.arange(rows, device=q.device) <= last_visible[..., None]  # [B, T, rows]
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    o = torch.einsum("bths,bsv->bthv", scores.softmax(dim=-1), keys[..., :v_dim])
+    return o[None], scores.logsumexp(dim=-1)[None]
+
+
+@torch.library.custom_op("k3::latent_mla_combine", mutates_args=())
+def latent_mla_combine(q: Tensor, o_part: Tensor, lse: Tensor) -> Tensor:
+    """o [B, T, H, v_dim] in q's dtype (q gives only that): the splits' outputs weighted by exp(lse - max)."""
+    weights = torch.softmax(lse, dim=0)  # exp(lse_s - max) / sum: splits without a visible row weigh 0
+    o = (weights[..., None] * o_part.nan_to_num()).sum(dim=0)  # an empty split's part is never written
+    return o.to(q.dtype)

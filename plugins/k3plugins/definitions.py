@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from k3plugins.kda import chunk_kda, recurrent_kda
-from k3plugins.mla import latent_mla
+from k3plugins.mla import latent_mla, latent_mla_combine, latent_mla_splits, split_count
 from k3plugins.moe import routed_experts, routed_experts_mxfp4
 
 NAMESPACE = "k3"
@@ -148,6 +148,40 @@ LATENT_MLA = PluginDefinition(
     launch=_launch_latent_mla,
 )
 
+
+def _latent_mla_splits_shapes(dims: Sequence[Sequence[Any]], fields: Mapping[str, Any],
+                              constant: Callable[[int], Any]) -> list[list[Any]]:
+    # o_part [S, B, T, H, v_dim] and lse [S, B, T, H], S the kernels' split count for q [B, T, H, D].
+    B, T, H = dims[0][:3]
+    S = split_count(B, T, H)
+    return [[S, B, T, H, constant(fields["v_dim"])], [S, B, T, H]]
+
+
+# latent_mla as exports hold it since 2026-12 (k3export/onnx/ops.py): the splits of each row's cache, their
+# partial outputs and lse a graph tensor, then the combine, so that full TensorRT's AOT plugins (one launch
+# each, no workspace) split the cache too.
+LATENT_MLA_SPLITS = PluginDefinition(
+    name="LatentMLASplits",
+    fields=LATENT_MLA.fields,
+    inputs=LATENT_MLA.inputs,
+    outputs=(TensorArg("o_part", "TP"), TensorArg("lse", "TP")),
+    groups={**LATENT_MLA.groups, "TP": ("float32",)},
+    output_shapes=_latent_mla_splits_shapes,
+    launch=lambda inputs, outputs, fields: latent_mla_splits(*inputs, fields["v_dim"], fields["scale"],
+                                                             *outputs),
+)
+
+LATENT_MLA_COMBINE = PluginDefinition(
+    name="LatentMLACombine",
+    fields=(),
+    # q gives the output's dtype only; o_part and lse are LatentMLASplits' outputs.
+    inputs=(TensorArg("q", "T"), TensorArg("o_part", "TP"), TensorArg("lse", "TP")),
+    outputs=(TensorArg("o", "T"),),
+    groups={"T": FLOATS, "TP": ("float32",)},
+    output_shapes=lambda dims, fields, constant: [[*dims[0][:3], dims[1][4]]],
+    launch=lambda inputs, outputs, fields: latent_mla_combine(inputs[1], inputs[2], outputs[0]),
+)
+
 def _launch_routed_experts(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
                            fields: Mapping[str, Any]) -> None:
     # The MXFP4 form has the same leading inputs and fields, then six packed tensors, not three.
@@ -201,5 +235,6 @@ ROUTED_EXPERTS_MXFP4 = _routed_experts(
 ROUTED_EXPERTS_V2, ROUTED_EXPERTS_MXFP4_V2 = (dataclasses.replace(d, version="2")
                                               for d in (ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4))
 
-DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4,
-                                             ROUTED_EXPERTS_V2, ROUTED_EXPERTS_MXFP4_V2)
+DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE,
+                                             ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, ROUTED_EXPERTS_V2,
+                                             ROUTED_EXPERTS_MXFP4_V2)

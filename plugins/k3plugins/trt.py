@@ -73,6 +73,29 @@ def launch_from_pointers(definition: PluginDefinition, fields: dict[str, Any],
         definition.launch(wrap(input_descs, inputs), wrap(output_descs, outputs), fields)
 
 
+class _Dim:
+    """A builder's IDimensionExpr with +, * and // (its SUM, PROD and FLOOR_DIV operations; the Python API
+    gives the expressions no operators), so that a definition's shape arithmetic serves ints and TensorRT's
+    expressions alike (LatentMLASplits' split count)."""
+
+    def __init__(self, trt: ModuleType, builder: Any, expr: Any) -> None:
+        self.trt, self.builder, self.expr = trt, builder, expr
+
+    def _op(self, name: str, other: _Dim | int) -> _Dim:
+        other = other.expr if isinstance(other, _Dim) else self.builder.constant(other)
+        return _Dim(self.trt, self.builder,
+                    self.builder.operation(getattr(self.trt.DimensionOperation, name), self.expr, other))
+
+    def __add__(self, other: _Dim | int) -> _Dim:
+        return self._op("SUM", other)
+
+    def __mul__(self, other: _Dim | int) -> _Dim:
+        return self._op("PROD", other)
+
+    def __floordiv__(self, other: _Dim | int) -> _Dim:
+        return self._op("FLOOR_DIV", other)
+
+
 @functools.cache
 def plugin_classes(trt: ModuleType) -> tuple[type, type]:
     """(plugin class, creator class) for one TensorRT flavour."""
@@ -106,13 +129,16 @@ def plugin_classes(trt: ModuleType) -> tuple[type, type]:
             return [by_name[name] for name in names]
 
         def get_output_shapes(self, inputs, shape_inputs, expr_builder):
-            dims = [[d[i] for i in range(len(d))] for d in inputs]
-            shapes = self.definition.output_shapes(dims, self.fields, expr_builder.constant)
+            def dim(expr: Any) -> _Dim:
+                return _Dim(trt, expr_builder, expr)
+
+            dims = [[dim(d[i]) for i in range(len(d))] for d in inputs]
+            shapes = self.definition.output_shapes(dims, self.fields, lambda n: dim(expr_builder.constant(n)))
             outputs = []
             for shape in shapes:
                 out = trt.DimsExprs(len(shape))
                 for i, d in enumerate(shape):
-                    out[i] = d
+                    out[i] = d.expr
                 outputs.append(out)
             return outputs
 

@@ -59,7 +59,15 @@ import triton
 import triton.language as tl
 
 from k3plugins.aot import compile_variant, device_target
-from k3plugins.definitions import KDA, LATENT_MLA, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, PluginDefinition
+from k3plugins.definitions import (
+    KDA,
+    LATENT_MLA,
+    LATENT_MLA_COMBINE,
+    LATENT_MLA_SPLITS,
+    ROUTED_EXPERTS,
+    ROUTED_EXPERTS_MXFP4,
+    PluginDefinition,
+)
 from k3plugins.kda import CHUNK_SIZE, _fused_chunk_kda_kernel, _recurrent_kda_kernel
 from k3plugins.mla import (
     COMBINE_BLOCK_V,
@@ -338,14 +346,16 @@ _AUTOTUNE_CODES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "in
 
 def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
     """Every kernel the `aot_impl`s compile for a model `config` (a k3export.config.K3Config, read by
-    attribute) whose MoE nodes hold `experts_held` experts, in each float dtype: KDA, LatentMLA (its cache in
-    the model's dtype), and the routed experts as float tensors and as MXFP4 words."""
+    attribute) whose MoE nodes hold `experts_held` experts, in each float dtype: KDA, LatentMLA's split and
+    combine nodes and its one-node form (the cache in the model's dtype), and the routed experts as float
+    tensors and as MXFP4 words."""
     L, I = config.routed_expert_hidden_size, config.moe_intermediate_size
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     kernels = []
     for dtype in _TRITON_DTYPES:
-        kernels += [kda_aot_kernel(dtype, config.linear_attn_config.head_dim),
-                    latent_mla_aot_kernel(dtype, dtype, config.latent_dim, config.kv_lora_rank, scale)]
+        mla = (dtype, dtype, config.latent_dim, config.kv_lora_rank, scale)
+        kernels += [kda_aot_kernel(dtype, config.linear_attn_config.head_dim), latent_mla_aot_kernel(*mla),
+                    latent_mla_aot_kernel(*mla, splits=True), latent_mla_combine_aot_kernel(dtype, mla[3])]
         kernels += [routed_experts_aot_kernel(dtype, packed, L, I, experts_held, config.num_experts_per_token,
                                               0, config.activation_situ_beta,
                                               config.activation_situ_linear_beta)
@@ -416,7 +426,8 @@ def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
 
 @functools.cache
 def register(trt: Any) -> dict[str, Any]:
-    """Registers k3::KDA, k3::LatentMLA, k3::RoutedExperts and k3::RoutedExpertsMXFP4 with
+    """Registers k3::KDA, k3::LatentMLA (and LatentMLASplits, LatentMLACombine), k3::RoutedExperts and
+    k3::RoutedExpertsMXFP4 with
     `tensorrt.plugin` (`trt` is full TensorRT's module; k3export.engine.flavours calls this for it).
     Returns no creators: tensorrt.plugin keeps its own.
     Once per process (cached): every build and engine activation calls this, and `tensorrt.plugin`
@@ -468,6 +479,47 @@ def register(trt: Any) -> dict[str, Any]:
         variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale)
         grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr))
         return _aot_result(trtp, variant, grid, scalars)
+
+    @trtp.register("k3::LatentMLASplits")
+    def latent_mla_splits_desc(q: Desc, kv: Desc, cache_lengths: Desc, v_dim: int,
+                               scale: float) -> tuple[Desc, Desc]:
+        fields = {"v_dim": v_dim, "scale": scale}
+        return output_descs(trtp, trt, LATENT_MLA_SPLITS, (q, kv, cache_lengths), fields)
+
+    @trtp.autotune("k3::LatentMLASplits")
+    def latent_mla_splits_autotune(q, kv, cache_lengths, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(LATENT_MLA_SPLITS, aot=True)]
+
+    @trtp.impl("k3::LatentMLASplits")
+    def latent_mla_splits_impl(q, kv, cache_lengths, v_dim: int, scale: float, outputs, stream: int) -> None:
+        _run(LATENT_MLA_SPLITS, names, (q, kv, cache_lengths), {"v_dim": v_dim, "scale": scale}, outputs,
+             stream)
+
+    @trtp.aot_impl("k3::LatentMLASplits")
+    def latent_mla_splits_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs,
+                              tactic: int) -> AotResult:
+        head_dim = q.shape_expr[3].constant_value()  # the latent width: static
+        variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale, splits=True)
+        grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr), splits=True)
+        return _aot_result(trtp, variant, grid, scalars)
+
+    @trtp.register("k3::LatentMLACombine")
+    def latent_mla_combine_desc(q: Desc, o_part: Desc, lse: Desc) -> Desc:
+        return output_descs(trtp, trt, LATENT_MLA_COMBINE, (q, o_part, lse), {})[0]
+
+    @trtp.autotune("k3::LatentMLACombine")
+    def latent_mla_combine_autotune(q, o_part, lse, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(LATENT_MLA_COMBINE, aot=True)]
+
+    @trtp.impl("k3::LatentMLACombine")
+    def latent_mla_combine_impl(q, o_part, lse, outputs, stream: int) -> None:
+        _run(LATENT_MLA_COMBINE, names, (q, o_part, lse), {}, outputs, stream)
+
+    @trtp.aot_impl("k3::LatentMLACombine")
+    def latent_mla_combine_aot(q, o_part, lse, outputs, tactic: int) -> AotResult:
+        v_dim = o_part.shape_expr[4].constant_value()  # the value width: static
+        grid, scalars = latent_mla_combine_aot_launch(list(o_part.shape_expr))
+        return _aot_result(trtp, latent_mla_combine_aot_kernel(names[q.dtype], v_dim), grid, scalars)
 
     def routed_experts_result(z, experts, w1, packed: bool, situ_beta: float, situ_linear_beta: float,
                               expert_offset: int) -> AotResult:
