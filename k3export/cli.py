@@ -569,8 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per decode call; with --onnx")
     build.add_argument("--verify-seq", type=positive_int, metavar="N",
                        help="a verify profile too: --decode-batch sequences x N tokens (run --speculate K's "
-                       "calls: N = 2K + 1, a call after a rejection re-feeding K + 1 and drafting K); with "
-                       "--onnx")
+                       "calls: N = 3K + 1, a call after rejections re-feeding tokens and drafting up to K); "
+                       "with --onnx")
     build.add_argument("--strip", action="store_true",
                        help="weight-stripped engines (STRIP_PLAN, REFIT_IDENTICAL): the engine file holds no "
                        "weights; loading refits it from its export's model.onnx. Needs a GPU where it builds")

@@ -56,11 +56,11 @@ def past_capacity(args: argparse.Namespace, program: str) -> bool:
 
 
 def drafts_past_capacity(args: argparse.Namespace) -> bool:
-    """Whether `run --speculate K`'s longest prompt, new tokens and a call's padding (2K + 1 tokens, the
+    """Whether `run --speculate K`'s longest prompt, new tokens and a call's padding (3K + 1 tokens, the
     last of them the row's last token) overflow a 256-token cache."""
     if not given(args, "speculate"):
         return False
-    return run_prompt_len(args) + args.max_new_tokens + 2 * args.speculate > CAPACITY
+    return run_prompt_len(args) + args.max_new_tokens + 3 * args.speculate > CAPACITY
 
 
 def run_prompt_len(args: argparse.Namespace) -> int:
@@ -98,11 +98,11 @@ REFUSALS = [
     Refusal(("check", "--build", "{build}", "--prompt-len", "250", "--steps", "7"),
             "--prompt-len 250 --steps 7: the longest row holds 250 + 7 = 257 tokens",
             lambda p, a: p == "check" and past_capacity(a, p)),
-    Refusal(("check", "--build", "{build}", "--prompt-len", "16", "--steps", "236", "--speculate", "2"),
-            "--speculate 2: the longest row's prompt, its tokens and a call's padding, 16 + 237 + 2 x 2 = "
+    Refusal(("check", "--build", "{build}", "--prompt-len", "16", "--steps", "234", "--speculate", "2"),
+            "--speculate 2: the longest row's prompt, its tokens and a call's padding, 16 + 235 + 3 x 2 = "
             "257",
             lambda p, a: p == "check" and bool(given(a, "speculate"))
-            and a.prompt_len + a.steps + 1 + 2 * a.speculate > CAPACITY),
+            and a.prompt_len + a.steps + 1 + 3 * a.speculate > CAPACITY),
     # build
     Refusal(("build", "--out", "{missing}"), "build: expected --onnx DIR (one export) or a RECIPE",
             lambda p, a: p == "build" and not a.onnx and not a.recipe),
@@ -201,8 +201,8 @@ REFUSALS = [
     Refusal(("run", "{build}", "--max-new-tokens", "1000"), "--max-new-tokens 1000: the longest row holds "
             "32 + 999 = 1031 tokens", lambda p, a: p == "run" and past_capacity(a, p)),
     Refusal(("run", "{build}", "--speculate", "1000000000"), "--speculate 1000000000: a row's cache holds "
-            "its prompt, its new tokens and a call's padding up to 2K + 1 tokens: 32 + 16 + 2 x 1000000000 > "
-            "the cache capacity 256; at most --speculate 104",
+            "its prompt, its new tokens and a call's padding up to 3K + 1 tokens: 32 + 16 + 3 x 1000000000 > "
+            "the cache capacity 256; at most --speculate 69",
             lambda p, a: p == "run" and drafts_past_capacity(a)),
     Refusal(("run", "{build}", "--speculate", "2", "--temperature", "0.5", "--top-k", "1"),
             "--speculate 2: --top-k 1 keeps one token a position", lambda p, a: p == "run"

@@ -69,7 +69,7 @@ def test_explicit_ranges_and_relative_config(tmp_path: Path) -> None:
 
 
 def test_verify_profile_key(tmp_path: Path) -> None:
-    """[profiles] verify = { seq = N }: a third engine profile (run --speculate K: N = 2K + 1); none by
+    """[profiles] verify = { seq = N }: a third engine profile (run --speculate K: N = 3K + 1); none by
     default."""
     assert load_recipe(write(tmp_path, TINY)).verify_seq == 0
     text = TINY.replace("decode = { batch = 2 }", "decode = { batch = 2 }\nverify = { seq = 5 }")

@@ -326,10 +326,10 @@ def test_run_speculate_gives_the_tokens_of_run(build, capsys):
 
 
 def test_drafts_up_to_the_cache_capacity(build, capsys):
-    """The longest prompt, its new tokens and a call's padding (2K + 1 tokens, the row's last token the
+    """The longest prompt, its new tokens and a call's padding (3K + 1 tokens, the row's last token the
     first) may fill the 256-token cache exactly; one more draft is refused before any stage loads,
     naming the limit."""
-    common = ["run", str(build), "--batch", "2", "--prompt-len", "200", "--max-new-tokens", "48", "--json"]
+    common = ["run", str(build), "--batch", "2", "--prompt-len", "196", "--max-new-tokens", "48", "--json"]
     assert main(common) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main([*common, "--speculate", "4", "--drafts", "suffix"]) == 0
@@ -367,26 +367,26 @@ def test_torchrun_speculates_across_stages_and_micro_batches(build):
 
 @pytest.fixture(scope="module")
 def verify_engine(build: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stage 0's TensorRT-RTX engine (sm89) with a verify profile: 3 rows x 5 tokens (K = 4)."""
+    """Stage 0's TensorRT-RTX engine (sm89) with a verify profile: 3 rows x 7 tokens (K = 2)."""
     pytest.importorskip("tensorrt_rtx")
     out = tmp_path_factory.mktemp("verify") / "stage0.engine"
     assert main(["build", "--onnx", str(stage_exports(build)[0]), "--out", str(out), "--max-batch", "3",
-                 "--max-seq", "64", "--decode-batch", "3", "--verify-seq", "5"]) == 0
+                 "--max-seq", "64", "--decode-batch", "3", "--verify-seq", "7"]) == 0
     return out
 
 
 def test_a_verify_profile_is_built_recorded_and_taken(build, verify_engine, monkeypatch):
-    """build --verify-seq 5 gives the engine a third profile, decode's batch x 5 tokens, in its build
-    record with its device memory and the K it serves (run --speculate 2: 2K + 1 = 5); the engine
+    """build --verify-seq 7 gives the engine a third profile, decode's batch x 7 tokens, in its build
+    record with its device memory and the K it serves (run --speculate 2: 3K + 1 = 7); the engine
     runner (over the CPU stand-in) takes it for a verify call, prefill's for the prefill and decode's
     for a token."""
     from engine_standin import CpuMemoryEngineRunner, install
 
     record = json.loads(verify_engine.with_name(f"{verify_engine.name}.json").read_text())
     prefill, decode, verify = record["profiles"]
-    assert [p["input_ids"][2] for p in (prefill, decode, verify)] == [[3, 64], [3, 1], [3, 5]]
+    assert [p["input_ids"][2] for p in (prefill, decode, verify)] == [[3, 64], [3, 1], [3, 7]]
     assert [m["profile"] for m in record["device_memory"]] == ["prefill", "decode", "verify"]
-    assert record["device_memory"][2]["speculate_up_to"] == 2  # 2K + 1 = 5 tokens
+    assert record["device_memory"][2]["speculate_up_to"] == 2  # 3K + 1 = 7 tokens
     engine = install(monkeypatch)
     runner = CpuMemoryEngineRunner(verify_engine, stage_exports(build)[0])
     runner.activate()
@@ -400,17 +400,17 @@ def test_a_verify_profile_is_built_recorded_and_taken(build, verify_engine, monk
     runner.deactivate()
 
 
-@pytest.mark.parametrize("verify_seq", [9, 8], ids=["verify-profile", "too-short"])
+@pytest.mark.parametrize("verify_seq", [13, 12], ids=["verify-profile", "too-short"])
 def test_run_speculate_on_engines(build, tmp_path, monkeypatch, capsys, verify_seq):
     """`run --speculate 4 --runner engine` over the CPU stand-in of each stage's engine gives the tokens
-    of plain `run` on the ONNX graphs; on engines whose profiles take no call of 2 x 9 tokens (2K + 1:
-    a prefill of at most 4, a verify profile of 8) it is refused before any engine loads."""
+    of plain `run` on the ONNX graphs; on engines whose profiles take no call of 2 x 13 tokens (3K + 1:
+    a prefill of at most 4, a verify profile of 12) it is refused before any engine loads."""
     pytest.importorskip("tensorrt_rtx")
     from engine_standin import engines_recorded, install
 
     from k3export.engine.build import Limits
 
-    short = verify_seq < 9
+    short = verify_seq < 13
     out = engines_recorded(build, tmp_path / "engines", Limits(3, 4 if short else 64, 3, verify_seq))
     common = ["run", str(out), "--batch", "3", "--prompt-len", "4", "--max-new-tokens", "12", "--json"]
     assert main([*common, "--runner", "onnx"]) == 0
@@ -421,8 +421,8 @@ def test_run_speculate_on_engines(build, tmp_path, monkeypatch, capsys, verify_s
     if short:
         assert code == 2 and not engines
         # 3 rows in 2 micro-batches (as many as stages): the larger has 2.
-        assert "--speculate 4: a call of 2 rows x 9 tokens (2K + 1: " in captured.err
-        assert "--verify-seq 9" in captured.err
+        assert "--speculate 4: a call of 2 rows x 13 tokens (3K + 1: " in captured.err
+        assert "--verify-seq 13" in captured.err
         return
     assert code == 0 and json.loads(captured.out)["tokens"] == plain["tokens"]
     calls = [profile for e in engines for c in e.contexts for profile, _ in c.calls]
@@ -613,12 +613,12 @@ def test_counts_per_position_stop_at_a_stop_token():
     """Speculation's counts, driven by a model that gives each text's next token. Row 0's drafts all
     match but its third is a stop token: 3 accepted, not 4, and 3 tokens that call. Row 1's second
     draft of each call is wrong: each call accepts one and gives two tokens, its pending tokens grow
-    by two (3, 5, 7, 9), its drafts cut to 2K + 1 = 9 tokens a call (4, 4, 4, 2, then none: that call
-    accepts its 9 re-fed tokens whole), then one draft left of its 12 tokens."""
+    by two (3, 5, ... 13), its drafts cut to 3K + 1 = 13 tokens a call (4, 4, 4, 4, 4, 2, then none:
+    that call accepts its 13 re-fed tokens whole), then one draft left of its 16 tokens."""
     stop = 13
     texts = [[1, 2, 3, 4, 5, 10, 11, 12, stop, 14, 15, 16], [1, 2, 3, 4, 5, *range(20, 40)]]
     drafters = [ContinuationDrafter(texts[0], VOCAB), ContinuationDrafter(texts[1], VOCAB, lambda n: 1)]
-    speculation = Speculation([t[:5] for t in texts], 12, drafters, 4, frozenset([stop]))
+    speculation = Speculation([t[:5] for t in texts], 16, drafters, 4, frozenset([stop]))
     batch = MicroBatch.of(0, range(2), speculation.prompts)
     fed = []
     while not batch.finished:
@@ -627,8 +627,8 @@ def test_counts_per_position_stop_at_a_stop_token():
         speculation.take(batch, truth_logits(batch, texts, VOCAB))
         batch.calls += 1
     counts = speculation.counts
-    assert speculation.rows == [texts[0][5:9], texts[1][5:17]] and fed == [5, 5, 7, 9, 9, 9, 2]
-    assert counts["drafted_per_position"] == [6, 5, 4, 4] and counts["accepted_per_position"] == [6, 1, 1, 0]
-    assert counts["drafted"] == 19 and counts["accepted"] == 8
-    assert counts["decode_calls"] == 6 and counts["refeeding_calls"] == 4
-    assert counts["row_calls"] == 7 and counts["tokens_per_call"] == (3 + 11) / 7
+    assert speculation.rows == [texts[0][5:9], texts[1][5:21]] and fed == [5, 5, 7, 9, 11, 13, 13, 13, 2]
+    assert counts["drafted_per_position"] == [8, 7, 6, 6] and counts["accepted_per_position"] == [8, 1, 1, 0]
+    assert counts["drafted"] == 27 and counts["accepted"] == 10
+    assert counts["decode_calls"] == 8 and counts["refeeding_calls"] == 6
+    assert counts["row_calls"] == 9 and counts["tokens_per_call"] == (3 + 15) / 9

@@ -24,7 +24,7 @@ from k3export.errors import UserError
 from k3export.onnx.runner import StatefulRunner
 from k3export.runtime.drafts import ContinuationDrafter
 from k3export.runtime.schedule import MicroBatch
-from k3export.runtime.speculation import Speculation
+from k3export.runtime.speculation import CALL_TOKENS_PER_DRAFT, Speculation
 
 Arrays = dict[str, np.ndarray]
 CYCLE = 7  # row r's wrong draft sits at (its text's length + r) % CYCLE: past K for some calls
@@ -32,14 +32,14 @@ CYCLE = 7  # row r's wrong draft sits at (its text's length + r) % CYCLE: past K
 
 def require_speculation_fits(drafts: int, prompt_len: int, steps: int, capacity: int) -> None:
     """Refuses `--speculate K` unless a row's prompt, its steps + 1 tokens and a call's padding fit the
-    cache (a call feeds a row up to 2K + 1 tokens, runtime.speculation's, and writes as many latent rows,
+    cache (a call feeds a row up to 3K + 1 tokens, runtime.speculation's, and writes as many latent rows,
     padding included, at a finished row too)."""
-    need = prompt_len + steps + 1 + 2 * drafts
+    need = prompt_len + steps + 1 + CALL_TOKENS_PER_DRAFT * drafts
     if need > capacity:
+        room = max((capacity - prompt_len - steps - 1) // CALL_TOKENS_PER_DRAFT, 0)
         raise UserError(f"--speculate {drafts}: the longest row's prompt, its tokens and a call's padding, "
-                        f"{prompt_len} + {steps + 1} + 2 x {drafts} = {need} > the cache capacity "
-                        f"{capacity}; "
-                        f"at most --speculate {max((capacity - prompt_len - steps - 1) // 2, 0)}")
+                        f"{prompt_len} + {steps + 1} + 3 x {drafts} = {need} > the cache capacity "
+                        f"{capacity}; at most --speculate {room}")
 
 
 @dataclass

@@ -45,6 +45,7 @@ from k3export.model.accounting import H200_BYTES
 from k3export.onnx.domain import DOMAIN
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
 from k3export.options import call_bytes
+from k3export.runtime.speculation import CALL_TOKENS_PER_DRAFT
 
 # Layers through which a tensor is still the MLA cache (its rows moved or retyped, not combined).
 _CACHE_PRESERVING = ("CAST", "IDENTITY", "SHUFFLE", "SLICE", "CONCATENATION", "KV_CACHE_UPDATE")
@@ -54,7 +55,7 @@ _CACHE_PRESERVING = ("CAST", "IDENTITY", "SHUFFLE", "SLICE", "CONCATENATION", "K
 class Limits:
     """The largest shapes each profile takes: prefill batch x seq tokens, decode batch x 1, and with
     `verify_seq` a verify profile, decode batch x verify_seq tokens (`run --speculate K`'s calls, up to
-    2K + 1 tokens a row: K + 1 re-fed after a rejection and K drafts; the cache capacity is the
+    3K + 1 tokens a row: tokens re-fed after rejections and up to K drafts; the cache capacity is the
     export's). A profile sized for the other's batch would make
     TensorRT reserve context memory for shapes never served (kimi-k3: 8 x 8192 prefill tokens instead of
     1 x 8192)."""
@@ -238,8 +239,8 @@ def profile_memory(manifest: dict[str, Any], limits: Limits, engine: Any = None)
                            "source": "estimate: the profile's inputs and outputs at its largest shapes "
                                      "(a lower bound; TensorRT's figure needs the engine deserialized on "
                                      "its GPU)"})
-    if limits.verify_seq:  # run --speculate K's calls take up to 2K + 1 tokens a row
-        memory[-1]["speculate_up_to"] = (limits.verify_seq - 1) // 2
+    if limits.verify_seq:  # run --speculate K's calls take up to 3K + 1 tokens a row
+        memory[-1]["speculate_up_to"] = (limits.verify_seq - 1) // CALL_TOKENS_PER_DRAFT
     return memory
 
 

@@ -88,9 +88,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "holds engines for every stage, else onnx)")
     parser.add_argument("--speculate", type=positive_int, metavar="K",
                         help="speculative decoding: up to K drafted tokens a row checked in each call, the "
-                        "call after a rejection re-feeding up to K + 1 (engines need a verify profile of "
-                        "2K + 1 tokens); greedy: the same tokens as without; sampled: each token from the "
-                        "same distribution, a generator a row")
+                        "call after rejections re-feeding tokens too, 3K + 1 at most (engines need a verify "
+                        "profile of 3K + 1 tokens); greedy: the same tokens as without; sampled: each token "
+                        "from the same distribution, a generator a row")
     parser.add_argument("--drafts", choices=DRAFTS,
                         help="with --speculate: suffix (a suffix automaton of the text, the default) or "
                         f"ngram (prompt lookup, n-grams of up to {NGRAM_LONGEST} tokens)")

@@ -14,9 +14,7 @@ the verify (its runners take back their states kept then) and feeds the accepted
 correction, and new drafts after them. A row so drafts on every call after its prefill, and no call is
 ever spent on the rollback alone. The kept state is the one before the call, so a re-run whose own
 drafts are rejected goes back there again and its pending tokens grow; a row's call feeds at most
-`longest` tokens (2K + 1, what a verify profile takes: 1 + j + 1 re-fed after j < K accepted, and K
-drafts), its drafts cut to fit. At K = 4 each draft accepted with probability 0.7 that gives 2.56
-tokens a call where per-draft state slots give (1 - a^(K+1)) / (1 - a) = 2.77 (tools/bench_speculate.py).
+`longest` tokens (3K + 1, what a verify profile takes: `CALL_TOKENS_PER_DRAFT`), its drafts cut to fit.
 """
 
 from __future__ import annotations
@@ -38,6 +36,16 @@ from k3export.runtime.drafts import DEFAULT_DRAFTS, DEFAULT_MIN_MATCH, DRAFTS, D
 from k3export.runtime.generation import Generation, Sampler, through_stages
 from k3export.runtime.pipeline import Pipeline
 from k3export.runtime.schedule import MicroBatch, StageTimes, round_robin, split_prompts
+
+# A row's call feeds at most 3K + 1 tokens (`Speculation.longest`): the verify profile's seq, and a row's
+# cache holds its prompt, its new tokens and 3K more (the call's padding past its last token). Why 3K + 1:
+# the rollback keeps the state before a call, so each rejected call's re-run re-feeds the tokens before
+# it again with its own accepted ones and correction (1 + j + 1 after j < K accepted, then 3, 5, 7 ...
+# when the re-runs are rejected too), and a cap cuts the drafts of a row rejected twice running. Tokens a
+# call at K = 4 (tools/bench_speculate.py, exact over 2000 tokens a row; per-draft state slots give
+# (1 - a^(K+1)) / (1 - a) = 1.94 / 2.77 / 4.10 at a = 0.5 / 0.7 / 0.9): at 2K + 1 1.80 / 2.56 / 3.96 (at
+# a = 0.7 7.6% short), at 3K + 1 1.86 / 2.68 / 4.05 (3.4% short), uncapped 1.95 / 2.79 / 4.07.
+CALL_TOKENS_PER_DRAFT = 3
 
 
 def speculation_of(args: argparse.Namespace, exports: list[Path],
@@ -66,11 +74,11 @@ def speculation_of(args: argparse.Namespace, exports: list[Path],
                         "(--last-logits); a verify needs every position's")
     capacity = min(m["capacity"] for m in manifests)
     prompt_len = max(len(p) for p in prompts)
-    limit = (capacity - prompt_len - args.max_new_tokens) // 2
+    limit = (capacity - prompt_len - args.max_new_tokens) // CALL_TOKENS_PER_DRAFT
     if args.speculate > limit:
         room = f"at most --speculate {limit}" if limit > 0 else "no room for drafts"
         raise UserError(f"{option}: a row's cache holds its prompt, its new tokens and a call's padding "
-                        f"up to 2K + 1 tokens: {prompt_len} + {args.max_new_tokens} + 2 x {args.speculate} > "
+                        f"up to 3K + 1 tokens: {prompt_len} + {args.max_new_tokens} + 3 x {args.speculate} > "
                         f"the cache capacity {capacity}; {room}")
     drafters = [DRAFTS[args.drafts or DEFAULT_DRAFTS](min_match) for _ in prompts]
     return Speculation(prompts, args.max_new_tokens, drafters, args.speculate, frozenset(args.stop),
@@ -80,10 +88,11 @@ def speculation_of(args: argparse.Namespace, exports: list[Path],
 def require_verify_profiles(speculation: Speculation, engines: list[Path], exports: list[Path],
                             rows: int) -> None:
     """Refuses `--speculate K` on engines, before any loads, unless each stage's engine has a profile
-    that takes a call of `rows` (the largest micro-batch) x 2K + 1 tokens (a verify profile, or a
-    prefill profile that happens to): the call after a rejection re-feeds up to K + 1 tokens and
-    drafts K more. (Capping that call's drafts to a shorter profile would cost tokens a call on
-    every rejection, quietly; a build names its verify length once.)"""
+    that takes a call of `rows` (the largest micro-batch) x 3K + 1 tokens (a verify profile, or a
+    prefill profile that happens to): a call after rejections re-feeds the tokens since the kept
+    state with up to K drafts, cut to fit 3K + 1 (`CALL_TOKENS_PER_DRAFT`). (Capping that call's
+    drafts to a shorter profile would cost tokens a call on every rejection, quietly; a build names its
+    verify length once.)"""
     from k3export.engine.runner import binding_plan, engine_record
 
     tokens = speculation.longest
@@ -94,7 +103,7 @@ def require_verify_profiles(speculation: Speculation, engines: list[Path], expor
             plan.profile({"batch": rows, "seq": tokens, "capacity": capacity})
         except UserError:
             raise UserError(f"--speculate {speculation.drafts}: a call of {rows} rows x {tokens} tokens "
-                            f"(2K + 1: K + 1 re-fed after a rejection and K drafts) fits none of stage "
+                            f"(3K + 1: tokens re-fed after rejections and up to K drafts) fits none of stage "
                             f"{stage}'s engine profiles ({engine}); build it with [profiles] verify = "
                             f"{{seq = {tokens}}} (build --onnx: --verify-seq {tokens})") from None
 
@@ -139,12 +148,12 @@ class Speculation:
     drafts: int  # K: drafts a row proposes at most a call
     stop_tokens: frozenset[int] = frozenset()
     sampler: Sampler | None = None
-    longest: int = 0  # tokens a row a call at most (0: 2K + 1, what `run` takes; the benchmark tries more)
+    longest: int = 0  # tokens a row a call at most (0: 3K + 1, what `run` takes; the benchmark tries others)
     prefilled_at: float | None = None  # when the last prefill's tokens were taken
     last_at: float | None = None
 
     def __post_init__(self) -> None:
-        self.longest = self.longest or 2 * self.drafts + 1
+        self.longest = self.longest or CALL_TOKENS_PER_DRAFT * self.drafts + 1
         self.texts = [list(p) for p in self.prompts]
         self.cached = [0] * len(self.prompts)  # tokens of each row's text in its caches
         self.rows: list[list[int]] = [[] for _ in self.prompts]  # new tokens
@@ -244,7 +253,7 @@ def speculate(pipeline: Pipeline, speculation: Speculation, micro_batches: int =
               waits: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> Generation:
     """Decoding of `speculation`'s prompts with its drafts (greedy, or sampled by its rule), micro-batch
     after micro-batch as `generate` runs them. Each row's caches must hold its prompt, its new tokens
-    and a call's padding (2K + 1 tokens a row at most, written at a finished row too)."""
+    and a call's padding (3K + 1 tokens a row at most, written at a finished row too)."""
     batches = split_prompts(speculation.prompts, micro_batches)
     pipeline.reset_slots([b.size for b in batches])
     times = [StageTimes(s.runner.name) for s in pipeline.stages]

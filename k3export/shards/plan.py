@@ -393,7 +393,7 @@ def format_plan(plan: Plan, ranks: int = 1) -> str:
         + ("in the total, the recipe has a verify profile" if plan.verify_tokens else
            "not in the total, the recipe has no verify profile")
         + "); a row that rejects a draft feeds its accepted tokens again in its next call, with new drafts "
-        "(at most 2K + 1 tokens a call: the verify profile's seq)",
+        "(at most 3K + 1 tokens a call: the verify profile's seq)",
         "boundaries: a stage receives the AttnRes bank [rows, batch, seq, hidden] and partial block [batch, "
         "seq, hidden] (the first: token ids) and sends the next stage's (the last: logits)",
         "activations assume the served engine: the k3 mixer plugins and the grouped routed-experts plugin "

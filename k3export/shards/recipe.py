@@ -7,8 +7,8 @@
     [stages]    count = 2                 or ranges = [[0, 4], [4, 9]] (0-based, stop-exclusive)
     [cache]     capacity = 256            tokens per sequence; batch = 2 sequences
     [profiles]  prefill = {batch = 2, seq = 64}, decode = {batch = 2}: each optimization profile
-                covers 1 up to these; optional verify = {seq = 5}: a third, decode's batch x seq
-                tokens (`run --speculate K`'s calls: seq = 2K + 1)
+                covers 1 up to these; optional verify = {seq = 13}: a third, decode's batch x seq
+                tokens (`run --speculate K`'s calls: seq = 3K + 1)
     [parallel]  ranks = 8                 optional: GPUs per stage, every stage split over them
                                           (tensor-parallel heads, expert-parallel experts; default 1)
     [links]     stages_gb_per_s = 50      optional, for `plan`: between stages (hosts: InfiniBand), and
@@ -80,7 +80,7 @@ class Recipe:
     ranks: int = 1  # GPUs per stage (k3export/model/parallel.py); 1: stages are not split
     stages_gb_per_s: float | None = None  # link between stages; None: the plan's default
     ranks_gb_per_s: float | None = None  # link among a stage's ranks (the collectives); None: default
-    verify_seq: int = 0  # tokens a row of the verify profile (run --speculate K: 2K + 1); 0: none
+    verify_seq: int = 0  # tokens a row of the verify profile (run --speculate K: 3K + 1); 0: none
 
     @property
     def weights(self) -> dict[str, Any]:
