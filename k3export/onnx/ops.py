@@ -58,17 +58,18 @@ KDA_SCHEMA = OpSchema(
     attributes=_PLUGIN_ATTRS,
 )
 
-_MLA_ATTRS = [*_PLUGIN_ATTRS,
-              OpSchema.Attribute("v_dim", OpSchema.AttrType.INT, "value width: kv[..., :v_dim]"),
-              OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "softmax scale")]
+# What LatentMLA and LatentMLASplits share: their inputs, types and attributes.
+_MLA = {"inputs": _inputs(("q", "T"), ("kv", "TKV"), ("cache_lengths", "tensor(int64)")),
+        "type_constraints": [("T", _FLOATS, ""), ("TKV", _FLOATS, "")],
+        "attributes": [*_PLUGIN_ATTRS,
+                       OpSchema.Attribute("v_dim", OpSchema.AttrType.INT, "value width: kv[..., :v_dim]"),
+                       OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "softmax scale")]}
 
 LATENT_MLA_SCHEMA = OpSchema(
     "LatentMLA", DOMAIN, DOMAIN_VERSION,
     doc="Absorbed latent attention; see k3export/ops/mla.py",
-    inputs=_inputs(("q", "T"), ("kv", "TKV"), ("cache_lengths", "tensor(int64)")),
     outputs=_inputs(("o", "T")),
-    type_constraints=[("T", _FLOATS, ""), ("TKV", _FLOATS, "")],
-    attributes=_MLA_ATTRS,
+    **_MLA,
 )
 
 # latent_mla as the graph runs it: the splits of each row's cache (float32 partial outputs and their
@@ -79,10 +80,8 @@ LATENT_MLA_SPLITS_SCHEMA = OpSchema(
     "LatentMLASplits", DOMAIN, DOMAIN_VERSION,
     doc="Absorbed latent attention over splits of each row's cache: o_part [S, B, T, H, v_dim] and its "
         "lse [S, B, T, H], float32; see k3export/ops/mla.py",
-    inputs=_inputs(("q", "T"), ("kv", "TKV"), ("cache_lengths", "tensor(int64)")),
     outputs=_inputs(("o_part", "tensor(float)"), ("lse", "tensor(float)")),
-    type_constraints=[("T", _FLOATS, ""), ("TKV", _FLOATS, "")],
-    attributes=_MLA_ATTRS,
+    **_MLA,
 )
 
 LATENT_MLA_COMBINE_SCHEMA = OpSchema(

@@ -24,9 +24,11 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   where the JIT form's `chunk_kda` is two kernels with intermediates between them (`tensorrt.plugin`'s
   AOT interface has no workspace: docs/kernels.md gives the two-node form's next step); float32 runs the
   recurrence (its chunked form spills registers).
-- LatentMLA runs the attention kernel as one split over each row's visible cache (prefill tiles;
-  exact for any T, T = 1 included): the split-KV decode needs a log-sum-exp buffer and a combine
-  kernel. Decode is thus slower than under the JIT plugin. `scale`, the head dim and `v_dim` are
+- LatentMLA is two nodes in the graph (k3export/onnx/ops.py), so that its partials are a graph tensor
+  between two launches: LatentMLASplits runs the attention kernel over `mla.split_count` splits of each
+  row's visible cache (the grid's z; 16 heads of a token a program, each cache block loaded once for
+  them), writing float32 partials and their lse; LatentMLACombine weighs them into o. The one-node
+  LatentMLA of earlier exports runs the same kernel as one split. `scale`, the head dim and `v_dim` are
   model constants, taken from the node and compiled in as constexprs (an AOT scalar cannot be a
   float).
 - RoutedExperts(MXFP4) runs one program per token and block of 256 output columns over its k slots
@@ -41,7 +43,7 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   columns in slices of 128, one pass over the cache each: at the published widths 37,376 B in float16 and
   bfloat16, 28,672 B in float32 (55,808 and 111,680 B before).
 An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
-take the outputs earlier, so `_kda_aot_kernel` and `_latent_mla_aot_kernel` reorder them. A compiled
+take the outputs earlier, so `_kda_aot_kernel` and the `_latent_mla_*_aot_kernel`s reorder them. A compiled
 kernel also has Triton's two trailing scratch pointers, which TensorRT does not pass: tests/test_aot.py
 refuses an AOT kernel whose scratch sizes are not 0.
 
