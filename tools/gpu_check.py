@@ -200,7 +200,7 @@ def plan(dtypes: Sequence[str]) -> list[Case]:
             add(kernel, N, 1, big=N == 8192)
     add("plugin:MoE_MXFP4", 4, 1)
     add("aot:recurrent_kda", 8, 16, gate="float32")  # the AOT kernel takes float32 g and beta
-    add("aot:latent_mla", 4, 1, 2048)  # decode without split-KV: one launch, no combine
+    add("aot:latent_mla", 4, 1, 2048)  # decode: the split node, then the combine node
     add("aot:latent_mla", 1, 256, 256)
     for kernel in ("aot:moe", "aot:moe_mxfp4"):  # the single-launch kernels: decode, and a prefill chunk
         for N in (4, 512):
@@ -501,7 +501,7 @@ def plugin_trial(c: Case, gen: torch.Generator) -> Trial:
 def aot_trial(c: Case, gen: torch.Generator) -> Trial:
     """A kernel as trt_aot's aot_impl compiles it (triton.compile for this GPU, PTX 8.7), with its
     grid and scalars from the *_aot_launch functions, launched through Triton's CompiledKernel into
-    NaN-filled outputs."""
+    NaN-filled outputs; LatentMLA as an export holds it, its split node and then its combine node."""
     from k3export import ops
     from k3plugins.aot import compile_variant, device_target
     from k3plugins.trt_aot import (
@@ -509,6 +509,8 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         kda_aot_launch,
         latent_mla_aot_kernel,
         latent_mla_aot_launch,
+        latent_mla_combine_aot_kernel,
+        latent_mla_combine_aot_launch,
         routed_experts_aot_kernel,
         routed_experts_aot_launch,
     )
@@ -520,6 +522,7 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         variant = routed_experts_aot_kernel(c.dtype, c.packed, MOE_L, MOE_I, c.experts, MOE_K, 0, *MOE_BETAS)
         grid, scalars = routed_experts_aot_launch(list(inputs[0].shape), MOE_L)
         outputs = [torch.full((c.B, MOE_L), float("nan"), device="cuda")]
+        launches = [(variant, grid, [*inputs, *scalars, *outputs])]
     elif c.is_kda:
         inputs = kda_inputs(c, gen)
         q, v, h0 = inputs[0], inputs[2], inputs[5]
@@ -527,19 +530,27 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         variant = kda_aot_kernel(c.dtype, KDA_K)
         grid, scalars = kda_aot_launch(list(q.shape), list(v.shape))
         outputs = [torch.full_like(v, float("nan")), torch.full_like(h0, float("nan"))]
+        launches = [(variant, grid, [*inputs, *scalars, *outputs])]
     else:
         inputs = mla_inputs(c, gen)
         q, kv, _ = inputs
         reference = mla_reference(*inputs)
-        variant = latent_mla_aot_kernel(c.dtype, c.dtype, MLA_D, MLA_VDIM, MLA_SCALE)
-        grid, scalars = latent_mla_aot_launch(list(q.shape), list(kv.shape))
+        variant = latent_mla_aot_kernel(c.dtype, c.dtype, MLA_D, MLA_VDIM, MLA_SCALE, splits=True)
+        grid, scalars = latent_mla_aot_launch(list(q.shape), list(kv.shape), splits=True)
+        o_part = torch.full((grid[2], *q.shape[:3], MLA_VDIM), float("nan"), device="cuda")
+        lse = torch.full(o_part.shape[:4], float("nan"), device="cuda")
+        combine = latent_mla_combine_aot_kernel(c.dtype, MLA_VDIM)
+        combine_grid, combine_scalars = latent_mla_combine_aot_launch(list(o_part.shape))
         outputs = [q.new_full((*q.shape[:3], MLA_VDIM), float("nan"))]
-    kernel = compile_variant(variant, device_target())
+        launches = [(variant, grid, [*inputs, *scalars, o_part, lse]),
+                    (combine, combine_grid, [q, o_part, lse, *combine_scalars, *outputs])]
+    compiled = [(compile_variant(v, device_target()), v, g, args) for v, g, args in launches]
 
     def run() -> Sequence[Tensor]:
-        # Parameters in the kernel's order: inputs, scalars, outputs, then the constexprs (which
+        # Parameters in each kernel's order: inputs, scalars, outputs, then the constexprs (which
         # Triton's launcher takes and ignores).
-        kernel[(*grid, 1)](*inputs, *scalars, *outputs, *variant.constexprs.values())
+        for kernel, launched, launch_grid, args in compiled:
+            kernel[(*launch_grid, 1, 1)[:3]](*args, *launched.constexprs.values())
         return outputs
 
     return Trial(run, run, reference, None, sum(t.nbytes for t in inputs))
