@@ -517,7 +517,7 @@ def probe_preflight(backend: str, target: str, work: Path) -> dict[str, Any]:
     5. a KDA and an MLA layer at the published widths (`published_pair`: 96 KDA heads of 128, 96 MLA heads,
        latent 576, values 512; the rest small), bfloat16, AOT plugins, exported with seeded weights, built
        and called as in 4., its logits finite: the k3 plugins' launches as the published model makes them
-       (the LatentMLA kernels' 55.8 KB of shared memory among them)."""
+       (the LatentMLA split and combine kernels among them, 37,376 B of shared memory at most)."""
     import importlib
 
     import numpy as np
