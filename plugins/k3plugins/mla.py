@@ -75,6 +75,24 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, split_rows, scale, D: tl.c
     h = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
     mask_m = (t < T) & (h < H)
     row = (i_b * T + t).to(tl.int64) * H + h
+    out_row = i_split * n_rows + row
+
+    # Query t of this row sees cache rows 0 .. cache_len + t; the program's queries together see
+    # [0, end), never past the capacity C (a row whose cache_len + T overflows reads no further).
+    cache_len = tl.load(lengths + i_b).to(tl.int32)
+    last = cache_len + t
+    end = tl.minimum(cache_len + tl.minimum(t0 + BLOCK_T, T), C)
+    # The row's own visible rows are split evenly among the splits, at least split_rows each: a short
+    # row leaves the later splits empty, which store only lse = -inf (weight 0: the combine reads nothing
+    # else of them) and load nothing.
+    split_len = tl.maximum(tl.cdiv(end, n_splits), split_rows)
+    lo = i_split * split_len
+    hi = tl.minimum(lo + split_len, end)
+    if lo >= hi:
+        if lse is not None:
+            tl.store(lse + out_row, tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32), mask=mask_m)
+        return
+
     # V_SLICES > 1 (the AOT float32 kernel, whose whole float32 value block needs more than the 48 KB of
     # shared memory a launch gets): the value columns are taken BDO at a time, one pass over the cache each,
     # the scores formed a slice of columns at a time.
@@ -86,19 +104,7 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, split_rows, scale, D: tl.c
     offs_r = V_DIM + tl.arange(0, BDR)
     mask_r = offs_r < D
     q_r = tl.load(q + row[:, None] * D + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-
-    # Query t of this row sees cache rows 0 .. cache_len + t; the program's queries together see
-    # [0, end), never past the capacity C (a row whose cache_len + T overflows reads no further).
-    cache_len = tl.load(lengths + i_b).to(tl.int32)
-    last = cache_len + t
-    end = tl.minimum(cache_len + tl.minimum(t0 + BLOCK_T, T), C)
-    # The row's own visible rows are split evenly among the splits, at least split_rows each: a short
-    # row leaves the later splits empty (they store only lse = -inf).
-    split_len = tl.maximum(tl.cdiv(end, n_splits), split_rows)
-    lo = i_split * split_len
-    hi = tl.minimum(lo + split_len, end)
     kv_row0 = kv + i_b.to(tl.int64) * C * D
-    out_row = i_split * n_rows + row
     for i_slice in tl.static_range(V_SLICES):
         offs_o = i_slice * BDO + tl.arange(0, BDO)  # the value columns of this pass
         mask_o = offs_o < V_DIM
@@ -137,12 +143,11 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, split_rows, scale, D: tl.c
             acc = tl.dot(p.to(kv_o.dtype), kv_o, acc * alpha[:, None], input_precision="ieee")
             m_i = m_new
 
-        # A query with no visible key in this split writes lse = -inf (weight 0 in the combine) and, in a
-        # split that has rows at all, zeros; an empty split skips the store, which the combine never reads.
+        # A query with no visible key in this split writes lse = -inf (weight 0 in the combine) and zeros.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o_tile = (acc / l_safe[:, None]).to(o.dtype.element_ty)
         tl.store(o + out_row[:, None] * V_DIM + offs_o[None, :], o_tile,
-                 mask=mask_m[:, None] & mask_o[None, :] & (lo < hi))
+                 mask=mask_m[:, None] & mask_o[None, :])
     if lse is not None:  # None (a constexpr) for a single split that needs no combine
         tl.store(lse + out_row, m_i + tl.log(l_safe), mask=mask_m)
 
