@@ -18,6 +18,7 @@ from torch import Tensor
 
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3export.errors import UserError
+from k3export.onnx.domain import DOMAIN
 from k3export.ops import mxfp4
 
 E, I, L = 8, 64, 32
@@ -410,6 +411,11 @@ def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, ti
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     parsed = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Every k3 node a plugin (none inlined as its function), and each mixer and MoE layer has them.
+    k3_nodes = [n.op_type for n in model.graph.node if n.domain == DOMAIN]
+    assert parsed.count("PLUGIN_V3") == len(k3_nodes)
     moe_layers = sum(not config.is_dense(i) for i in layers)
-    assert parsed.count("PLUGIN_V3") == len(layers) + moe_layers
+    assert sum(op.startswith("RoutedExperts") for op in k3_nodes) >= moe_layers
+    assert sum(op == "KDA" for op in k3_nodes) == sum(not config.is_mla(i) for i in layers)
+    assert sum(op == "LatentMLACombine" for op in k3_nodes) == sum(config.is_mla(i) for i in layers)
     assert "TRIP_LIMIT" not in parsed and "ITERATOR" not in parsed

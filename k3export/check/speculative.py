@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from k3export.errors import UserError
-from k3export.onnx.runner import StatefulRunner
+from k3export.onnx.runner import CALL_TOKENS_PER_DRAFT, StatefulRunner
 from k3export.runtime.drafts import ContinuationDrafter
 from k3export.runtime.schedule import MicroBatch
-from k3export.runtime.speculation import CALL_TOKENS_PER_DRAFT, Speculation
+from k3export.runtime.speculation import Speculation
 
 Arrays = dict[str, np.ndarray]
 CYCLE = 7  # row r's wrong draft sits at (its text's length + r) % CYCLE: past K for some calls

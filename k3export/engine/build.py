@@ -44,8 +44,8 @@ from k3export.errors import UserError
 from k3export.model.accounting import H200_BYTES
 from k3export.onnx.domain import DOMAIN
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
+from k3export.onnx.runner import CALL_TOKENS_PER_DRAFT
 from k3export.options import call_bytes
-from k3export.runtime.speculation import CALL_TOKENS_PER_DRAFT
 
 # Layers through which a tensor is still the MLA cache (its rows moved or retyped, not combined).
 _CACHE_PRESERVING = ("CAST", "IDENTITY", "SHUFFLE", "SLICE", "CONCATENATION", "KV_CACHE_UPDATE")

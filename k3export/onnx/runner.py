@@ -95,6 +95,18 @@ class Signature:
         return meta
 
 
+# A row's call feeds at most 3K + 1 tokens (runtime.speculation's `Speculation.longest`): the verify
+# profile's seq, and a row's cache holds its prompt, its new tokens and 3K more (the call's padding past its
+# last token). Why 3K + 1: the rollback keeps the state before a call, so each rejected call's re-run re-
+# feeds the tokens before it again with its own accepted ones and correction (1 + j + 1 after j < K
+# accepted, then 3, 5, 7 ... when the re-runs are rejected too), and a cap cuts the drafts of a row rejected
+# twice running. Tokens a call at K = 4 (tools/bench_speculate.py, exact over 2000 tokens a row; per-draft
+# state slots give (1 - a^(K+1)) / (1 - a) = 1.94 / 2.77 / 4.10 at a = 0.5 / 0.7 / 0.9): at 2K + 1 1.80 /
+# 2.56 / 3.96 (at a = 0.7 7.6% short), at 3K + 1 1.86 / 2.68 / 4.05 (3.4% short), uncapped 1.95 / 2.79 /
+# 4.07.
+CALL_TOKENS_PER_DRAFT = 3
+
+
 @dataclass
 class Rollback:
     """What a runner can go back to after a verify call (a call that also fed drafted tokens, some of

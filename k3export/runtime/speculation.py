@@ -32,20 +32,11 @@ import numpy as np
 
 from k3export.errors import UserError
 from k3export.onnx.export import MANIFEST_FILE
+from k3export.onnx.runner import CALL_TOKENS_PER_DRAFT
 from k3export.runtime.drafts import DEFAULT_DRAFTS, DEFAULT_MIN_MATCH, DRAFTS, Drafter
 from k3export.runtime.generation import Generation, Sampler, through_stages
 from k3export.runtime.pipeline import Pipeline
 from k3export.runtime.schedule import MicroBatch, StageTimes, round_robin, split_prompts
-
-# A row's call feeds at most 3K + 1 tokens (`Speculation.longest`): the verify profile's seq, and a row's
-# cache holds its prompt, its new tokens and 3K more (the call's padding past its last token). Why 3K + 1:
-# the rollback keeps the state before a call, so each rejected call's re-run re-feeds the tokens before
-# it again with its own accepted ones and correction (1 + j + 1 after j < K accepted, then 3, 5, 7 ...
-# when the re-runs are rejected too), and a cap cuts the drafts of a row rejected twice running. Tokens a
-# call at K = 4 (tools/bench_speculate.py, exact over 2000 tokens a row; per-draft state slots give
-# (1 - a^(K+1)) / (1 - a) = 1.94 / 2.77 / 4.10 at a = 0.5 / 0.7 / 0.9): at 2K + 1 1.80 / 2.56 / 3.96 (at
-# a = 0.7 7.6% short), at 3K + 1 1.86 / 2.68 / 4.05 (3.4% short), uncapped 1.95 / 2.79 / 4.07.
-CALL_TOKENS_PER_DRAFT = 3
 
 
 def speculation_of(args: argparse.Namespace, exports: list[Path],
