@@ -176,12 +176,12 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path, tiny_summary: dict[
 
     plugins = [p.split(": ", 1)[1] for p in summary["plugin_layers"]]
     mixers = [layer["mixer"] for layer in manifest["schedule"]]
-    expected = []  # per layer its mixer, then a MoE layer's routed experts
+    expected = []  # per layer its mixer, then a MoE layer's routed experts (grouped, gate/up, down)
     for layer in manifest["schedule"]:
         expected += {"KDA": ["k3::KDA v1"], "MLA": ["k3::LatentMLASplits v1", "k3::LatentMLACombine v1"]}[
             layer["mixer"]]
         if layer["ffn"] == "moe":
-            expected.append("k3::RoutedExperts v1")
+            expected += [f"k3::RoutedExperts{op} v1" for op in ("Group", "GateUp", "Down")]
     assert plugins == expected
     assert summary["layer_types"]["PLUGIN_V3"] == len(k3_nodes(tiny_export))
     # A KDA function body would add a Scan's iterators, an inlined RoutedExperts function a Loop.
@@ -206,10 +206,18 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path, tiny_summary: dict[
     assert [f["scale"] for f in fields["LatentMLASplits"]] == pytest.approx([e["scale"] for e in expected])
     assert fields["LatentMLACombine"] == [{}] * mixers.count("MLA")
     # expert_offset: 0 on an unsplit model's nodes.
-    betas = [{**{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
-                 if a.name in ("situ_beta", "situ_linear_beta")}, "expert_offset": 0}
-             for node in k3_nodes(tiny_export) if node.op_type == "RoutedExperts"]
-    assert fields["RoutedExperts"] == betas and len(betas) == expected_moe_layers(manifest)
+    betas = [{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute
+              if a.name in ("situ_beta", "situ_linear_beta")}
+             for node in k3_nodes(tiny_export) if node.op_type == "RoutedExpertsGateUp"]
+    assert fields["RoutedExpertsGateUp"] == betas and len(betas) == expected_moe_layers(manifest)
+    held = manifest_config_experts(tiny_export)
+    assert fields["RoutedExpertsGroup"] == [{"num_experts": held, "expert_offset": 0}] * len(betas)
+    assert fields["RoutedExpertsDown"] == [{}] * len(betas)
+
+
+def manifest_config_experts(export_dir: Path) -> int:
+    """The routed experts an unsplit export's MoE nodes hold: its config's num_experts."""
+    return json.loads((export_dir / "config.json").read_text())["num_experts"]
 
 
 def expected_moe_layers(manifest: dict[str, Any]) -> int:
@@ -239,9 +247,10 @@ def initializer_bytes(export_dir: Path) -> dict[str, int]:
     return sizes
 
 
-# Prints, as JSON, the parsed network's summary (as SCRIPT's "strict" does) and for each
-# RoutedExpertsMXFP4 plugin layer its expert inputs: dtype, shape, and the constant layer that feeds
-# each (its name, the weights' bytes and their sha256).
+# Prints, as JSON, the parsed network's summary (as SCRIPT's "strict" does) and for each MoE layer the expert
+# inputs of its RoutedExpertsGateUpMXFP4 (from input 3) and RoutedExpertsDownMXFP4 (from input 2) plugin
+# layers: dtype, shape, and the constant layer that feeds each (its name, the weights' bytes and their
+# sha256).
 MOE_INPUTS_SCRIPT = """
 import hashlib, json, sys
 from dataclasses import asdict
@@ -262,8 +271,8 @@ def constant(layer):
 
 print(json.dumps([asdict(build.summarize(network, trt, creators)),
                   [[(t.dtype.name, list(t.shape), constant(producers[t.name]))
-                    for t in (l.get_input(j) for j in range(3, l.num_inputs))]
-                   for l in layers if l.type.name == "PLUGIN_V3" and l.num_inputs == 9]]))
+                    for t in (l.get_input(j) for j in range({7: 3, 4: 2}[l.num_inputs], l.num_inputs))]
+                   for l in layers if l.type.name == "PLUGIN_V3" and l.num_inputs in (7, 4)]]))
 """
 
 
@@ -303,19 +312,20 @@ def test_packed_experts_stay_packed(packed_export: Path, tmp_path: Path) -> None
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary, layers = json.loads(proc.stdout.strip().splitlines()[-1])
-    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsMXFP4 v1")]
+    moe = [p for p in summary["plugin_layers"] if p.endswith("k3::RoutedExpertsGateUpMXFP4 v1")]
     assert len(moe) == expected_moe_layers(manifest) == 8
     assert not LOOP_LAYERS & set(summary["layer_types"]), "a RoutedExperts function body was inlined"
-    fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0, "expert_offset": 0}
-    assert summary["plugin_fields"]["RoutedExpertsMXFP4"] == [fields] * 8
+    fields = {"situ_beta": 4.0, "situ_linear_beta": 25.0}
+    assert summary["plugin_fields"]["RoutedExpertsGateUpMXFP4"] == [fields] * 8
 
     E, I, L = 8, 32, 32  # k3-tiny: num_experts, moe_intermediate_size, routed_expert_hidden_size
     word_shapes = [[E, I * L // 8], [E, I * L // 128]] * 3
     expected = checkpoint_experts(packed_export.parent / "checkpoint")
-    assert len(layers) == 8 and len(expected) == 8 * 6
+    assert len(layers) == 2 * 8 and len(expected) == 8 * 6
     constant_bytes = 0
+    for gate_up, down in zip(layers[::2], layers[1::2], strict=True):
+        assert [shape for _, shape, _ in gate_up + down] == word_shapes
     for inputs in layers:
-        assert [shape for _, shape, _ in inputs] == word_shapes
         assert {dtype for dtype, _, _ in inputs} == {"INT32"}
         for _, _, (kind, name, size, sha) in inputs:
             assert kind == "int32", f"{name}: fed by {kind}, not a constant of int32 words"
@@ -389,7 +399,9 @@ def test_wrong_plugin_version_is_refused(version9_export: Path) -> None:
     assert "asks for plugin k3::KDA version '9', which is not registered" in error
     assert ("registered k3 plugins: k3::KDA v1, k3::LatentMLA v1, k3::LatentMLACombine v1, "
             "k3::LatentMLASplits v1, k3::RoutedExperts v1, "
-            "k3::RoutedExperts v2, k3::RoutedExpertsMXFP4 v1, k3::RoutedExpertsMXFP4 v2") in error
+            "k3::RoutedExperts v2, k3::RoutedExpertsDown v1, k3::RoutedExpertsDownMXFP4 v1, "
+            "k3::RoutedExpertsGateUp v1, k3::RoutedExpertsGateUpMXFP4 v1, k3::RoutedExpertsGroup v1, "
+            "k3::RoutedExpertsMXFP4 v1, k3::RoutedExpertsMXFP4 v2") in error
 
     # What the check guards against: the parser inlines the functions without a word, and stops only
     # inside a RoutedExperts body (NonZero, which it lacks), naming neither the node nor its plugin.

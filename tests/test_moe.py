@@ -266,7 +266,7 @@ def test_onnx_function_of_a_rank_of_experts_matches_eager(rank_onnx_models, pack
 
     model = onnx.load(rank_onnx_models[packed])
     onnx.checker.check_model(model, full_check=True)
-    (node,) = [n for n in model.graph.node if n.domain == "k3"]
+    node = next(n for n in model.graph.node if n.op_type == "RoutedExpertsGroup")  # the offset's one node
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attributes["expert_offset"] == E // 2 and attributes["plugin_version"] == b"1"
     gen = torch.Generator().manual_seed(N)
@@ -282,21 +282,34 @@ def test_onnx_function_of_a_rank_of_experts_matches_eager(rank_onnx_models, pack
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_one_routed_experts_node_and_its_function(onnx_models, packed):
+def test_grouped_nodes_and_their_functions(onnx_models, packed):
+    """The op as three plugin nodes (the pairs grouped by expert, gate/up, down: each one AOT launch in full
+    TensorRT), their intermediates graph tensors, then the slots' weighted sum in standard ops."""
     path = onnx_models[packed, torch.float32]
     onnx.checker.check_model(path, full_check=True)
     model = onnx.load(path)
-    op_type = "RoutedExpertsMXFP4" if packed else "RoutedExperts"
-    (node,) = [n for n in model.graph.node if n.domain == "k3"]
-    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    assert node.op_type == op_type
-    assert attributes == {"plugin_namespace": b"k3", "plugin_version": b"1",
-                          "situ_beta": BETA, "situ_linear_beta": LINEAR_BETA, "expert_offset": 0}
-    assert [(f.domain, f.name) for f in model.functions] == [("k3", op_type)]
+    form = "MXFP4" if packed else ""
+    plugin = {"plugin_namespace": b"k3", "plugin_version": b"1"}
+    expected = {"RoutedExpertsGroup": {**plugin, "num_experts": E, "expert_offset": 0},
+                "RoutedExpertsGateUp" + form: {**plugin, "situ_beta": BETA, "situ_linear_beta": LINEAR_BETA},
+                "RoutedExpertsDown" + form: plugin}
+    nodes = [n for n in model.graph.node if n.domain == "k3"]
+    assert [n.op_type for n in nodes] == list(expected)
+    for node in nodes:
+        assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} == expected[node.op_type]
+    group, gate_up, down = nodes
+    assert list(gate_up.input[1:3]) == list(group.output[:2]) and down.input[:2] == [gate_up.output[0],
+                                                                                      group.output[1]]
+    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    intermediates = [*group.output, *gate_up.output, *down.output]
+    assert [types[n] for n in intermediates] == [onnx.TensorProto.INT32] * 3 + [onnx.TensorProto.FLOAT] * 2
+    assert sorted((f.domain, f.name) for f in model.functions) == sorted(("k3", n) for n in expected)
     # The packed experts stay packed in the file, as int32 words: no float copy of them anywhere.
-    stored = {t.name: t.data_type for t in model.graph.initializer}
+    stored = {t.name: t for t in model.graph.initializer}
+    weights = [*gate_up.input[3:], *down.input[2:]]
     expected = onnx.TensorProto.INT32 if packed else onnx.TensorProto.FLOAT
-    assert sorted(stored.values()) == [expected] * (6 if packed else 3)
+    assert [stored[n].data_type for n in weights] == [expected] * (6 if packed else 3)
+    assert all(np.prod(t.dims) <= 1 for n, t in stored.items() if n not in weights)  # the sum's constants
 
 
 def decode_words(words: np.ndarray, rows: int) -> np.ndarray:
@@ -312,14 +325,16 @@ def decode_words(words: np.ndarray, rows: int) -> np.ndarray:
 def test_packed_experts_are_stored_as_words_of_their_bytes(onnx_models):
     """Each packed tensor is int32 [E, O*n/4] whose words hold the checkpoint's bytes in order."""
     model = onnx.load(onnx_models[True, torch.float32])
-    (node,) = [n for n in model.graph.node if n.domain == "k3"]
+    gate_up, down = (next(n for n in model.graph.node if n.op_type == f"RoutedExperts{op}MXFP4")
+                     for op in ("GateUp", "Down"))
+    names = [*gate_up.input[3:], *down.input[2:]]
     stored = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
-    for name, expected in zip(node.input[3:], packed_experts(), strict=True):
+    for name, expected in zip(names, packed_experts(), strict=True):
         words = stored[name]
         assert words.dtype == np.int32 and words.shape == (E, expected[0].numel() // 4)
         np.testing.assert_array_equal(decode_words(words, expected.shape[1]), expected.numpy())
     # [E, O*I/8] codes and [E, O*I/128] scales: w1 / w3 [I, L], w2 [L, I].
-    assert [stored[n].shape for n in node.input[3:]] == [(E, I * L // 8), (E, I * L // 128)] * 3
+    assert [stored[n].shape for n in names] == [(E, I * L // 8), (E, I * L // 128)] * 3
 
 
 def test_packed_experts_without_weights_are_word_inputs(tmp_path):
@@ -339,7 +354,7 @@ def test_packed_experts_without_weights_are_word_inputs(tmp_path):
              for i in model.graph.input if i.name.startswith("t")}
     assert list(words.values()) == [(onnx.TensorProto.INT32, [E, I * L // 8]),
                                     (onnx.TensorProto.INT32, [E, I * L // 128])] * 3
-    assert not model.graph.initializer
+    assert all(np.prod(t.dims) <= 1 for t in model.graph.initializer)  # only the slots' sum's constants
     onnx.checker.check_model(path, full_check=True)
     assert packed_experts_as_words(path) == []  # already words
 
@@ -378,8 +393,8 @@ print(json.dumps([network.get_layer(i).type.name for i in range(network.num_laye
 def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, tiny_config, tmp_path):
     """`export --no-weights` (weights as graph inputs) and `export --packed-experts` (experts as int32
     words) skip the exporter's constant folding; the shape arithmetic is folded afterwards, so
-    TensorRT-RTX's parser (which wants axes and shapes as build-time constants) takes them: one plugin
-    per mixer and one per MoE layer (k3plugins.moe), no Loop (layers 2..3: each mixer kind with its
+    TensorRT-RTX's parser (which wants axes and shapes as build-time constants) takes them: the plugins
+    of each mixer and MoE layer (k3plugins.moe's three), no Loop (layers 2..3: each mixer kind with its
     MoE). Both at once (layers 0..2: the dense layer and two MoE layers) give MXFP4 nodes whose
     experts are int32 word inputs. Parsed in a
     subprocess: some TensorRT failures abort the process. (`--packed-experts` alone, from a checkpoint:
@@ -405,7 +420,7 @@ def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, ti
         packed = [name for name in inputs if name.endswith(("_packed", "_scale"))]
         assert len(packed) == 6 * sum(not config.is_dense(i) for i in layers)
         assert all(inputs[name] == onnx.TensorProto.INT32 for name in packed)  # words
-        mxfp4_nodes = [n for n in model.graph.node if n.op_type == "RoutedExpertsMXFP4"]
+        mxfp4_nodes = [n for n in model.graph.node if n.op_type == "RoutedExpertsGateUpMXFP4"]
         assert len(mxfp4_nodes) == len(packed) // 6
     proc = subprocess.run([sys.executable, "-c", PARSE_SCRIPT, str(path)], capture_output=True, text=True,
                           timeout=600)

@@ -124,7 +124,7 @@ def test_ranks_hold_disjoint_experts_that_together_are_the_model(rank_exports, s
         held[name] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer
                       if ".experts." in t.name}
         offsets = [next((a.i for a in n.attribute if a.name == "expert_offset"), 0) for n in model.graph.node
-                   if n.op_type == "RoutedExperts"]
+                   if n.op_type == "RoutedExpertsGroup"]
         assert offsets == [4 * (name == "rank1")] * 5
     unsplit = {name: p.detach().numpy() for name, p in six_layer_model.named_parameters()
                if ".experts." in name}

@@ -40,7 +40,9 @@ def test_lookup_keys_match_the_export() -> None:
     assert [(d.name, d.namespace, d.version) for d in DEFINITIONS] == [
         ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("LatentMLASplits", "k3", "1"),
         ("LatentMLACombine", "k3", "1"), ("RoutedExperts", "k3", "1"), ("RoutedExpertsMXFP4", "k3", "1"),
-        ("RoutedExperts", "k3", "2"), ("RoutedExpertsMXFP4", "k3", "2")]
+        ("RoutedExperts", "k3", "2"), ("RoutedExpertsMXFP4", "k3", "2"), ("RoutedExpertsGroup", "k3", "1"),
+        ("RoutedExpertsGateUp", "k3", "1"), ("RoutedExpertsGateUpMXFP4", "k3", "1"),
+        ("RoutedExpertsDown", "k3", "1"), ("RoutedExpertsDownMXFP4", "k3", "1")]
 
 
 def test_output_shapes() -> None:

@@ -27,7 +27,7 @@ import k3plugins.trt
 from k3export.cli import main
 from k3export.config import PRESETS, K3Config
 from k3export.engine.flavours import load_tensorrt
-from k3export.onnx.moe import ROUTED_EXPERTS_MXFP4_SCHEMA, ROUTED_EXPERTS_SCHEMA
+from k3export.onnx.moe import GROUPED_SCHEMAS, ROUTED_EXPERTS_MXFP4_SCHEMA, ROUTED_EXPERTS_SCHEMA
 from k3export.onnx.ops import (
     KDA_SCHEMA,
     LATENT_MLA_COMBINE_SCHEMA,
@@ -37,6 +37,7 @@ from k3export.onnx.ops import (
 from k3plugins import trt_aot
 from k3plugins.definitions import (
     DEFINITIONS,
+    GROUPED_EXPERTS,
     KDA,
     LATENT_MLA,
     LATENT_MLA_COMBINE,
@@ -46,7 +47,8 @@ from k3plugins.definitions import (
 )
 from k3plugins.mla import COMBINE_BLOCK_V, DECODE, split_count
 
-OPS = (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4)
+OPS = (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4,
+       *GROUPED_EXPERTS)
 TRT_NAMES = {"float32": "DataType.FLOAT", "float16": "DataType.HALF", "bfloat16": "DataType.BF16",
              "int64": "DataType.INT64", "int32": "DataType.INT32"}
 
@@ -103,7 +105,7 @@ def test_descriptors_and_autotune_through_tensorrt(through_tensorrt: dict, defin
         assert seen["output_dtypes"] == network[len(definition.inputs):]
         assert seen["aliases"] == [definition.aliased_input(i) for i in range(len(definition.outputs))]
         assert network in seen["combinations"]
-        fields = {"v_dim": config.kv_lora_rank}
+        fields = {"v_dim": config.kv_lora_rank, "num_experts": worker.EXPERTS_HELD}
         assert seen["output_dims"] == definition.output_shapes(dims, fields, int)
 
 
@@ -116,6 +118,8 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
     H, V = c.linear_attn_config.num_heads, c.linear_attn_config.head_dim
     heads = c.num_attention_heads
     shared = trt_aot.shared_memory(c, worker.EXPERTS_HELD)
+    E, P, L, I = worker.EXPERTS_HELD, worker.SIZES["P"], c.routed_expert_hidden_size, c.moe_intermediate_size
+    tiles = math.ceil(P / 16) + min(E, P)
     expected = {
         # One program per (batch, head) and 32 value columns; scalars T, H, K, V.
         "KDA": ((B * H, math.ceil(V / trt_aot.BLOCK_V)), [T, H, V, V], "kda_aot_bf16_k128"),
@@ -134,6 +138,14 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
                           "routed_experts_aot_bf16_wbf16_l3584_i3072_e112_k16"),
         "RoutedExpertsMXFP4": ((N, math.ceil(c.routed_expert_hidden_size / 256)), [],
                                "routed_experts_aot_bf16_wmxfp4_l3584_i3072_e112_k16"),
+        # The grouping: one program per local expert and one for the pairs held elsewhere; scalar N k.
+        "RoutedExpertsGroup": ((E + 1, 1), [P], "moe_group_e112_offset0"),
+        # Tactic 0 (none chosen): the decode tiles; moe.max_tiles' bound by I (or L) / 64 rows; scalar k.
+        "RoutedExpertsGateUp": ((tiles, I // 64), [P // N], "moe_gate_up_decode_bf16_wbf16_l3584_i3072_e112"),
+        "RoutedExpertsGateUpMXFP4": ((tiles, I // 64), [P // N],
+                                     "moe_gate_up_decode_bf16_wmxfp4_l3584_i3072_e112"),
+        "RoutedExpertsDown": ((tiles, L // 64), [], "moe_down_decode_bf16_wbf16_l3584_i3072_e112"),
+        "RoutedExpertsDownMXFP4": ((tiles, L // 64), [], "moe_down_decode_bf16_wmxfp4_l3584_i3072_e112"),
     }
     for name, (grid, scalars, variant) in expected.items():
         seen = through_tensorrt[name]["dtypes"]["bfloat16"]
@@ -167,7 +179,7 @@ def carried_dtypes() -> set[str]:
     the plugin definitions' groups."""
     types = set()
     for schema in (KDA_SCHEMA, LATENT_MLA_SCHEMA, LATENT_MLA_SPLITS_SCHEMA, LATENT_MLA_COMBINE_SCHEMA,
-                   ROUTED_EXPERTS_SCHEMA, ROUTED_EXPERTS_MXFP4_SCHEMA):
+                   ROUTED_EXPERTS_SCHEMA, ROUTED_EXPERTS_MXFP4_SCHEMA, *GROUPED_SCHEMAS):
         types |= {t for c in schema.type_constraints for t in c.allowed_type_strs}
         types |= {p.type_str for p in schema.inputs + schema.outputs if p.type_str.startswith("tensor(")}
     names = {dtype_name(getattr(onnx.TensorProto, t.removeprefix("tensor(").removesuffix(")").upper()))
@@ -212,6 +224,7 @@ def test_every_export_carries_types_the_aot_plugins_take(preset: str, dtype: str
             codes = ", ".join(trt_aot._AUTOTUNE_CODES[dtype_name(types[n])] for n in tensors)
             assert codes in trt_aot.type_combinations(definitions[node.op_type, version], aot=True), node.name
             ops.add(node.op_type)
-    experts = "RoutedExpertsMXFP4" if packed else "RoutedExperts"
-    assert ops == {"KDA", "LatentMLASplits", "LatentMLACombine", experts}
+    form = "MXFP4" if packed else ""
+    assert ops == {"KDA", "LatentMLASplits", "LatentMLACombine", "RoutedExpertsGroup",
+                   "RoutedExpertsGateUp" + form, "RoutedExpertsDown" + form}
 

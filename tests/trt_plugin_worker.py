@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import trt_plugin_shim
 
 # The dynamic dimensions' values where expressions are read; S: LatentMLACombine's input splits.
-SIZES = {"B": 2, "T": 37, "C": 4096, "N": 9, "S": 3}
+SIZES = {"B": 2, "T": 37, "C": 4096, "N": 9, "S": 3, "P": 9 * 16}  # P: the N k pairs (kimi-k3's top-16)
 EXPERTS_HELD = 112  # kimi-k3's 896 routed experts over 8 ranks
 PARSER_TYPES = {int: np.int32, float: np.float32}  # an ONNX INT / FLOAT attribute as the parser passes it
 
@@ -43,6 +43,11 @@ def published_inputs(config: Any) -> dict[str, list[list[int | str]]]:
         "LatentMLACombine": [mla[0], ["S", "B", "T", H, V], ["S", "B", "T", H]],
         "RoutedExperts": [*routing, [E, I, L], [E, I, L], [E, L, I]],
         # int32 words: codes [E, O*I/8], scales [E, O*I/128] (k3export/ops/mxfp4.py).
+        "RoutedExpertsGroup": [["N", k]],
+        "RoutedExpertsGateUp": [["N", L], ["P"], [E + 1], [E, I, L], [E, I, L]],
+        "RoutedExpertsGateUpMXFP4": [["N", L], ["P"], [E + 1], *[[E, I * L // 8], [E, I * L // 128]] * 2],
+        "RoutedExpertsDown": [["P", I], [E + 1], [E, L, I]],
+        "RoutedExpertsDownMXFP4": [["P", I], [E + 1], [E, L * I // 8], [E, L * I // 128]],
         "RoutedExpertsMXFP4": [*routing, *[[E, I * L // 8], [E, I * L // 128]] * 2,
                                [E, L * I // 8], [E, L * I // 128]],
     }
@@ -53,8 +58,12 @@ def node_fields(config: Any) -> dict[str, dict[str, float | int]]:
     routed = {"situ_beta": config.activation_situ_beta,
               "situ_linear_beta": config.activation_situ_linear_beta, "expert_offset": 0}
     mla = {"v_dim": config.kv_lora_rank, "scale": config.mla_scale}
+    betas = {"situ_beta": config.activation_situ_beta, "situ_linear_beta": config.activation_situ_linear_beta}
     return {"KDA": {}, "LatentMLA": mla, "LatentMLASplits": mla, "LatentMLACombine": {},
-            "RoutedExperts": routed, "RoutedExpertsMXFP4": routed}
+            "RoutedExperts": routed, "RoutedExpertsMXFP4": routed,
+            "RoutedExpertsGroup": {"num_experts": EXPERTS_HELD, "expert_offset": 0},
+            "RoutedExpertsGateUp": betas, "RoutedExpertsGateUpMXFP4": betas, "RoutedExpertsDown": {},
+            "RoutedExpertsDownMXFP4": {}}
 
 
 def network_dtypes(definition: Any, dtype: str) -> list[str]:
@@ -85,6 +94,7 @@ def main() -> None:
     from k3export.config import K3Config
     from k3plugins import trt_aot
     from k3plugins.definitions import (
+        GROUPED_EXPERTS,
         KDA,
         LATENT_MLA,
         LATENT_MLA_COMBINE,
@@ -102,7 +112,7 @@ def main() -> None:
     registry = trt.get_plugin_registry()
     result: dict[str, Any] = {"ops": sorted(n for n in vars(trtp.op.k3) if not n.startswith("_"))}
     for definition in (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE, ROUTED_EXPERTS,
-                       ROUTED_EXPERTS_MXFP4):
+                       ROUTED_EXPERTS_MXFP4, *GROUPED_EXPERTS):
         name = definition.name
         creator = registry.get_creator(name, "1", "k3")
         collection, arrays = parser_fields(trt, creator, fields[name])

@@ -438,10 +438,13 @@ def moe_routing(tokens: int) -> list[list[int]]:
     return [[j * stride + (17 * n) % stride for j in range(MOE_TOP_K)] for n in range(tokens)]
 
 
-def moe_grouped_launches(mode: str, tokens: int, counts: dict[int, int]) -> list[Launch]:
+def moe_grouped_launches(mode: str, tokens: int, counts: dict[int, int], aot: bool = False) -> list[Launch]:
     """k3plugins.moe's four launches (group, gate/up, down, combine) for MXFP4 experts and bf16 activations
-    with `mode`'s tiles, `counts` the pairs of each expert held."""
+    with `mode`'s tiles, `counts` the pairs of each expert held. `aot`: the kernels full TensorRT's grouped
+    nodes compile (trt_aot: widths, expert count and betas compiled in); its sum of the slots is standard ops
+    there, which the combine kernel stands in for."""
     from k3plugins import moe
+    from k3plugins.trt_aot import GROUPED_TACTICS, grouped_experts_aot_kernels
 
     tiles = moe.tile_choices(_torch_bf16(), packed=True)[mode]
     pairs = tokens * MOE_TOP_K
@@ -449,8 +452,15 @@ def moe_grouped_launches(mode: str, tokens: int, counts: dict[int, int]) -> list
     bound = moe.max_tiles(pairs, MOE_HELD, tiles.block_p)
     scan = cdiv(pairs, moe.GROUP_BLOCK)
     scans = {"for p0 in range(0, num_pairs, BLOCK)": scan, "for q0 in range(0, num_pairs, BLOCK)": scan}
-    launches = [Launch(moe.group_variant(), (MOE_HELD + 1,), scans)]
-    gate_up, down = moe.grouped_variants("bf16", True, tiles, mode)
+    if aot:
+        tactic = next(t for t, m in GROUPED_TACTICS.items() if m == mode)
+        group = moe.group_variant({"E": MOE_HELD, "OFFSET": 0})
+        gate_up, down = grouped_experts_aot_kernels("bfloat16", True, MOE_L, MOE_I, MOE_HELD, MOE_BETAS,
+                                                    tactic)
+    else:
+        group = moe.group_variant()
+        gate_up, down = moe.grouped_variants("bf16", True, tiles, mode)
+    launches = [Launch(group, (MOE_HELD + 1,), scans)]
     products = ((gate_up, MOE_I, MOE_L, "L", 2), (down, MOE_L, MOE_I, "I", 1))
     for variant, rows, reduce, width, matrices in products:
         columns = cdiv(rows, tiles.block_w)
@@ -466,7 +476,6 @@ def moe_rows() -> list[Row]:
     """The routed experts (MXFP4 experts, bf16 activations) on one rank of 8: 112 experts held, top-16 of
     896, decode with 1 and 16 tokens a rank, prefill with 512 and 8192."""
     from k3plugins import moe
-    from k3plugins.trt_aot import routed_experts_aot_kernel, routed_experts_aot_launch
 
     rows = []
     packed_expert = 3 * MOE_I * MOE_L * MXFP4_BYTES
@@ -478,20 +487,15 @@ def moe_rows() -> list[Row]:
                 if e < MOE_HELD:
                     counts[e] = counts.get(e, 0) + 1
         pairs = sum(counts.values())
-        held_per_token = pairs / tokens
         nbytes = len(counts) * packed_expert + tokens * (MOE_L * (BF16 + 4) + MOE_TOP_K * 12)
         flops = 2 * pairs * 3 * MOE_I * MOE_L
         shape = f"{phase} {tokens} tok ({pairs} pairs, {len(counts)} experts)"
-        # AOT: one program per token and 256 output columns, over the token's 16 slots.
-        aot = routed_experts_aot_kernel("bfloat16", True, MOE_L, MOE_I, MOE_HELD, MOE_TOP_K, 0, *MOE_BETAS)
-        grid, _ = routed_experts_aot_launch([tokens, MOE_L], MOE_L)
-        c = aot.constexprs
-        i_steps = held_per_token * cdiv(MOE_I, c["BLOCK_I"])
-        trips = {"for j in range(TOP_K)": MOE_TOP_K, "for i0 in range(0, I, BLOCK_I)": i_steps,
-                 "for k0 in range(0, L, BLOCK_K)": i_steps * cdiv(MOE_L, c["BLOCK_K"])}
         case = {"B": tokens, "T": 1, "held": MOE_HELD}
-        rows.append(Row("moe", "AOT", shape, [Launch(aot, grid, trips, "for k0 in range(0, L, BLOCK_K)",
-                                                     2 * c["BLOCK_I"] * c["BLOCK_K"])], nbytes, flops,
+        # AOT: full TensorRT's grouped nodes in the tiles of the tactic for the rank's own pairs (assumed: the
+        # one TensorRT times fastest for a profile of that shape; the JIT launcher counts all N k pairs).
+        held_mode = moe.tile_mode(pairs, MOE_HELD)
+        aot = moe_grouped_launches(held_mode, tokens, counts, aot=True)
+        rows.append(Row("moe", "AOT", shape, aot, nbytes, flops, note=f"{held_mode} tiles",
                         case={"kernel": "aot:moe_mxfp4", **case}))
         # JIT: k3plugins.moe's grouped launches (all N k pairs pick the tiles: no host sync for the count).
         mode = moe.tile_mode(tokens * MOE_TOP_K, MOE_HELD)

@@ -4,8 +4,9 @@ With random weights the sigmoid router has near-ties, and two backends that roun
 half precision pick different experts for a few tokens; one flipped choice changes that token's
 output discretely and spreads through the caches, so the comparison measures chaos, not rounding
 (a float16 check once saw relative error 0.81 from flips alone). A half-precision check therefore
-reads the graph's own choices (each `k3.RoutedExperts` node's `experts` input, made an extra
-output of the session) and makes the eager models take them: both sides then follow one
+reads the graph's own choices (each MoE layer's `experts` tensor, the input of its
+`k3.RoutedExpertsGroup` node, or of `k3.RoutedExperts` in earlier exports, made an extra output of the
+session) and makes the eager models take them: both sides then follow one
 discrete path, the error is rounding alone, and the flips are counted and reported, not hidden.
 """
 
@@ -26,10 +27,11 @@ from k3export.onnx.domain import DOMAIN, ROUTED_OPS
 
 
 def routing_outputs(graph: Path) -> list[str]:
-    """The tensors holding each MoE layer's chosen experts (every `k3.RoutedExperts` node's
-    `experts` input), in graph (= layer) order; a runner can add them to the graph's outputs."""
+    """The tensors holding each MoE layer's chosen experts (the `experts` input of each layer's
+    routed-experts node, domain.ROUTED_OPS), in graph (= layer) order; a runner can add them to the graph's
+    outputs."""
     model = onnx.load(graph, load_external_data=False)
-    return [node.input[1] for node in model.graph.node
+    return [node.input[ROUTED_OPS[node.op_type]] for node in model.graph.node
             if node.domain == DOMAIN and node.op_type in ROUTED_OPS]
 
 

@@ -431,6 +431,8 @@ LAYERS: dict[str, tuple[str, Callable[[ParsedNetwork, Any, list[Tensor]], list[T
     "PLUGIN_V3": ("IPluginV3Layer", _plugin),
     "REDUCE": ("IReduceLayer", _reduce),
     "SCATTER": ("IScatterLayer", _scatter),
+    # (condition, then, else), broadcast as torch does (the routed experts' sum of held slots: a Where)
+    "SELECT": ("ISelectLayer", lambda net, layer, x: [torch.where(*x)]),
     "SHAPE": ("IShapeLayer", _shape),
     "SHUFFLE": ("IShuffleLayer", _shuffle),
     "SLICE": ("ISliceLayer", _slice),

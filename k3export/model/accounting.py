@@ -119,7 +119,7 @@ def moe_cost_note(config: K3Config) -> str:
     routed, _, rest = flops(config)
     published = K3Config.from_preset("kimi-k3")
     pub_routed, pub_dense, pub_rest = flops(published)
-    return (f"MoE layers run only the chosen experts: one k3.RoutedExperts node per layer (tokens grouped "
+    return (f"MoE layers run only the chosen experts: k3.RoutedExperts nodes per layer (tokens grouped "
             f"by expert, one SiTU-GLU GEMM triple per expert used; packed MXFP4 experts are dequantised "
             f"only when used). Per token per MoE layer: {human(routed)} in the top-"
             f"{config.num_experts_per_token} of {config.num_experts} routed experts + {human(rest)} in "

@@ -241,7 +241,7 @@ def add_checking_outputs(path: Path, config: K3Config, layers: range) -> dict[st
     nodes = graph.graph.node
     routed = [n for n in nodes if n.domain == DOMAIN and n.op_type in ROUTED_OPS]
     moe_layers = [i for i in layers if not config.is_dense(i)]
-    routing = [(node.input[1], TensorSpec(f"{ROUTING_PREFIX}{layer}", "int64",
+    routing = [(node.input[ROUTED_OPS[node.op_type]], TensorSpec(f"{ROUTING_PREFIX}{layer}", "int64",
                                           ["batch*seq", config.num_experts_per_token],
                                           f"layer {layer}'s chosen experts per token (rows: batch-major "
                                           "positions)"))

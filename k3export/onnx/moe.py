@@ -19,14 +19,17 @@ inline the function). They could not be inlined by TensorRT-RTX 1.7 anyway: it h
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import torch
 from onnx import TensorProto, helper
 from onnx.defs import OpSchema
+from onnxscript import opset18 as op
 from onnxscript import values
 
 from k3export.artifacts import write_atomic
@@ -69,9 +72,74 @@ ROUTED_EXPERTS_MXFP4_SCHEMA = _schema(
     "RoutedExpertsMXFP4", [(f"{w}_{part}", "TW") for w in _PROJECTIONS for part in ("packed", "scale")],
     ["tensor(int32)"])  # words: k3export/ops/mxfp4.py
 
+
+def _attributes(*extra: OpSchema.Attribute) -> list[OpSchema.Attribute]:
+    return [*(OpSchema.Attribute(a, OpSchema.AttrType.STRING, "TensorRT plugin lookup")
+              for a in PLUGIN_ATTRIBUTES),
+            OpSchema.Attribute(AOT_ATTRIBUTE, OpSchema.AttrType.INT, "1: TensorRT's AOT plugin form",
+                               required=False),
+            *extra]
+
+
+_BETAS = (OpSchema.Attribute("situ_beta", OpSchema.AttrType.FLOAT, "SiTU gate clamp"),
+          OpSchema.Attribute("situ_linear_beta", OpSchema.AttrType.FLOAT, "SiTU linear clamp"))
+_INT32 = "tensor(int32)"
+
+
+def _grouped_schema(name: str, doc: str, inputs: list[tuple[str, str]], outputs: list[tuple[str, str]],
+                    attributes: list[OpSchema.Attribute], weight_types: list[str] | None = None) -> OpSchema:
+    constraints = [("T", _FLOATS, "")] + ([("TW", weight_types, "")] if weight_types else [])
+    return OpSchema(name, DOMAIN, DOMAIN_VERSION, doc=doc + "; see k3export/ops/moe.py",
+                    inputs=[OpSchema.FormalParameter(n, t) for n, t in inputs],
+                    outputs=[OpSchema.FormalParameter(n, t) for n, t in outputs],
+                    type_constraints=constraints, attributes=_attributes(*attributes))
+
+
+def _weight_inputs(projections: tuple[str, ...], packed: bool) -> list[tuple[str, str]]:
+    return [(f"{w}_{part}", "TW") for w in projections for part in ("packed", "scale")] if packed else \
+        [(w, "TW") for w in projections]
+
+
+# The routed experts as exports since 2026-12 hold them: grouped by expert in three plugin nodes (one launch
+# each, no workspace: full TensorRT's AOT plugins), their intermediates graph tensors, then each token's
+# slots summed in standard ops. (RoutedExperts / RoutedExpertsMXFP4 are the one-node form of earlier exports.)
+ROUTED_EXPERTS_GROUP_SCHEMA = OpSchema(
+    "RoutedExpertsGroup", DOMAIN, DOMAIN_VERSION,
+    doc="The (token, slot) pairs grouped by local expert, stable: sorted_pairs [N k], offsets [E + 1], "
+        "slots [N, k], int32; see k3export/ops/moe.py",
+    inputs=[OpSchema.FormalParameter("experts", "tensor(int64)")],
+    outputs=[OpSchema.FormalParameter(n, _INT32) for n in ("sorted_pairs", "offsets", "slots")],
+    attributes=_attributes(OpSchema.Attribute("num_experts", OpSchema.AttrType.INT, "experts held (E)"),
+                           OpSchema.Attribute(OFFSET_ATTRIBUTE, OpSchema.AttrType.INT,
+                                              "model index of the first expert held (expert parallelism)")),
+)
+
+
+def _gate_up_schema(packed: bool) -> OpSchema:
+    return _grouped_schema(
+        "RoutedExpertsGateUpMXFP4" if packed else "RoutedExpertsGateUp",
+        "h [N k, I] in z's dtype: SiTU-GLU of the gate and up products of each slot's expert and token",
+        [("z", "T"), ("sorted_pairs", _INT32), ("offsets", _INT32), *_weight_inputs(("w1", "w3"), packed)],
+        [("h", "T")], list(_BETAS), ["tensor(int32)"] if packed else _FLOATS)
+
+
+def _down_schema(packed: bool) -> OpSchema:
+    return _grouped_schema(
+        "RoutedExpertsDownMXFP4" if packed else "RoutedExpertsDown",
+        "y [N k, L] float32: the down product of each slot's expert and h",
+        [("h", "T"), ("offsets", _INT32), *_weight_inputs(("w2",), packed)], [("y", "tensor(float)")], [],
+        ["tensor(int32)"] if packed else _FLOATS)
+
+
+ROUTED_EXPERTS_GATE_UP_SCHEMA, ROUTED_EXPERTS_GATE_UP_MXFP4_SCHEMA = (_gate_up_schema(p)
+                                                                      for p in (False, True))
+ROUTED_EXPERTS_DOWN_SCHEMA, ROUTED_EXPERTS_DOWN_MXFP4_SCHEMA = (_down_schema(p) for p in (False, True))
+GROUPED_SCHEMAS = (ROUTED_EXPERTS_GROUP_SCHEMA, ROUTED_EXPERTS_GATE_UP_SCHEMA,
+                   ROUTED_EXPERTS_GATE_UP_MXFP4_SCHEMA, ROUTED_EXPERTS_DOWN_SCHEMA,
+                   ROUTED_EXPERTS_DOWN_MXFP4_SCHEMA)
+
 _K3 = values.Opset(DOMAIN, DOMAIN_VERSION)
-_ROUTED_EXPERTS = values.Op(_K3, "RoutedExperts", ROUTED_EXPERTS_SCHEMA)
-_ROUTED_EXPERTS_MXFP4 = values.Op(_K3, "RoutedExpertsMXFP4", ROUTED_EXPERTS_MXFP4_SCHEMA)
+_GROUPED = {schema.name: values.Op(_K3, schema.name, schema) for schema in GROUPED_SCHEMAS}
 
 
 def moe_translation_table(plugin_namespace: str) -> dict[Callable, Callable]:
@@ -80,25 +148,52 @@ def moe_translation_table(plugin_namespace: str) -> dict[Callable, Callable]:
     TensorRT's parser warns at each node that lacks one."""
     plugin = {"plugin_namespace": plugin_namespace, "plugin_version": PLUGIN_VERSION}
 
-    def attributes(situ_beta: float, situ_linear_beta: float, expert_offset: int) -> dict:
-        return {"situ_beta": situ_beta, "situ_linear_beta": situ_linear_beta, OFFSET_ATTRIBUTE: expert_offset,
-                **plugin}
+    def grouped(z, experts, weights, gate_up_weights, down_weights, suffix: str, situ_beta: float,
+                situ_linear_beta: float, expert_offset: int):
+        sorted_pairs, offsets, slots = _GROUPED["RoutedExpertsGroup"](
+            experts, num_experts=down_weights[0].shape[0], expert_offset=expert_offset, **plugin)
+        h = _GROUPED["RoutedExpertsGateUp" + suffix](z, sorted_pairs, offsets, *gate_up_weights,
+                                                    situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                                                    **plugin)
+        y = _GROUPED["RoutedExpertsDown" + suffix](h, offsets, *down_weights, **plugin)
+        # u[n] = sum_j weights[n, j] y[slots[n, j]], a slot -1 (held elsewhere) adding nothing: a Where, not a
+        # product, as the row it gathers instead may be one no launch wrote (an engine's memory: NaN * 0).
+        slots = op.Cast(slots, to=TensorProto.INT64)
+        zero = op.Constant(value_int=0)
+        last = op.Constant(value_ints=[-1])
+        held = op.Unsqueeze(op.GreaterOrEqual(slots, zero), last)
+        rows = op.Where(held, op.Gather(y, op.Max(slots, zero), axis=0), op.Constant(value_float=0.0))
+        weighted = op.Mul(rows, op.Unsqueeze(op.Cast(weights, to=TensorProto.FLOAT), last))  # [N, k, L]
+        return op.ReduceSum(weighted, op.Constant(value_ints=[1]), keepdims=0)
 
     # Annotated so that the exporter passes the betas and the offset as attributes, not as tensors.
     def routed_experts(z, experts, weights, w1, w3, w2, situ_beta: float, situ_linear_beta: float,
                        expert_offset: int = 0):
-        return _ROUTED_EXPERTS(z, experts, weights, w1, w3, w2,
-                               **attributes(situ_beta, situ_linear_beta, expert_offset))
+        return grouped(z, experts, weights, (w1, w3), (w2,), "", situ_beta, situ_linear_beta, expert_offset)
 
     def routed_experts_mxfp4(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed,
                              w2_scale, situ_beta: float, situ_linear_beta: float, expert_offset: int = 0):
-        return _ROUTED_EXPERTS_MXFP4(z, experts, weights, w1_packed, w1_scale, w3_packed, w3_scale,
-                                     w2_packed, w2_scale,
-                                     **attributes(situ_beta, situ_linear_beta, expert_offset))
+        return grouped(z, experts, weights, (w1_packed, w1_scale, w3_packed, w3_scale), (w2_packed, w2_scale),
+                       "MXFP4", situ_beta, situ_linear_beta, expert_offset)
 
     return {torch.ops.k3.routed_experts.default: routed_experts,
             torch.ops.k3.routed_experts_mxfp4.default: routed_experts_mxfp4}
 
+
+def type_grouped_intermediates(model: ir.Model) -> None:
+    """The grouped nodes' outputs have no torch value behind them, so the exporter leaves them untyped:
+    declared as their schemas say (the grouping int32, h in z's dtype, y float32), as every other tensor
+    is."""
+    for node in model.graph:
+        if node.domain != DOMAIN:
+            continue
+        if node.op_type == "RoutedExpertsGroup":
+            for value in node.outputs:
+                value.dtype = ir.DataType.INT32
+        elif node.op_type.startswith("RoutedExpertsGateUp"):
+            node.outputs[0].dtype = node.inputs[0].dtype
+        elif node.op_type.startswith("RoutedExpertsDown"):
+            node.outputs[0].dtype = ir.DataType.FLOAT
 
 def _ints(name: str, value: list[int]) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value_ints=value)
@@ -180,22 +275,41 @@ def _mxfp4_tables() -> list[onnx.NodeProto]:
         _ints("groups_shape", [-1, mxfp4.GROUP]),
         _ints("last_axis", [-1]),
         _ints("minus_one", [-1]),
-        # The experts' matrix shapes from z's width L: w1 / w3 [I, L], w2 [L, I].
-        helper.make_node("Shape", ["z"], ["hidden"], start=1, end=2),
-        helper.make_node("Concat", ["minus_one", "hidden"], ["up_shape"], axis=0),
-        helper.make_node("Concat", ["hidden", "minus_one"], ["down_shape"], axis=0),
+    ]
+
+
+def _matrix_shapes(width_of: str, axis: int) -> list[onnx.NodeProto]:
+    """`up_shape` [-1, L] (w1 / w3 [I, L]) and `down_shape` (w2 [L, I]) from a width read off `width_of`'s
+    dimension `axis`: L (z's width) or, where only h is given, I (down_shape [-1, I])."""
+    return [
+        helper.make_node("Shape", [width_of], ["width"], start=axis, end=axis + 1),
+        helper.make_node("Concat", ["minus_one", "width"], ["up_shape"], axis=0),
+        helper.make_node("Concat", ["width", "minus_one"] if width_of == "z" else ["minus_one", "width"],
+                         ["down_shape"], axis=0),
+    ]
+
+
+def _gate_up(out: str) -> list[onnx.NodeProto]:
+    """`out` = SiTU-GLU(z_e w1_e^T, z_e w3_e^T): [beta tanh(a / beta) sigmoid(a)] * [linear_beta
+    tanh(b / linear_beta)], the betas `beta` and `linear_beta`."""
+    return [
+        helper.make_node("Gemm", ["z_e", "w1_e"], ["a"], transB=1),
+        helper.make_node("Gemm", ["z_e", "w3_e"], ["b"], transB=1),
+        helper.make_node("Div", ["a", "beta"], ["a_scaled"]),
+        helper.make_node("Tanh", ["a_scaled"], ["a_tanh"]),
+        helper.make_node("Mul", ["a_tanh", "beta"], ["a_clamped"]),
+        helper.make_node("Sigmoid", ["a"], ["a_sigmoid"]),
+        helper.make_node("Mul", ["a_clamped", "a_sigmoid"], ["gate"]),
+        helper.make_node("Div", ["b", "linear_beta"], ["b_scaled"]),
+        helper.make_node("Tanh", ["b_scaled"], ["b_tanh"]),
+        helper.make_node("Mul", ["b_tanh", "linear_beta"], ["b_clamped"]),
+        helper.make_node("Mul", ["gate", "b_clamped"], [out]),
     ]
 
 
 def _expert_body(packed: bool) -> onnx.GraphProto:
     """One Loop iteration: expert e = used[i] on the tokens that chose it (gathered by NonZero),
     weighted by their routing weight for e and added into their rows of u (ScatterND)."""
-    if packed:
-        weight_nodes = [n for w in _PROJECTIONS for n in _dequantize(w)]
-    else:
-        weight_nodes = [node for w in _PROJECTIONS for node in (
-            helper.make_node("Gather", [w, "e"], [f"{w}_gathered"], axis=0),
-            helper.make_node("Cast", [f"{w}_gathered"], [f"{w}_e"], to=TensorProto.FLOAT))]
     nodes = [
         helper.make_node("Gather", ["used", "i"], ["e"], axis=0),
         # Each token's routing weight for e [N, 1] (0 for tokens that did not choose it; summed should a
@@ -212,19 +326,8 @@ def _expert_body(packed: bool) -> onnx.GraphProto:
         helper.make_node("Transpose", ["rows_2d"], ["row_indices"], perm=[1, 0]),
         helper.make_node("Gather", ["z_f", "rows"], ["z_e"], axis=0),
         helper.make_node("Gather", ["token_weights", "rows"], ["weights_e"], axis=0),
-        *weight_nodes,
-        # SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)].
-        helper.make_node("Gemm", ["z_e", "w1_e"], ["a"], transB=1),
-        helper.make_node("Gemm", ["z_e", "w3_e"], ["b"], transB=1),
-        helper.make_node("Div", ["a", "beta"], ["a_scaled"]),
-        helper.make_node("Tanh", ["a_scaled"], ["a_tanh"]),
-        helper.make_node("Mul", ["a_tanh", "beta"], ["a_clamped"]),
-        helper.make_node("Sigmoid", ["a"], ["a_sigmoid"]),
-        helper.make_node("Mul", ["a_clamped", "a_sigmoid"], ["gate"]),
-        helper.make_node("Div", ["b", "linear_beta"], ["b_scaled"]),
-        helper.make_node("Tanh", ["b_scaled"], ["b_tanh"]),
-        helper.make_node("Mul", ["b_tanh", "linear_beta"], ["b_clamped"]),
-        helper.make_node("Mul", ["gate", "b_clamped"], ["h"]),
+        *_weights_of_e(_PROJECTIONS, packed),
+        *_gate_up("h"),
         helper.make_node("Gemm", ["h", "w2_e"], ["y"], transB=1),
         helper.make_node("Mul", ["y", "weights_e"], ["weighted"]),
         helper.make_node("ScatterND", ["u_in", "row_indices", "weighted"], ["u_out"], reduction="add"),
@@ -243,7 +346,7 @@ def _function(packed: bool, opset_version: int) -> onnx.FunctionProto:
     weights = ([f"{w}_{part}" for w in _PROJECTIONS for part in ("packed", "scale")] if packed
                else list(_PROJECTIONS))
     nodes = [
-        *(_mxfp4_tables() if packed else []),
+        *(_mxfp4_tables() + _matrix_shapes("z", 1) if packed else []),
         helper.make_node("Cast", ["z"], ["z_f"], to=TensorProto.FLOAT),
         helper.make_node("Cast", ["weights"], ["weights_f"], to=TensorProto.FLOAT),
         _attribute_float("beta", "situ_beta"),
@@ -305,6 +408,188 @@ def routed_experts_mxfp4_function(opset_version: int) -> onnx.FunctionProto:
     return _function(True, opset_version)
 
 
+def _weights_of_e(projections: tuple[str, ...], packed: bool) -> list[onnx.NodeProto]:
+    """Expert e's weights `{w}_e`, float32 ([O, K] each), for the projections named."""
+    if packed:
+        return [n for w in projections for n in _dequantize(w)]
+    return [node for w in projections for node in (
+        helper.make_node("Gather", [w, "e"], [f"{w}_gathered"], axis=0),
+        helper.make_node("Cast", [f"{w}_gathered"], [f"{w}_e"], to=TensorProto.FLOAT))]
+
+
+def _used_experts_loop(body_nodes: list[onnx.NodeProto], result: str) -> list[onnx.NodeProto]:
+    """A Loop over the experts with pairs (from offsets: U trips, not E) writing `result`, float32, from
+    `{result}_zero`: each iteration's `body_nodes` make `rows_e` [n_e, width] for expert e's slots
+    `slot_indices` ([n_e, 1]; its slots `first`..`end`), added by ScatterND."""
+    body = [
+        helper.make_node("Gather", ["used", "i"], ["e"], axis=0),
+        helper.make_node("Gather", ["offsets_64", "e"], ["first"], axis=0),
+        helper.make_node("Add", ["e", "one_index"], ["next_e"]),
+        helper.make_node("Gather", ["offsets_64", "next_e"], ["end"], axis=0),
+        helper.make_node("Range", ["first", "end", "one_index"], ["slot_range"]),
+        helper.make_node("Unsqueeze", ["slot_range", "one_axis"], ["slot_indices"]),
+        *body_nodes,
+        helper.make_node("ScatterND", ["acc_in", "slot_indices", "rows_e"], ["acc_out"]),
+        helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+    ]
+    graph = helper.make_graph(
+        body, "routed_expert_slots",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, None)])
+    return [
+        _ints("zero_axis", [0]),
+        _ints("one_axis", [1]),
+        _ints("flat_shape", [-1]),
+        _int64("one_index", 1),
+        _ints("from_one", [1]),
+        _ints("to_end", [2**62]),
+        _ints("to_last", [-1]),
+        helper.make_node("Cast", ["offsets"], ["offsets_64"], to=TensorProto.INT64),
+        # The experts with pairs: offsets[e + 1] > offsets[e].
+        helper.make_node("Slice", ["offsets_64", "from_one", "to_end"], ["ends"]),
+        helper.make_node("Slice", ["offsets_64", "zero_axis", "to_last"], ["starts"]),
+        helper.make_node("Greater", ["ends", "starts"], ["has_pairs"]),
+        helper.make_node("NonZero", ["has_pairs"], ["used_2d"]),
+        helper.make_node("Squeeze", ["used_2d", "zero_axis"], ["used"]),
+        helper.make_node("Shape", ["used"], ["num_used_1d"]),
+        helper.make_node("Squeeze", ["num_used_1d"], ["num_used"]),
+        helper.make_node("Constant", [], ["true"],
+                         value=helper.make_tensor("true", TensorProto.BOOL, [], [True])),
+        helper.make_node("Loop", ["num_used", "true", f"{result}_zero"], [result], body=graph),
+    ]
+
+
+def _zeros(name: str, shape: str) -> onnx.NodeProto:
+    return helper.make_node("ConstantOfShape", [shape], [name],
+                            value=helper.make_tensor("zero_f", TensorProto.FLOAT, [1], [0.0]))
+
+
+def routed_experts_group_function(opset_version: int) -> onnx.FunctionProto:
+    """`k3.RoutedExpertsGroup(experts) -> (sorted_pairs, offsets, slots)`, attributes num_experts (E) and
+    expert_offset: each pair's key, its local expert or E where held elsewhere; the pairs in key order by a
+    TopK over the whole axis (smallest first; ONNX breaks ties to the lower index, so the order is stable);
+    offsets[g] the count of keys below g for g = 0 .. E; a pair's slot its place in that order, -1 where
+    held elsewhere. (A plugin in full TensorRT, whose TopK takes k <= 3840: N k is 8,192 at 512 tokens.)"""
+    nodes = [
+        _ints("flat_shape", [-1]),
+        _ints("one_axis", [1]),
+        _int64("zero_index", 0),
+        _int64("one_index", 1),
+        _int64("minus_one", -1),
+        _attribute_int("num_experts", "num_experts"),
+        _attribute_int("expert_offset", OFFSET_ATTRIBUTE),
+        helper.make_node("Reshape", ["experts", "flat_shape"], ["flat_experts"]),
+        helper.make_node("Sub", ["flat_experts", "expert_offset"], ["local"]),
+        helper.make_node("GreaterOrEqual", ["local", "zero_index"], ["from_start"]),
+        helper.make_node("Less", ["local", "num_experts"], ["below_end"]),
+        helper.make_node("And", ["from_start", "below_end"], ["held"]),
+        helper.make_node("Where", ["held", "local", "num_experts"], ["key"]),
+        helper.make_node("Shape", ["key"], ["num_pairs_1d"]),
+        helper.make_node("TopK", ["key", "num_pairs_1d"], ["sorted_keys", "order"], axis=0, largest=0,
+                         sorted=1),
+        helper.make_node("Cast", ["order"], ["sorted_pairs"], to=TensorProto.INT32),
+        helper.make_node("Add", ["num_experts", "one_index"], ["num_groups"]),
+        helper.make_node("Range", ["zero_index", "num_groups", "one_index"], ["groups"]),
+        helper.make_node("Unsqueeze", ["groups", "one_axis"], ["group_column"]),
+        helper.make_node("Less", ["key", "group_column"], ["below"]),  # [E + 1, N k]
+        helper.make_node("Cast", ["below"], ["below_i"], to=TensorProto.INT32),
+        helper.make_node("ReduceSum", ["below_i", "one_axis"], ["offsets"], keepdims=0),
+        helper.make_node("Squeeze", ["num_pairs_1d"], ["num_pairs"]),
+        helper.make_node("Range", ["zero_index", "num_pairs", "one_index"], ["positions"]),
+        helper.make_node("ScatterElements", ["positions", "order", "positions"], ["position_of_pair"],
+                         axis=0),
+        helper.make_node("Where", ["held", "position_of_pair", "minus_one"], ["flat_slots"]),
+        helper.make_node("Shape", ["experts"], ["experts_shape"]),
+        helper.make_node("Reshape", ["flat_slots", "experts_shape"], ["slots_64"]),
+        helper.make_node("Cast", ["slots_64"], ["slots"], to=TensorProto.INT32),
+    ]
+    return helper.make_function(
+        DOMAIN, "RoutedExpertsGroup", ["experts"], ["sorted_pairs", "offsets", "slots"], nodes,
+        [helper.make_opsetid("", opset_version)],
+        attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE, "num_experts"],
+        attribute_protos=[helper.make_attribute(OFFSET_ATTRIBUTE, 0)])
+
+
+def _gate_up_function(packed: bool, opset_version: int) -> onnx.FunctionProto:
+    weights = ([f"{w}_{part}" for w in ("w1", "w3") for part in ("packed", "scale")] if packed
+               else ["w1", "w3"])
+    body = [
+        helper.make_node("Slice", ["tokens", "first_1d", "end_1d"], ["tokens_e"]),
+        helper.make_node("Gather", ["z_f", "tokens_e"], ["z_e"], axis=0),
+        *_weights_of_e(("w1", "w3"), packed),
+        *_gate_up("rows_e"),
+    ]
+    # The slice bounds as 1-d tensors (Slice's starts / ends).
+    body = [helper.make_node("Unsqueeze", ["first", "zero_axis"], ["first_1d"]),
+            helper.make_node("Unsqueeze", ["end", "zero_axis"], ["end_1d"]), *body]
+    nodes = [
+        *(_mxfp4_tables() + _matrix_shapes("z", 1) if packed else []),
+        helper.make_node("Cast", ["z"], ["z_f"], to=TensorProto.FLOAT),
+        _attribute_float("beta", "situ_beta"),
+        _attribute_float("linear_beta", "situ_linear_beta"),
+        # Each slot's token: its pair // k, k = N k / N.
+        helper.make_node("Shape", ["sorted_pairs"], ["num_pairs"]),
+        helper.make_node("Shape", ["z"], ["num_tokens"], start=0, end=1),
+        helper.make_node("Max", ["num_tokens", "one_1d"], ["tokens_or_one"]),
+        helper.make_node("Div", ["num_pairs", "tokens_or_one"], ["top_k"]),
+        helper.make_node("Cast", ["sorted_pairs"], ["pairs_64"], to=TensorProto.INT64),
+        helper.make_node("Div", ["pairs_64", "top_k"], ["tokens"]),
+        # h [N k, I], float32 until the cast to z's dtype; I from w1's rows (or its words: I = 8 words / L).
+        helper.make_node("Shape", [weights[0]], ["w1_width"], start=1, end=2),
+        helper.make_node("Shape", ["z"], ["hidden"], start=1, end=2),
+        *([helper.make_node("Mul", ["w1_width", "eight"], ["w1_values"]),
+           helper.make_node("Div", ["w1_values", "hidden"], ["intermediate"])] if packed else
+          [helper.make_node("Shape", [weights[0]], ["intermediate"], start=1, end=2)]),
+        helper.make_node("Concat", ["num_pairs", "intermediate"], ["h_shape"], axis=0),
+        _zeros("h_f_zero", "h_shape"),
+        *_used_experts_loop(body, "h_f"),
+        helper.make_node("CastLike", ["h_f", "z"], ["h"]),
+    ]
+    nodes = [_ints("one_1d", [1]), _ints("eight", [8]), *nodes]
+    name = "RoutedExpertsGateUpMXFP4" if packed else "RoutedExpertsGateUp"
+    return helper.make_function(
+        DOMAIN, name, ["z", "sorted_pairs", "offsets", *weights], ["h"], nodes,
+        [helper.make_opsetid("", opset_version)],
+        attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE, "situ_beta", "situ_linear_beta"])
+
+
+def _down_function(packed: bool, opset_version: int) -> onnx.FunctionProto:
+    weights = ["w2_packed", "w2_scale"] if packed else ["w2"]
+    body = [
+        helper.make_node("Unsqueeze", ["first", "zero_axis"], ["first_1d"]),
+        helper.make_node("Unsqueeze", ["end", "zero_axis"], ["end_1d"]),
+        helper.make_node("Slice", ["h_f", "first_1d", "end_1d"], ["h_e"]),
+        *_weights_of_e(("w2",), packed),
+        helper.make_node("Gemm", ["h_e", "w2_e"], ["rows_e"], transB=1),
+    ]
+    nodes = [
+        _ints("eight", [8]),
+        *(_mxfp4_tables() + _matrix_shapes("h", 1) if packed else []),
+        helper.make_node("Cast", ["h"], ["h_f"], to=TensorProto.FLOAT),
+        # y [N k, L]; L from w2's rows (or its words: L = 8 words / I).
+        helper.make_node("Shape", ["h"], ["num_pairs"], start=0, end=1),
+        *([helper.make_node("Shape", ["w2_packed"], ["w2_width"], start=1, end=2),
+           helper.make_node("Shape", ["h"], ["h_width"], start=1, end=2),
+           helper.make_node("Mul", ["w2_width", "eight"], ["w2_values"]),
+           helper.make_node("Div", ["w2_values", "h_width"], ["hidden"])] if packed else
+          [helper.make_node("Shape", ["w2"], ["hidden"], start=1, end=2)]),
+        helper.make_node("Concat", ["num_pairs", "hidden"], ["y_shape"], axis=0),
+        _zeros("y_zero", "y_shape"),
+        *_used_experts_loop(body, "y"),
+    ]
+    name = "RoutedExpertsDownMXFP4" if packed else "RoutedExpertsDown"
+    return helper.make_function(
+        DOMAIN, name, ["h", "offsets", *weights], ["y"], nodes, [helper.make_opsetid("", opset_version)],
+        attributes=[*PLUGIN_ATTRIBUTES, AOT_ATTRIBUTE])
+
+
+# The nodes holding packed experts, and the index of their first packed input (the rest follow).
+PACKED_INPUTS = {"RoutedExpertsMXFP4": 3, "RoutedExpertsGateUpMXFP4": 3, "RoutedExpertsDownMXFP4": 2}
+
+
 def packed_experts_as_words(path: str | Path) -> list[str]:
     """Declares the six expert tensors of every k3.RoutedExpertsMXFP4 node in the saved ONNX file
     `path` as int32 words (k3export/ops/mxfp4.py, "Words"): uint8 [E, O, n] initializers (or, from an
@@ -314,8 +599,8 @@ def packed_experts_as_words(path: str | Path) -> list[str]:
     path = Path(path)
     model = onnx.load(path, load_external_data=False)
     graph = model.graph
-    names = {name for node in graph.node if node.domain == DOMAIN and node.op_type == "RoutedExpertsMXFP4"
-             for name in node.input[3:]}
+    names = {name for node in graph.node if node.domain == DOMAIN and node.op_type in PACKED_INPUTS
+             for name in node.input[PACKED_INPUTS[node.op_type]:]}
     initializers = {t.name: t for t in graph.initializer}
     typed = {v.name: v for v in (*graph.input, *graph.value_info)}
     rewritten = []
@@ -351,5 +636,10 @@ def packed_experts_as_words(path: str | Path) -> list[str]:
     return rewritten
 
 
-MOE_FUNCTIONS = {"RoutedExperts": routed_experts_function,
-                 "RoutedExpertsMXFP4": routed_experts_mxfp4_function}
+MOE_FUNCTIONS = {
+    "RoutedExperts": routed_experts_function, "RoutedExpertsMXFP4": routed_experts_mxfp4_function,
+    "RoutedExpertsGroup": routed_experts_group_function,
+    "RoutedExpertsGateUp": functools.partial(_gate_up_function, False),
+    "RoutedExpertsGateUpMXFP4": functools.partial(_gate_up_function, True),
+    "RoutedExpertsDown": functools.partial(_down_function, False),
+    "RoutedExpertsDownMXFP4": functools.partial(_down_function, True)}

@@ -31,7 +31,7 @@ from torch.onnx._internal.fx.passes import type_promotion
 import k3export.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3export.onnx.collectives import collective_translation_table
 from k3export.onnx.functions import AOT_ATTRIBUTE, DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES, k3_functions
-from k3export.onnx.moe import moe_translation_table, packed_experts_as_words
+from k3export.onnx.moe import moe_translation_table, packed_experts_as_words, type_grouped_intermediates
 
 PLUGIN_NAMESPACE = "k3"
 PLUGIN_VERSION = "1"
@@ -345,6 +345,7 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
         value.name = name
     attach_functions_ir(model)
     type_latent_mla_partials(model)
+    type_grouped_intermediates(model)
     if aot_plugins:
         request_aot_plugins(model)
     path = Path(path)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from k3plugins.kda import chunk_kda, recurrent_kda
 from k3plugins.mla import latent_mla, latent_mla_combine, latent_mla_splits, split_count
-from k3plugins.moe import routed_experts, routed_experts_mxfp4
+from k3plugins.moe import Grouping, down, gate_up, group_pairs, routed_experts, routed_experts_mxfp4
 
 NAMESPACE = "k3"
 VERSION = "1"
@@ -189,17 +189,19 @@ def _launch_routed_experts(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
     launch(*inputs, fields["situ_beta"], fields["situ_linear_beta"], fields["expert_offset"], out=outputs[0])
 
 
+def _bytes(words: Tensor, rows: int) -> Tensor:
+    """int32 words (k3export/ops/mxfp4.py, "Words": [E, O*K/8] codes, [E, O*K/128] scales) viewed back as the
+    bytes the torch.ops.k3 MXFP4 references take ([E, O, K/2], [E, O, K/32] uint8), O = `rows`."""
+    return words.contiguous().view(torch.uint8).view(words.shape[0], rows, -1)
+
+
 def _mxfp4_bytes(inputs: Sequence[Tensor]) -> list[Tensor]:
-    """The MXFP4 plugin's int32 words (k3export/ops/mxfp4.py, "Words": [E, O*I/8] codes, [E, O*I/128]
-    scales) viewed back as the bytes torch.ops.k3.routed_experts_mxfp4 takes ([E, O, I/2],
-    [E, O, I/32] uint8). O is I (the intermediate width) for w1 / w3 and L (z's width) for w2."""
+    """RoutedExpertsMXFP4's words as bytes: O is I (the intermediate width) for w1 / w3 and L (z's width)
+    for w2."""
     z, rest, words = inputs[0], list(inputs[:3]), inputs[3:]
     L = z.shape[-1]
     intermediate = words[0].shape[1] * 8 // L
-    for i, w in enumerate(words):
-        rows = L if i >= 4 else intermediate
-        rest.append(w.contiguous().view(torch.uint8).view(w.shape[0], rows, -1))
-    return rest
+    return rest + [_bytes(w, L if i >= 4 else intermediate) for i, w in enumerate(words)]
 
 
 def _routed_experts(name: str, weights: tuple[str, ...], weight_dtypes: tuple[str, ...],
@@ -235,6 +237,89 @@ ROUTED_EXPERTS_MXFP4 = _routed_experts(
 ROUTED_EXPERTS_V2, ROUTED_EXPERTS_MXFP4_V2 = (dataclasses.replace(d, version="2")
                                               for d in (ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4))
 
+
+# The routed experts as exports since 2026-12 hold them (k3export/onnx/moe.py): the pairs grouped by expert,
+# gate/up, down (each one launch with no workspace, so that full TensorRT's AOT plugins run them grouped), the
+# intermediates graph tensors; each token's slots are summed in standard ops after them.
+GROUP_DTYPES = {"TI": ("int64",), "TS": ("int32",)}
+
+ROUTED_EXPERTS_GROUP = PluginDefinition(
+    name="RoutedExpertsGroup",
+    fields=(Field("num_experts", int), Field("expert_offset", int, 0)),
+    inputs=(TensorArg("experts", "TI"),),
+    outputs=(TensorArg("sorted_pairs", "TS"), TensorArg("offsets", "TS"), TensorArg("slots", "TS")),
+    groups=GROUP_DTYPES,
+    # sorted_pairs [N k], offsets [E + 1], slots [N, k] for experts [N, k].
+    output_shapes=lambda dims, fields, constant: [[dims[0][0] * dims[0][1]],
+                                                  [constant(fields["num_experts"] + 1)], list(dims[0])],
+    launch=lambda inputs, outputs, fields: group_pairs(inputs[0], fields["num_experts"],
+                                                       fields["expert_offset"], Grouping(*outputs)),
+)
+
+
+def _weights(inputs: Sequence[Tensor], dtype: torch.dtype,
+             packed: bool) -> list[tuple[Tensor, Tensor | None]]:
+    # (weight, None) in the activations' dtype, or (codes, scales) words, per projection.
+    if packed:
+        return [(w.contiguous(), s.contiguous()) for w, s in zip(inputs[::2], inputs[1::2], strict=True)]
+    return [(w.to(dtype).contiguous(), None) for w in inputs]
+
+
+def _launch_gate_up(inputs: Sequence[Tensor], outputs: Sequence[Tensor], fields: Mapping[str, Any]) -> None:
+    z, sorted_pairs, offsets, *weights = inputs
+    w1, w3 = _weights(weights, z.dtype, len(weights) == 4)
+    gate_up(z.contiguous(), sorted_pairs, offsets, w1, w3, fields["situ_beta"], fields["situ_linear_beta"],
+            outputs[0])
+
+
+def _launch_down(inputs: Sequence[Tensor], outputs: Sequence[Tensor], fields: Mapping[str, Any]) -> None:
+    h, offsets, *weights = inputs
+    (w2,) = _weights(weights, h.dtype, len(weights) == 2)
+    down(h, offsets, w2, outputs[0])
+
+
+def _weight_rows(dims: Sequence[Sequence[Any]], weight: int, packed: bool) -> Any:
+    # A weight's rows O (w [E, O, K]), or from its words: 8 words / K, K the first input's width.
+    return dims[weight][1] * 8 // dims[0][1] if packed else dims[weight][1]
+
+
+def _grouped(name: str, inputs: tuple[str, ...], weights: tuple[str, ...], output: TensorArg,
+             fields: tuple[Field, ...], launch: Callable[..., None]) -> PluginDefinition:
+    """RoutedExpertsGateUp(MXFP4) (z [N, L], sorted_pairs, offsets, w1, w3 -> h [N k, I] in z's dtype) or
+    RoutedExpertsDown(MXFP4) (h, offsets, w2 -> y [N k, L] float32): the experts in a float dtype or as int32
+    words (k3export/ops/mxfp4.py, "Words"), which the references take as the checkpoint's bytes."""
+    packed = weights[0].endswith("_packed")
+    first = len(inputs)  # the first weight's index
+    pairs = 1 if output.name == "h" else 0  # the input whose first dim is N k: sorted_pairs, or h
+
+    def reference_inputs(tensors: Sequence[Tensor]) -> list[Tensor]:
+        rows = tensors[first].shape[1] * 8 // tensors[0].shape[1]
+        return [*tensors[:first], *(_bytes(w, rows) for w in tensors[first:])]
+
+    return PluginDefinition(
+        name=name, fields=fields,
+        inputs=(TensorArg(inputs[0], "T"), *(TensorArg(n, "TS") for n in inputs[1:]),
+                *(TensorArg(w, "TW") for w in weights)),
+        outputs=(output,),
+        groups={"T": FLOATS, **GROUP_DTYPES, "TW": ("int32",) if packed else FLOATS, "TY": ("float32",)},
+        output_shapes=lambda dims, fields, constant: [[dims[pairs][0], _weight_rows(dims, first, packed)]],
+        launch=launch, reference_inputs=reference_inputs if packed else None)
+
+
+_BETAS = (Field("situ_beta", float), Field("situ_linear_beta", float))
+_GATE_UP = ("z", "sorted_pairs", "offsets")
+ROUTED_EXPERTS_GATE_UP = _grouped("RoutedExpertsGateUp", _GATE_UP, ("w1", "w3"), TensorArg("h", "T"), _BETAS,
+                                  _launch_gate_up)
+ROUTED_EXPERTS_GATE_UP_MXFP4 = _grouped(
+    "RoutedExpertsGateUpMXFP4", _GATE_UP, ("w1_packed", "w1_scale", "w3_packed", "w3_scale"),
+    TensorArg("h", "T"), _BETAS, _launch_gate_up)
+ROUTED_EXPERTS_DOWN = _grouped("RoutedExpertsDown", ("h", "offsets"), ("w2",), TensorArg("y", "TY"), (),
+                               _launch_down)
+ROUTED_EXPERTS_DOWN_MXFP4 = _grouped("RoutedExpertsDownMXFP4", ("h", "offsets"), ("w2_packed", "w2_scale"),
+                                     TensorArg("y", "TY"), (), _launch_down)
+GROUPED_EXPERTS = (ROUTED_EXPERTS_GROUP, ROUTED_EXPERTS_GATE_UP, ROUTED_EXPERTS_GATE_UP_MXFP4,
+                   ROUTED_EXPERTS_DOWN, ROUTED_EXPERTS_DOWN_MXFP4)
+
 DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE,
                                              ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, ROUTED_EXPERTS_V2,
-                                             ROUTED_EXPERTS_MXFP4_V2)
+                                             ROUTED_EXPERTS_MXFP4_V2, *GROUPED_EXPERTS)

@@ -234,11 +234,12 @@ def _expert_tile(offsets, E, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_kernel(z, sorted_pairs, offsets, w1, w1_scale, w3, w3_scale, h, L, I, E, TOP_K, BETA,
+def _moe_gate_up_kernel(z, sorted_pairs, offsets, w1, w1_scale, w3, w3_scale, TOP_K, h, L, I, E, BETA,
                         LINEAR_BETA, PACKED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
                         BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
     # h[s] = SiTU-GLU(w1[e] z[n], w3[e] z[n]) for the pairs of one expert in slots s, I rows at a time:
-    # [BLOCK_W, BLOCK_K] weights x [BLOCK_K, BLOCK_P] tokens, each weight read once per tile.
+    # [BLOCK_W, BLOCK_K] weights x [BLOCK_K, BLOCK_P] tokens, each weight read once per tile. (TOP_K before h:
+    # an AOT launch passes the inputs, then the scalars, then the outputs; the widths are compiled in.)
     e, first_slot, end_slot = _expert_tile(offsets, E, BLOCK_E, BLOCK_P)
     if e >= E:
         return
@@ -301,18 +302,19 @@ class Grouping(NamedTuple):
     slots: Tensor  # [N, k] int32: each pair's slot, -1 for a pair held elsewhere
 
 
-def group_pairs(experts: Tensor, num_experts: int, expert_offset: int = 0) -> Grouping:
+def group_pairs(experts: Tensor, num_experts: int, expert_offset: int = 0,
+                out: Grouping | None = None) -> Grouping:
     """The (token, slot) pairs grouped by local expert (model experts expert_offset ..), stable: one launch
     of E + 1 programs, sized from the shapes alone (no host sync). The pairs held elsewhere follow
-    the held ones in `sorted_pairs`."""
+    the held ones in `sorted_pairs`. Written into `out` when given (the group node's outputs)."""
     experts = experts.contiguous()
     num_pairs = experts.numel()
-    sorted_pairs = experts.new_empty(num_pairs, dtype=torch.int32)
-    offsets = experts.new_empty(num_experts + 1, dtype=torch.int32)
-    slots = experts.new_empty(experts.shape, dtype=torch.int32)
-    _moe_group_kernel[(num_experts + 1,)](experts, num_pairs, sorted_pairs, offsets, slots, num_experts,
-                                          expert_offset, BLOCK=GROUP_BLOCK)
-    return Grouping(sorted_pairs, offsets, slots)
+    out = out or Grouping(experts.new_empty(num_pairs, dtype=torch.int32),
+                          experts.new_empty(num_experts + 1, dtype=torch.int32),
+                          experts.new_empty(experts.shape, dtype=torch.int32))
+    _moe_group_kernel[(num_experts + 1,)](experts, num_pairs, *out, num_experts, expert_offset,
+                                          BLOCK=GROUP_BLOCK)
+    return out
 
 
 def max_tiles(num_pairs: int, num_experts: int, block_p: int) -> int:
@@ -345,20 +347,48 @@ def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3
     w1, w3, w2 = ((w.contiguous(), s.contiguous()) if packed else (w.to(z.dtype).contiguous(), None)
                   for w, s in (w1, w3, w2))
     sorted_pairs, offsets, slots = group_pairs(experts, num_experts, expert_offset)
-    h = z.new_empty(num_pairs, intermediate)
-    y = z.new_empty(num_pairs, L, dtype=torch.float32)
-    blocks = {"PACKED": packed, "BLOCK_E": triton.next_power_of_2(num_experts), "BLOCK_P": tiles.block_p,
-              "BLOCK_W": tiles.block_w, "BLOCK_K": tiles.block_k, "num_warps": tiles.num_warps,
-              "num_stages": tiles.num_stages}
-    grid_tiles = max_tiles(num_pairs, num_experts, tiles.block_p)
-    _moe_gate_up_kernel[(grid_tiles, triton.cdiv(intermediate, tiles.block_w))](
-        z, sorted_pairs, offsets, w1[0], w1[1], w3[0], w3[1], h, L, intermediate, num_experts, top_k, beta,
-        linear_beta, **blocks)
-    _moe_down_kernel[(grid_tiles, triton.cdiv(L, tiles.block_w))](
-        h, offsets, w2[0], w2[1], y, L, intermediate, num_experts, **blocks)
+    h = gate_up(z, sorted_pairs, offsets, w1, w3, beta, linear_beta, z.new_empty(num_pairs, intermediate),
+                tiles)
+    y = down(h, offsets, w2, z.new_empty(num_pairs, L, dtype=torch.float32), tiles)
     _moe_combine_kernel[(N, triton.cdiv(L, COMBINE_BLOCK))](
         y, slots, weights.to(torch.float32).contiguous(), u, L, top_k, BLOCK_L=COMBINE_BLOCK)
     return u
+
+
+def _blocks(tiles: Tiles, packed: bool, num_experts: int) -> dict[str, Any]:
+    return {"PACKED": packed, "BLOCK_E": triton.next_power_of_2(num_experts), "BLOCK_P": tiles.block_p,
+            "BLOCK_W": tiles.block_w, "BLOCK_K": tiles.block_k, "num_warps": tiles.num_warps,
+            "num_stages": tiles.num_stages}
+
+
+def gate_up(z: Tensor, sorted_pairs: Tensor, offsets: Tensor, w1: Weight, w3: Weight, beta: float,
+            linear_beta: float, h: Tensor, tiles: Tiles | None = None) -> Tensor:
+    """h [N k, I] (z's dtype) per slot of the grouping: SiTU-GLU(w1[e] z[n], w3[e] z[n]); z [N, L]
+    contiguous, the weights contiguous in z's dtype or MXFP4 words."""
+    num_pairs, intermediate = h.shape
+    num_experts = offsets.shape[0] - 1
+    packed = w1[1] is not None
+    if num_pairs == 0:
+        return h
+    tiles = tiles or pick_tiles(num_pairs, num_experts, z.dtype, packed)
+    _moe_gate_up_kernel[(max_tiles(num_pairs, num_experts, tiles.block_p),
+                         triton.cdiv(intermediate, tiles.block_w))](
+        z, sorted_pairs, offsets, w1[0], w1[1], w3[0], w3[1], num_pairs // z.shape[0], h, z.shape[1],
+        intermediate, num_experts, beta, linear_beta, **_blocks(tiles, packed, num_experts))
+    return h
+
+
+def down(h: Tensor, offsets: Tensor, w2: Weight, y: Tensor, tiles: Tiles | None = None) -> Tensor:
+    """y [N k, L] float32 per slot of the grouping: w2[e] h[s]."""
+    (num_pairs, intermediate), L = h.shape, y.shape[1]
+    num_experts = offsets.shape[0] - 1
+    packed = w2[1] is not None
+    if num_pairs == 0:
+        return y
+    tiles = tiles or pick_tiles(num_pairs, num_experts, h.dtype, packed)
+    _moe_down_kernel[(max_tiles(num_pairs, num_experts, tiles.block_p), triton.cdiv(L, tiles.block_w))](
+        h, offsets, w2[0], w2[1], y, L, intermediate, num_experts, **_blocks(tiles, packed, num_experts))
+    return y
 
 
 def routed_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,

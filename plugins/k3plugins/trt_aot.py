@@ -15,7 +15,7 @@ registers the IPluginV3 adapters of k3plugins.trt instead). Each `aot_impl` comp
 the GPU the build runs on (`aot.device_target()`: sm_90a on H100/H200, sm_100a on B200) and the
 engine holds the PTX, so it runs with no Python. KDA and LatentMLA also keep a just-in-time `impl`
 (Python at run time); the builder sets PREFER_AOT_PYTHON_PLUGINS, so the AOT form is built. The
-routed experts have the AOT form only.
+routed experts' nodes have the AOT form only.
 
 An AOT plugin is one kernel launch with no workspace and int32 scalar arguments only, so:
 - KDA in float16 and bfloat16 walks chunks of 16 tokens in one launch, the state on chip and the
@@ -31,10 +31,15 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   LatentMLA of earlier exports runs the same kernel as one split. `scale`, the head dim and `v_dim` are
   model constants, taken from the node and compiled in as constexprs (an AOT scalar cannot be a
   float).
-- RoutedExperts(MXFP4) runs one program per token and block of 256 output columns over its k slots
-  (no expert sort, no h buffer, no atomics): the gate/up products are recomputed for each column
-  block (14 times at kimi-k3's L = 3584), which the grouped JIT kernels avoid. Widths, expert count,
-  top-k, the expert offset and the SiTU betas are compiled in.
+- The routed experts are three nodes in the graph (k3export/onnx/moe.py), so that they run grouped by
+  expert with their intermediates graph tensors: RoutedExpertsGroup (k3plugins.moe's grouping kernel, E + 1
+  programs; E and the expert offset compiled in, N k a scalar), RoutedExpertsGateUp(MXFP4) writing h and
+  RoutedExpertsDown(MXFP4) writing y (the grouped GEMMs, widths, E and the SiTU betas compiled in, k a
+  scalar; decode and prefill tiles as two tactics, GROUPED_TACTICS, which TensorRT times per profile);
+  each token's slots are summed in standard ops after them. The one-node RoutedExperts(MXFP4) of
+  earlier exports runs one program per token and block of 256 output columns over its k slots (the
+  gate/up products recomputed for each column block: 0.28% of the HBM bound at decode in
+  tools/kernel_estimate.py, where the grouped nodes give 32%).
 - KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
   IPluginV3 adapters declare it: both KDA kernels are safe in place.
 - Every AOT kernel asks at most the 48 KB of dynamic shared memory a CUDA launch gets without raising the
@@ -57,9 +62,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import triton
 import triton.language as tl
 
+from k3plugins import moe
 from k3plugins.aot import compile_variant, device_target
 from k3plugins.definitions import (
     KDA,
@@ -67,6 +74,11 @@ from k3plugins.definitions import (
     LATENT_MLA_COMBINE,
     LATENT_MLA_SPLITS,
     ROUTED_EXPERTS,
+    ROUTED_EXPERTS_DOWN,
+    ROUTED_EXPERTS_DOWN_MXFP4,
+    ROUTED_EXPERTS_GATE_UP,
+    ROUTED_EXPERTS_GATE_UP_MXFP4,
+    ROUTED_EXPERTS_GROUP,
     ROUTED_EXPERTS_MXFP4,
     PluginDefinition,
 )
@@ -346,11 +358,39 @@ _AUTOTUNE_CODES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "in
                    "int32": "INT32"}
 
 
+# The grouped routed experts' tiles as two tactics, so that TensorRT times both for each profile (an aot_impl
+# returns one kernel for a profile's shapes): tactic 2 the prefill tiles, any other (0: none chosen) decode's.
+GROUPED_TACTICS = {1: "decode", 2: "prefill"}
+
+
+def grouped_experts_aot_kernels(dtype: str, packed: bool, L: int, I: int, E: int,
+                                betas: tuple[float, float] | None,
+                                tactic: int = 1) -> tuple[KernelVariant, KernelVariant]:
+    """The RoutedExpertsGateUp(MXFP4) and RoutedExpertsDown(MXFP4) kernels (k3plugins.moe's) for activations
+    of `dtype` (torch's name) with the widths, the expert count and the SiTU `betas` (gate/up's; None for
+    down alone) compiled in (top-k stays a scalar: the nodes see N k, not k), `tactic`'s tiles."""
+    mode = GROUPED_TACTICS.get(tactic, "decode")
+    tiles = moe.tile_choices(getattr(torch, dtype), packed)[mode]
+    constants = {"L": L, "I": I, "E": E, **dict(zip(("BETA", "LINEAR_BETA"), betas or (), strict=False))}
+    gate_up, down = moe.grouped_variants(_TRITON_DTYPES[dtype], packed, tiles, mode, constants)
+    return gate_up, down
+
+
+def grouped_experts_aot_grid(variant: KernelVariant, num_pairs: Any, E: int, rows: int,
+                             minimum: Any = min) -> tuple[Any, int]:
+    """(tiles, row blocks): moe.max_tiles' bound cdiv(N k, BLOCK_P) + min(E, N k) tiles of one expert's pairs
+    (those past the rank's own exit at once) by `rows` / BLOCK_W weight rows. `minimum` takes a builder's
+    expressions (tensorrt.plugin's min)."""
+    block_p, block_w = variant.constexprs["BLOCK_P"], variant.constexprs["BLOCK_W"]
+    return ((num_pairs + block_p - 1) // block_p + minimum(num_pairs, E), triton.cdiv(rows, block_w))
+
+
 def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
     """Every kernel the `aot_impl`s compile for a model `config` (a k3export.config.K3Config, read by
     attribute) whose MoE nodes hold `experts_held` experts, in each float dtype: KDA, LatentMLA's split and
     combine nodes and its one-node form (the cache in the model's dtype), and the routed experts as float
-    tensors and as MXFP4 words."""
+    tensors and as MXFP4 words: one node, and grouped (the grouping; gate/up and down in both tactics'
+    tiles)."""
     L, I = config.routed_expert_hidden_size, config.moe_intermediate_size
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     kernels = []
@@ -362,7 +402,11 @@ def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
                                               0, config.activation_situ_beta,
                                               config.activation_situ_linear_beta)
                     for packed in (False, True)]
-    return kernels
+        kernels += [kernel for packed in (False, True) for tactic in GROUPED_TACTICS
+                    for kernel in grouped_experts_aot_kernels(
+                        dtype, packed, L, I, experts_held,
+                        (config.activation_situ_beta, config.activation_situ_linear_beta), tactic)]
+    return [moe.group_variant({"E": experts_held, "OFFSET": 0}), *kernels]
 
 
 def shared_memory(config: Any, experts_held: int, target: str = "sm90") -> dict[str, int]:
@@ -566,5 +610,96 @@ def register(trt: Any) -> dict[str, Any]:
                                  w2_scale, situ_beta: float, situ_linear_beta: float, expert_offset: int,
                                  outputs, tactic: int) -> AotResult:
         return routed_experts_result(z, experts, w1_packed, True, situ_beta, situ_linear_beta, expert_offset)
+
+    def grouped_autotune(definition: PluginDefinition) -> list[Any]:
+        return [trtp.AutoTuneCombination(c, tactics=list(GROUPED_TACTICS))
+                for c in type_combinations(definition, aot=True)]
+
+    def grouped_result(first: Any, pairs: Any, weight: Any, packed: bool, rows: Any,
+                       betas: tuple[float, float] | None, offsets: Any, tactic: int) -> AotResult:
+        # first: z (gate/up, betas given) or h (down); rows: the output's width (I or L). Every width static:
+        # the first input's, the weights'.
+        gate = betas is not None
+        width = first.shape_expr[1].constant_value()
+        out_rows = 8 * weight.shape_expr[1].constant_value() // width if packed else rows.constant_value()
+        L, I = (width, out_rows) if gate else (out_rows, width)
+        E = offsets.shape_expr[0].constant_value() - 1
+        gate_up, down = grouped_experts_aot_kernels(names[first.dtype], packed, L, I, E, betas, tactic)
+        variant = gate_up if gate else down
+        num_pairs = pairs.shape_expr[0]
+        grid = grouped_experts_aot_grid(variant, num_pairs, E, out_rows, trtp.min)
+        # gate/up's one scalar, k = N k / N (the kernel's token of a pair); down has none.
+        return _aot_result(trtp, variant, grid, [num_pairs // first.shape_expr[0]] if gate else [])
+
+    @trtp.register("k3::RoutedExpertsGroup")
+    def group_desc(experts: Desc, num_experts: int, expert_offset: int) -> tuple[Desc, Desc, Desc]:
+        return output_descs(trtp, trt, ROUTED_EXPERTS_GROUP, (experts,), {"num_experts": num_experts})
+
+    @trtp.autotune("k3::RoutedExpertsGroup")
+    def group_autotune(experts, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(ROUTED_EXPERTS_GROUP, aot=True)]
+
+    @trtp.aot_impl("k3::RoutedExpertsGroup")
+    def group_aot(experts, num_experts: int, expert_offset: int, outputs, tactic: int) -> AotResult:
+        variant = moe.group_variant({"E": num_experts, "OFFSET": expert_offset})
+        pairs = experts.shape_expr[0] * experts.shape_expr[1]
+        return _aot_result(trtp, variant, (num_experts + 1, 1), [pairs])
+
+    @trtp.register("k3::RoutedExpertsGateUp")
+    def gate_up_desc(z: Desc, sorted_pairs: Desc, offsets: Desc, w1: Desc, w3: Desc, situ_beta: float,
+                     situ_linear_beta: float) -> Desc:
+        return output_descs(trtp, trt, ROUTED_EXPERTS_GATE_UP, (z, sorted_pairs, offsets, w1, w3), {})[0]
+
+    @trtp.autotune("k3::RoutedExpertsGateUp")
+    def gate_up_autotune(z, sorted_pairs, offsets, w1, w3, outputs) -> list[trtp.AutoTuneCombination]:
+        return grouped_autotune(ROUTED_EXPERTS_GATE_UP)
+
+    @trtp.aot_impl("k3::RoutedExpertsGateUp")
+    def gate_up_aot(z, sorted_pairs, offsets, w1, w3, situ_beta: float, situ_linear_beta: float, outputs,
+                    tactic: int) -> AotResult:
+        return grouped_result(z, sorted_pairs, w1, False, w1.shape_expr[1], (situ_beta, situ_linear_beta),
+                              offsets, tactic)
+
+    @trtp.register("k3::RoutedExpertsGateUpMXFP4")
+    def gate_up_mxfp4_desc(z: Desc, sorted_pairs: Desc, offsets: Desc, w1_packed: Desc, w1_scale: Desc,
+                           w3_packed: Desc, w3_scale: Desc, situ_beta: float,
+                           situ_linear_beta: float) -> Desc:
+        tensors = (z, sorted_pairs, offsets, w1_packed, w1_scale, w3_packed, w3_scale)
+        return output_descs(trtp, trt, ROUTED_EXPERTS_GATE_UP_MXFP4, tensors, {})[0]
+
+    @trtp.autotune("k3::RoutedExpertsGateUpMXFP4")
+    def gate_up_mxfp4_autotune(z, sorted_pairs, offsets, w1_packed, w1_scale, w3_packed, w3_scale,
+                               outputs) -> list[trtp.AutoTuneCombination]:
+        return grouped_autotune(ROUTED_EXPERTS_GATE_UP_MXFP4)
+
+    @trtp.aot_impl("k3::RoutedExpertsGateUpMXFP4")
+    def gate_up_mxfp4_aot(z, sorted_pairs, offsets, w1_packed, w1_scale, w3_packed, w3_scale,
+                          situ_beta: float, situ_linear_beta: float, outputs, tactic: int) -> AotResult:
+        return grouped_result(z, sorted_pairs, w1_packed, True, None, (situ_beta, situ_linear_beta), offsets,
+                              tactic)
+
+    @trtp.register("k3::RoutedExpertsDown")
+    def down_desc(h: Desc, offsets: Desc, w2: Desc) -> Desc:
+        return output_descs(trtp, trt, ROUTED_EXPERTS_DOWN, (h, offsets, w2), {})[0]
+
+    @trtp.autotune("k3::RoutedExpertsDown")
+    def down_autotune(h, offsets, w2, outputs) -> list[trtp.AutoTuneCombination]:
+        return grouped_autotune(ROUTED_EXPERTS_DOWN)
+
+    @trtp.aot_impl("k3::RoutedExpertsDown")
+    def down_aot(h, offsets, w2, outputs, tactic: int) -> AotResult:
+        return grouped_result(h, h, w2, False, w2.shape_expr[1], None, offsets, tactic)
+
+    @trtp.register("k3::RoutedExpertsDownMXFP4")
+    def down_mxfp4_desc(h: Desc, offsets: Desc, w2_packed: Desc, w2_scale: Desc) -> Desc:
+        return output_descs(trtp, trt, ROUTED_EXPERTS_DOWN_MXFP4, (h, offsets, w2_packed, w2_scale), {})[0]
+
+    @trtp.autotune("k3::RoutedExpertsDownMXFP4")
+    def down_mxfp4_autotune(h, offsets, w2_packed, w2_scale, outputs) -> list[trtp.AutoTuneCombination]:
+        return grouped_autotune(ROUTED_EXPERTS_DOWN_MXFP4)
+
+    @trtp.aot_impl("k3::RoutedExpertsDownMXFP4")
+    def down_mxfp4_aot(h, offsets, w2_packed, w2_scale, outputs, tactic: int) -> AotResult:
+        return grouped_result(h, h, w2_packed, True, None, None, offsets, tactic)
 
     return {}
