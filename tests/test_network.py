@@ -149,6 +149,8 @@ CASES = [
     ("scatter-elements", "SCATTER", "ScatterElements",
      {"x": randn(3, 8), "i": np.array([[7, 0, 2], [1, 3, 2], [0, 5, 6]], np.int64), "u": randn(3, 3)}, {},
      {"axis": 1}),
+    ("where-broadcast", "SELECT", "Where", {"c": np.array([[True], [False], [True]]), "a": randn(3, 4),
+                                            "b": randn(1, 4)}, {}, {}),
     ("topk-largest-ties", "TOPK", "TopK", {"x": ties}, {"k": np.array([4], np.int64)}, {}),
     ("topk-smallest-ties", "TOPK", "TopK", {"x": ties}, {"k": np.array([3], np.int64)}, {"largest": 0}),
     ("topk-axis0", "TOPK", "TopK", {"x": x3}, {"k": np.array([2], np.int64)}, {"axis": 0}),
