@@ -178,8 +178,8 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path, tiny_summary: dict[
     mixers = [layer["mixer"] for layer in manifest["schedule"]]
     expected = []  # per layer its mixer, then a MoE layer's routed experts (grouped, gate/up, down)
     for layer in manifest["schedule"]:
-        expected += {"KDA": ["k3::KDA v1"], "MLA": ["k3::LatentMLASplits v1", "k3::LatentMLACombine v1"]}[
-            layer["mixer"]]
+        expected += {"KDA": ["k3::KDAPrepare v1", "k3::KDAChunkRecurrence v1"],
+                     "MLA": ["k3::LatentMLASplits v1", "k3::LatentMLACombine v1"]}[layer["mixer"]]
         if layer["ffn"] == "moe":
             expected += [f"k3::RoutedExperts{op} v1" for op in ("Group", "GateUp", "Down")]
     assert plugins == expected
@@ -201,7 +201,7 @@ def test_one_plugin_layer_per_custom_node(tiny_export: Path, tiny_summary: dict[
                 for a_s in node.attribute if a_s.name == "scale"]
     assert len(expected) == mixers.count("MLA")
     fields = summary["plugin_fields"]
-    assert fields["KDA"] == [{}] * mixers.count("KDA")
+    assert fields["KDAPrepare"] == fields["KDAChunkRecurrence"] == [{}] * mixers.count("KDA")
     assert [f["v_dim"] for f in fields["LatentMLASplits"]] == [e["v_dim"] for e in expected]
     assert [f["scale"] for f in fields["LatentMLASplits"]] == pytest.approx([e["scale"] for e in expected])
     assert fields["LatentMLACombine"] == [{}] * mixers.count("MLA")
@@ -396,8 +396,9 @@ def assert_parser_inlines(export_dir: Path, register: bool = True) -> None:
 
 def test_wrong_plugin_version_is_refused(version9_export: Path) -> None:
     error = run("strict", version9_export)["error"]
-    assert "asks for plugin k3::KDA version '9', which is not registered" in error
-    assert ("registered k3 plugins: k3::KDA v1, k3::LatentMLA v1, k3::LatentMLACombine v1, "
+    assert "asks for plugin k3::KDAPrepare version '9', which is not registered" in error
+    assert ("registered k3 plugins: k3::KDA v1, k3::KDAChunkRecurrence v1, k3::KDAPrepare v1, "
+            "k3::LatentMLA v1, k3::LatentMLACombine v1, "
             "k3::LatentMLASplits v1, k3::RoutedExperts v1, "
             "k3::RoutedExperts v2, k3::RoutedExpertsDown v1, k3::RoutedExpertsDownMXFP4 v1, "
             "k3::RoutedExpertsGateUp v1, k3::RoutedExpertsGateUpMXFP4 v1, k3::RoutedExpertsGroup v1, "
@@ -410,7 +411,7 @@ def test_wrong_plugin_version_is_refused(version9_export: Path) -> None:
 
 def test_unregistered_plugin_is_refused(tiny_export: Path) -> None:
     error = run("strict", tiny_export, register=False)["error"]
-    assert "asks for plugin k3::KDA version '1', which is not registered" in error
+    assert "asks for plugin k3::KDAPrepare version '1', which is not registered" in error
     assert "(registered k3 plugins: none)" in error
 
     assert_parser_inlines(tiny_export, register=False)

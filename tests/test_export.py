@@ -41,7 +41,7 @@ def census(path: Path) -> onnx.ModelProto:
     config = K3Config.from_json(path.parent / "config.json")
     layers = range(*json.loads((path.parent / "export.json").read_text())["layers"])
     nodes = [n for n in model.graph.node if n.domain == "k3"]
-    mixers = {True: ["LatentMLASplits", "LatentMLACombine"], False: ["KDA"]}
+    mixers = {True: ["LatentMLASplits", "LatentMLACombine"], False: ["KDAPrepare", "KDAChunkRecurrence"]}
     assert [n.op_type for n in nodes] == [op for i in layers for op in (
         *mixers[config.is_mla(i)], *([] if config.is_dense(i) else MOE_NODES))]
     for node in nodes:
@@ -58,8 +58,8 @@ def census(path: Path) -> onnx.ModelProto:
 def test_census_and_checker(tiny_export):
     census(tiny_export / "model.onnx")  # bfloat16's: tests/test_half_precision.py
     manifest = json.loads((tiny_export / "export.json").read_text())
-    assert manifest["custom_nodes"] == {"KDA": 6, "LatentMLACombine": 3, "LatentMLASplits": 3,
-                                        **dict.fromkeys(MOE_NODES, 8)}
+    assert manifest["custom_nodes"] == {"KDAChunkRecurrence": 6, "KDAPrepare": 6, "LatentMLACombine": 3,
+                                        "LatentMLASplits": 3, **dict.fromkeys(MOE_NODES, 8)}
     names = [s["name"] for s in manifest["inputs"]]
     assert names[:4] == ["input_ids", "cache_lengths", "input_lengths", "past.0.kda_state"]
     assert "past.3.mla_latent" in names and manifest["opset"] == 24
@@ -174,8 +174,8 @@ def test_aot_plugins_export(tiny_export, aot_export):
                 for n in model.graph.node if n.domain == "k3"]
 
     census(aot_export / "model.onnx")
-    # 9 mixers (an MLA layer's two nodes) and 8 MoE layers (three nodes each).
-    assert aot_values(aot_export) == [1] * 36 and aot_values(tiny_export) == [None] * 36
+    # 9 mixers (two nodes each) and 8 MoE layers (three nodes each).
+    assert aot_values(aot_export) == [1] * 42 and aot_values(tiny_export) == [None] * 42
     assert json.loads((aot_export / "export.json").read_text())["aot_plugins"] is True
     assert json.loads((tiny_export / "export.json").read_text())["aot_plugins"] is False
     assert sha256(aot_export / "model.onnx.data") == sha256(tiny_export / "model.onnx.data")
@@ -233,8 +233,8 @@ def test_layer_range_export(tmp_path):
     assert list(inputs)[2:5] == ["cache_lengths", "input_lengths", "past.2.kda_state"]
     assert inputs["past.3.mla_latent"] == ["batch", 1, "capacity", 48] and manifest["capacity"] == 128
     assert [s["name"] for s in manifest["outputs"]][:2] == ["attn_res.6.bank", "attn_res.6.partial"]
-    assert manifest["custom_nodes"] == {"KDA": 3, "LatentMLACombine": 1, "LatentMLASplits": 1,
-                                        **dict.fromkeys(MOE_NODES, 4)}
+    assert manifest["custom_nodes"] == {"KDAChunkRecurrence": 3, "KDAPrepare": 3, "LatentMLACombine": 1,
+                                        "LatentMLASplits": 1, **dict.fromkeys(MOE_NODES, 4)}
     census(folder / "model.onnx")
     report = run_check(folder, steps=2, batch=2, prompt_len=9, log=lambda _: None)
     assert report["passed"], report["failed_outputs"]
@@ -281,7 +281,8 @@ def test_export_does_not_retrace_to_decompose_or_rebuild_torchlib(tmp_path, monk
     config = K3Config.from_preset("k3-tiny")
     model = build_model(config, torch.float32, {"seed": 0}, range(0, 2))
     manifest = export_model(model, tmp_path / "first", range(0, 2), {"seed": 0})
-    assert manifest["custom_nodes"] == {"KDA": 2, **dict.fromkeys(MOE_NODES, 1)}
+    assert manifest["custom_nodes"] == {"KDAChunkRecurrence": 2, "KDAPrepare": 2,
+                                        **dict.fromkeys(MOE_NODES, 1)}
     monkeypatch.setattr(_registration._torchlib_registry, "get_torchlib_ops", refuse("torchlib's registry"))
     export_model(model, tmp_path / "again", range(0, 2), {"seed": 0})
     for name in ("model.onnx", "model.onnx.data"):

@@ -431,6 +431,7 @@ def test_exports_that_keep_weights_out_of_folding_parse_in_tensorrt_rtx(kind, ti
     assert parsed.count("PLUGIN_V3") == len(k3_nodes)
     moe_layers = sum(not config.is_dense(i) for i in layers)
     assert sum(op.startswith("RoutedExperts") for op in k3_nodes) >= moe_layers
-    assert sum(op == "KDA" for op in k3_nodes) == sum(not config.is_mla(i) for i in layers)
+    kda_layers = sum(not config.is_mla(i) for i in layers)
+    assert k3_nodes.count("KDAPrepare") == k3_nodes.count("KDAChunkRecurrence") == kda_layers
     assert sum(op == "LatentMLACombine" for op in k3_nodes) == sum(config.is_mla(i) for i in layers)
     assert "TRIP_LIMIT" not in parsed and "ITERATOR" not in parsed

@@ -270,6 +270,17 @@ def test_kda_plugin_matches_its_onnx_function(tmp_path: Path) -> None:
         assert_matches_onnxruntime(path, feeds, "PLUGIN_V3")
 
 
+def test_kda_prepare_plugin_matches_its_onnx_function(tmp_path: Path) -> None:
+    """A KDAPrepare layer runs torch.ops.k3.kda_prepare (the eager chunked form's terms); ONNX Runtime runs
+    the node's function (the differences and the inverse as products): a partial chunk and two."""
+    for T in (5, 17):
+        names = ("q", "k", "v", "g", "beta")
+        feeds = {n: t.numpy() for n, t in zip(names, kda_inputs(2, T, 2, 8, 8, torch.float32, seed=T)[:5],
+                                             strict=True)}
+        path = _k3_node(tmp_path, "KDAPrepare", feeds, ["qg", "kt", "w", "u", "a_qk", "decay_last"])
+        assert_matches_onnxruntime(path, feeds, "PLUGIN_V3")
+
+
 def test_latent_mla_plugin_matches_its_onnx_function(tmp_path: Path) -> None:
     q, kv = randn(2, 3, 4, 16), randn(2, 1, 12, 16)
     feeds = {"q": q, "kv": kv, "cache_lengths": np.array([0, 6], np.int64)}

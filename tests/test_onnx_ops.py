@@ -105,7 +105,8 @@ MLA_FIELDS = {**PLUGIN, "v_dim": V_DIM, "scale": pytest.approx(SCALE)}
 
 
 @pytest.mark.parametrize(("op", "nodes"), [
-    ("kda", {"KDA": PLUGIN}),
+    # kda as two nodes: the chunks' terms, then the recurrence over them (k3export/onnx/ops.py).
+    ("kda", {"KDAPrepare": PLUGIN, "KDAChunkRecurrence": PLUGIN}),
     # latent_mla as two nodes: the splits of the cache, then their combine (k3export/onnx/ops.py).
     ("mla", {"LatentMLASplits": MLA_FIELDS, "LatentMLACombine": PLUGIN}),
 ])
@@ -152,6 +153,35 @@ def test_kda_matches_eager(models, dtype, B, T):
     o_ref, state_ref = torch.ops.k3.kda(*inputs)
     assert_close(o, o_ref, FP32_TOL if dtype == torch.float32 else FP16_TOL)
     assert_close(state, state_ref, FP32_TOL)  # the state is float32 math on both sides
+
+
+def kda_prepare_model(path: Path, dtype: torch.dtype) -> Path:
+    """A graph of one KDAPrepare node with its function: ONNX Runtime runs the chunk terms it writes, which
+    the exported graph's KDAChunkRecurrence function does not read (it scans the token inputs)."""
+    helper, f32 = onnx.helper, onnx.TensorProto.FLOAT
+    x = helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=dtype).numpy().dtype)
+    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in
+              (("q", x), ("k", x), ("v", x), ("g", f32), ("beta", f32))]
+    outputs = [helper.make_tensor_value_info(n, t, None) for n, t in
+               (("qg", x), ("kt", x), ("w", x), ("u", x), ("a_qk", x), ("decay_last", f32))]
+    node = helper.make_node("KDAPrepare", [i.name for i in inputs], [o.name for o in outputs], domain="k3",
+                            **PLUGIN)
+    model = helper.make_model(helper.make_graph([node], "kda_prepare", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 24)])
+    onnx.save(attach_functions(model), path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kda_prepare_function_matches_its_reference(tmp_path, dtype):
+    """The KDAPrepare function's chunk terms (differences exp(G_i - G_j), the inverse as products) against
+    torch.ops.k3.kda_prepare's (the eager chunked form's terms), whole chunks and a partial last one."""
+    path = kda_prepare_model(tmp_path / "prepare.onnx", dtype)
+    for T in (1, 16, 37):
+        inputs = kda_inputs(2, T, H, K, V, dtype, seed=T)[:5]
+        terms = run_ort(path, inputs)
+        for term, expected in zip(terms, torch.ops.k3.kda_prepare(*inputs), strict=True):
+            assert_close(term, expected, FP32_TOL if term.dtype == torch.float32 else FP16_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

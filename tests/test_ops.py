@@ -99,6 +99,22 @@ def test_kda_op_dispatch_and_chunk_boundary_state():
     assert rel_error(torch.cat([o1, o2], 1), o_ref) < 1e-5 and rel_error(s2, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("T", [1, 5, CHUNK_SIZE, CHUNK_SIZE + 1, 3 * CHUNK_SIZE + 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kda_as_two_nodes(T, dtype):
+    """kda as the export writes it, kda_prepare's terms then kda_chunk_recurrence (the network evaluator's
+    references), against the recurrence in float64, final state included: decode steps from the token
+    inputs, a partial chunk, one, one more, several."""
+    inputs = kda_inputs(2, T, 2, 16, 8, dtype, seed=T)
+    terms = torch.ops.k3.kda_prepare(*inputs[:5])
+    assert [t.dtype for t in terms] == [dtype] * 5 + [torch.float32]
+    assert terms[5].shape == (2, -(-T // CHUNK_SIZE), 2, 16)
+    o, s = torch.ops.k3.kda_chunk_recurrence(*inputs[:5], *terms, inputs[5])
+    o_ref, s_ref = recurrent_kda(*[t.double() for t in inputs])
+    o_tol, s_tol = (1e-5, 1e-5) if dtype == torch.float32 else (3e-3, 3e-3)  # the terms rounded to float16
+    assert o.dtype == dtype and rel_error(o, o_ref) < o_tol and rel_error(s, s_ref) < s_tol
+
+
 def test_kda_half_precision_inputs():
     """float16 q/k/v with float32 gates: the state stays float32, output in v's dtype.
 

@@ -13,6 +13,8 @@ from k3plugins.aot import MAX_SHARED_BYTES, compile_variant, kernel_stats
 from k3plugins.definitions import (
     DEFINITIONS,
     KDA,
+    KDA_CHUNK_RECURRENCE,
+    KDA_PREPARE,
     LATENT_MLA,
     ROUTED_EXPERTS,
     ROUTED_EXPERTS_MXFP4,
@@ -21,6 +23,9 @@ from k3plugins.definitions import (
 from k3plugins.trt_aot import (
     kda_aot_kernel,
     kda_aot_launch,
+    kda_chunk_recurrence_aot_launch,
+    kda_prepare_aot_launch,
+    kda_two_node_aot_kernels,
     latent_mla_aot_kernel,
     latent_mla_aot_launch,
     type_combinations,
@@ -38,9 +43,10 @@ def test_lookup_keys_match_the_export() -> None:
     # Every op at version 1 (full TensorRT's tensorrt.plugin registers no other); the routed experts'
     # version 2 stays for the exports of 2026-11/12 that name it.
     assert [(d.name, d.namespace, d.version) for d in DEFINITIONS] == [
-        ("KDA", "k3", "1"), ("LatentMLA", "k3", "1"), ("LatentMLASplits", "k3", "1"),
-        ("LatentMLACombine", "k3", "1"), ("RoutedExperts", "k3", "1"), ("RoutedExpertsMXFP4", "k3", "1"),
-        ("RoutedExperts", "k3", "2"), ("RoutedExpertsMXFP4", "k3", "2"), ("RoutedExpertsGroup", "k3", "1"),
+        ("KDA", "k3", "1"), ("KDAPrepare", "k3", "1"), ("KDAChunkRecurrence", "k3", "1"),
+        ("LatentMLA", "k3", "1"), ("LatentMLASplits", "k3", "1"), ("LatentMLACombine", "k3", "1"),
+        ("RoutedExperts", "k3", "1"), ("RoutedExpertsMXFP4", "k3", "1"), ("RoutedExperts", "k3", "2"),
+        ("RoutedExpertsMXFP4", "k3", "2"), ("RoutedExpertsGroup", "k3", "1"),
         ("RoutedExpertsGateUp", "k3", "1"), ("RoutedExpertsGateUpMXFP4", "k3", "1"),
         ("RoutedExpertsDown", "k3", "1"), ("RoutedExpertsDownMXFP4", "k3", "1")]
 
@@ -77,6 +83,30 @@ def test_supported_dtypes() -> None:
     assert not LATENT_MLA.supports(["float32", "float32", "int32"])  # lengths are int64
     assert not LATENT_MLA.supports(["float32", "float32", "int64", "float16"])  # o is q's dtype
 
+
+
+def test_kda_two_node_definitions() -> None:
+    """KDA as exports hold it: KDAPrepare's terms (q, k's shape, u v's, a_qk a chunk of 16 columns, decay_last
+    one row a chunk: 17 tokens are 2), in v's dtype but decay_last; KDAChunkRecurrence's outputs KDA's, its
+    final state in place of its initial state (input 11), and the AOT kernels' type combinations KDA's."""
+    q, v = [2, 17, 3, 32], [2, 17, 3, 8]
+    assert KDA_PREPARE.output_shapes([q, q, v, q, [2, 17, 3]], {}, int) == [
+        q, q, q, v, [2, 17, 3, 16], [2, 2, 3, 32]]
+    assert KDA_PREPARE.output_dtypes(["bfloat16"] * 3 + ["float32"] * 2) == ["bfloat16"] * 5 + ["float32"]
+    terms = [q, q, q, v, [2, 17, 3, 16], [2, 2, 3, 32]]
+    assert KDA_CHUNK_RECURRENCE.output_shapes([q, q, v, q, [2, 17, 3], *terms, [2, 3, 32, 8]], {}, int) == [
+        v, [2, 3, 32, 8]]
+    assert [KDA_CHUNK_RECURRENCE.aliased_input(i) for i in range(2)] == [-1, 11]
+    assert [KDA_PREPARE.aliased_input(i) for i in range(6)] == [-1] * 6
+    half = ["float16"] * 3 + ["float32"] * 2
+    assert KDA_CHUNK_RECURRENCE.supports([*half, *["float16"] * 5, "float32", "float32", "float16",
+                                          "float32"])
+    assert not KDA_CHUNK_RECURRENCE.supports([*half, *["float32"] * 5])  # the terms are v's dtype
+    assert type_combinations(KDA_PREPARE, aot=True)[1] == "FP16, FP16, FP16, FP32, FP32, " + \
+        "FP16, FP16, FP16, FP16, FP16, FP32"
+    assert len(type_combinations(KDA_CHUNK_RECURRENCE, aot=True)) == 3
+    assert kda_prepare_aot_launch(q, v) == ((2, 2 * 3), [17, 3, 32, 8])  # chunks x rows and heads
+    assert kda_chunk_recurrence_aot_launch(q, v, 64) == ((2 * 3, 1), [17, 3, 32, 8])
 
 
 def test_routed_experts_definitions() -> None:
@@ -137,6 +167,16 @@ def test_aot_kda_kernel_parameter_order(dtype: str) -> None:
     ptx = compile_variant(kda_aot_kernel(dtype, 32)).asm["ptx"]
     # 6 inputs, T H K V, 2 outputs, then Triton's two scratch pointers.
     assert parameter_kinds(ptx) == ["u64"] * 6 + ["u32"] * 4 + ["u64"] * 2 + ["u64"] * 2
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_aot_kda_two_node_kernels_parameter_order(dtype: str) -> None:
+    """KDAPrepare: 5 inputs, T H K V, 6 outputs; KDAChunkRecurrence: 12 inputs, T H K V, 2 outputs; then
+    Triton's two scratch pointers."""
+    prepare, recurrence = (compile_variant(v).asm["ptx"] for v in kda_two_node_aot_kernels(dtype, 32))
+    assert parameter_kinds(prepare) == ["u64"] * 5 + ["u32"] * 4 + ["u64"] * 6 + ["u64"] * 2
+    assert parameter_kinds(recurrence) == ["u64"] * 12 + ["u32"] * 4 + ["u64"] * 2 + ["u64"] * 2
 
 
 def test_aot_latent_mla_launch() -> None:

@@ -29,6 +29,8 @@ from k3export.config import PRESETS, K3Config
 from k3export.engine.flavours import load_tensorrt
 from k3export.onnx.moe import GROUPED_SCHEMAS, ROUTED_EXPERTS_MXFP4_SCHEMA, ROUTED_EXPERTS_SCHEMA
 from k3export.onnx.ops import (
+    KDA_CHUNK_RECURRENCE_SCHEMA,
+    KDA_PREPARE_SCHEMA,
     KDA_SCHEMA,
     LATENT_MLA_COMBINE_SCHEMA,
     LATENT_MLA_SCHEMA,
@@ -39,6 +41,8 @@ from k3plugins.definitions import (
     DEFINITIONS,
     GROUPED_EXPERTS,
     KDA,
+    KDA_CHUNK_RECURRENCE,
+    KDA_PREPARE,
     LATENT_MLA,
     LATENT_MLA_COMBINE,
     LATENT_MLA_SPLITS,
@@ -47,8 +51,8 @@ from k3plugins.definitions import (
 )
 from k3plugins.mla import COMBINE_BLOCK_V, DECODE, split_count
 
-OPS = (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4,
-       *GROUPED_EXPERTS)
+OPS = (KDA, KDA_PREPARE, KDA_CHUNK_RECURRENCE, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE,
+       ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, *GROUPED_EXPERTS)
 TRT_NAMES = {"float32": "DataType.FLOAT", "float16": "DataType.HALF", "bfloat16": "DataType.BF16",
              "int64": "DataType.INT64", "int32": "DataType.INT32"}
 
@@ -74,12 +78,13 @@ def through_tensorrt() -> dict:
 
 
 def test_jit_impl_takes_every_dtype_through_tensorrt() -> None:
-    """TensorRT's JIT plugin class enqueues KDA and LatentMLA in float32, float16 and bfloat16: its `enqueue`
+    """TensorRT's JIT plugin class enqueues KDA and LatentMLA (one node and two each) in float32, float16 and
+    bfloat16: its `enqueue`
     hands our `impl` `tensorrt.plugin` Tensors (whose `__cuda_array_interface__` raises for BF16), and the
     impl's launch writes what the definition's own launch writes (KDA's state in place). On the CPU: the
     kernels in Triton's interpreter over host memory (tests/trt_plugin_shim.py, `use_host_memory`)."""
     launched = run_worker("jit", env={**os.environ, "TRITON_INTERPRET": "1"})
-    ops = ("KDA", "LatentMLA", "LatentMLASplits", "LatentMLACombine")
+    ops = ("KDA", "KDAPrepare", "KDAChunkRecurrence", "LatentMLA", "LatentMLASplits", "LatentMLACombine")
     assert launched == {f"{op} {dtype}": True for op in ops for dtype in ("float32", "float16", "bfloat16")}
 
 
@@ -123,6 +128,11 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
     expected = {
         # One program per (batch, head) and 32 value columns; scalars T, H, K, V.
         "KDA": ((B * H, math.ceil(V / trt_aot.BLOCK_V)), [T, H, V, V], "kda_aot_bf16_k128"),
+        # KDA's two nodes: a program per (16-token chunk, batch x head); then per (batch x head, 64 value
+        # columns); scalars T, H, K, V.
+        "KDAPrepare": ((math.ceil(T / 16), B * H), [T, H, V, V], "kda_prepare_aot_bf16_k128"),
+        "KDAChunkRecurrence": ((B * H, math.ceil(V / 64)), [T, H, V, V],
+                               "kda_chunk_recurrence_aot_bf16_k128"),
         # One program per (batch, block of DECODE.block_t tokens) and block of heads; scalars T, C, H.
         "LatentMLA": ((B * math.ceil(T / DECODE.block_t), math.ceil(heads / DECODE.block_h)), [T, C, heads],
                       "latent_mla_aot_bf16_kvbf16_d576_v512"),
@@ -178,8 +188,9 @@ def carried_dtypes() -> set[str]:
     `onnx.checker.check_model(full_check=True)` against them, every preset and experts format alike) and
     the plugin definitions' groups."""
     types = set()
-    for schema in (KDA_SCHEMA, LATENT_MLA_SCHEMA, LATENT_MLA_SPLITS_SCHEMA, LATENT_MLA_COMBINE_SCHEMA,
-                   ROUTED_EXPERTS_SCHEMA, ROUTED_EXPERTS_MXFP4_SCHEMA, *GROUPED_SCHEMAS):
+    for schema in (KDA_SCHEMA, KDA_PREPARE_SCHEMA, KDA_CHUNK_RECURRENCE_SCHEMA, LATENT_MLA_SCHEMA,
+                   LATENT_MLA_SPLITS_SCHEMA, LATENT_MLA_COMBINE_SCHEMA, ROUTED_EXPERTS_SCHEMA,
+                   ROUTED_EXPERTS_MXFP4_SCHEMA, *GROUPED_SCHEMAS):
         types |= {t for c in schema.type_constraints for t in c.allowed_type_strs}
         types |= {p.type_str for p in schema.inputs + schema.outputs if p.type_str.startswith("tensor(")}
     names = {dtype_name(getattr(onnx.TensorProto, t.removeprefix("tensor(").removesuffix(")").upper()))
@@ -225,6 +236,6 @@ def test_every_export_carries_types_the_aot_plugins_take(preset: str, dtype: str
             assert codes in trt_aot.type_combinations(definitions[node.op_type, version], aot=True), node.name
             ops.add(node.op_type)
     form = "MXFP4" if packed else ""
-    assert ops == {"KDA", "LatentMLASplits", "LatentMLACombine", "RoutedExpertsGroup",
-                   "RoutedExpertsGateUp" + form, "RoutedExpertsDown" + form}
+    assert ops == {"KDAPrepare", "KDAChunkRecurrence", "LatentMLASplits", "LatentMLACombine",
+                   "RoutedExpertsGroup", "RoutedExpertsGateUp" + form, "RoutedExpertsDown" + form}
 

@@ -22,8 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import trt_plugin_shim
 
-# The dynamic dimensions' values where expressions are read; S: LatentMLACombine's input splits.
-SIZES = {"B": 2, "T": 37, "C": 4096, "N": 9, "S": 3, "P": 9 * 16}  # P: the N k pairs (kimi-k3's top-16)
+# The dynamic dimensions' values where expressions are read; S: LatentMLACombine's input splits; U: T's
+# chunks of 16 tokens (KDA's decay_last); P: the N k pairs (kimi-k3's top-16).
+SIZES = {"B": 2, "T": 37, "C": 4096, "N": 9, "S": 3, "U": 3, "P": 9 * 16}
 EXPERTS_HELD = 112  # kimi-k3's 896 routed experts over 8 ranks
 PARSER_TYPES = {int: np.int32, float: np.float32}  # an ONNX INT / FLOAT attribute as the parser passes it
 
@@ -36,8 +37,12 @@ def published_inputs(config: Any) -> dict[str, list[list[int | str]]]:
     routing = [["N", L], ["N", k], ["N", k]]
     H, V = config.num_attention_heads, config.kv_lora_rank
     mla = [["B", "T", H, D], ["B", 1, "C", D], ["B"]]
+    kda = [["B", "T", H, K]] * 4 + [["B", "T", H], ["B", H, K, K]]
+    kda_terms = [["B", "T", H, K]] * 4 + [["B", "T", H, 16], ["B", "U", H, K]]
     return {
-        "KDA": [["B", "T", H, K]] * 4 + [["B", "T", H], ["B", H, K, K]],
+        "KDA": kda,
+        "KDAPrepare": kda[:5],
+        "KDAChunkRecurrence": [*kda[:5], *kda_terms, kda[5]],
         "LatentMLA": mla,
         "LatentMLASplits": mla,
         "LatentMLACombine": [mla[0], ["S", "B", "T", H, V], ["S", "B", "T", H]],
@@ -59,8 +64,8 @@ def node_fields(config: Any) -> dict[str, dict[str, float | int]]:
               "situ_linear_beta": config.activation_situ_linear_beta, "expert_offset": 0}
     mla = {"v_dim": config.kv_lora_rank, "scale": config.mla_scale}
     betas = {"situ_beta": config.activation_situ_beta, "situ_linear_beta": config.activation_situ_linear_beta}
-    return {"KDA": {}, "LatentMLA": mla, "LatentMLASplits": mla, "LatentMLACombine": {},
-            "RoutedExperts": routed, "RoutedExpertsMXFP4": routed,
+    return {"KDA": {}, "KDAPrepare": {}, "KDAChunkRecurrence": {}, "LatentMLA": mla, "LatentMLASplits": mla,
+            "LatentMLACombine": {}, "RoutedExperts": routed, "RoutedExpertsMXFP4": routed,
             "RoutedExpertsGroup": {"num_experts": EXPERTS_HELD, "expert_offset": 0},
             "RoutedExpertsGateUp": betas, "RoutedExpertsGateUpMXFP4": betas, "RoutedExpertsDown": {},
             "RoutedExpertsDownMXFP4": {}}
@@ -96,6 +101,8 @@ def main() -> None:
     from k3plugins.definitions import (
         GROUPED_EXPERTS,
         KDA,
+        KDA_CHUNK_RECURRENCE,
+        KDA_PREPARE,
         LATENT_MLA,
         LATENT_MLA_COMBINE,
         LATENT_MLA_SPLITS,
@@ -111,8 +118,8 @@ def main() -> None:
     inputs, fields = published_inputs(config), node_fields(config)
     registry = trt.get_plugin_registry()
     result: dict[str, Any] = {"ops": sorted(n for n in vars(trtp.op.k3) if not n.startswith("_"))}
-    for definition in (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE, ROUTED_EXPERTS,
-                       ROUTED_EXPERTS_MXFP4, *GROUPED_EXPERTS):
+    for definition in (KDA, KDA_PREPARE, KDA_CHUNK_RECURRENCE, LATENT_MLA, LATENT_MLA_SPLITS,
+                       LATENT_MLA_COMBINE, ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, *GROUPED_EXPERTS):
         name = definition.name
         creator = registry.get_creator(name, "1", "k3")
         collection, arrays = parser_fields(trt, creator, fields[name])
@@ -165,17 +172,22 @@ def main() -> None:
 
 
 def jit_inputs(torch: Any, name: str, dtype: Any) -> list[Any]:
-    """Small inputs of KDA (T = 5: the chunked launch) and LatentMLA (a cache of 8 rows, 3 of them new) in a
+    """Small inputs of KDA and its two nodes (T = 5: the chunked launches; the recurrence's terms
+    KDAPrepare's) and LatentMLA (a cache of 8 rows, 3 of them new) in a
     `dtype` model (KDA's g, beta and state float32)."""
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape: int, dtype: Any = dtype) -> Any:
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    if name == "KDA":
+    if name.startswith("KDA"):
+        from k3plugins.kda import kda_prepare
+
         q, k, v = (randn(1, 5, 2, 32) * 0.2 for _ in range(3))
         g, beta = -torch.rand(1, 5, 2, 32, generator=gen), torch.rand(1, 5, 2, generator=gen)
-        return [q, k, v, g, beta, randn(1, 2, 32, 32, dtype=torch.float32)]
+        state = randn(1, 2, 32, 32, dtype=torch.float32)
+        return {"KDA": [q, k, v, g, beta, state], "KDAPrepare": [q, k, v, g, beta],
+                "KDAChunkRecurrence": [q, k, v, g, beta, *kda_prepare(q, k, v, g, beta), state]}[name]
     if name == "LatentMLACombine":  # 3 splits' partials, the last without a visible row (never written)
         lse = torch.randn(3, 1, 3, 2, generator=gen)
         lse[2] = float("-inf")
@@ -202,7 +214,14 @@ def jit_main() -> None:
     import tensorrt as trt
 
     from k3plugins import trt_aot
-    from k3plugins.definitions import KDA, LATENT_MLA, LATENT_MLA_COMBINE, LATENT_MLA_SPLITS
+    from k3plugins.definitions import (
+        KDA,
+        KDA_CHUNK_RECURRENCE,
+        KDA_PREPARE,
+        LATENT_MLA,
+        LATENT_MLA_COMBINE,
+        LATENT_MLA_SPLITS,
+    )
 
     trt_aot.register(trt)
     trt_plugin_shim.use_host_memory(torch)
@@ -210,8 +229,8 @@ def jit_main() -> None:
              torch.bfloat16: trt.DataType.BF16, torch.int64: trt.DataType.INT64}
     result: dict[str, Any] = {}
     mla = {"v_dim": 32, "scale": 48**-0.5}
-    for definition, fields in ((KDA, {}), (LATENT_MLA, mla), (LATENT_MLA_SPLITS, mla),
-                               (LATENT_MLA_COMBINE, {})):
+    for definition, fields in ((KDA, {}), (KDA_PREPARE, {}), (KDA_CHUNK_RECURRENCE, {}), (LATENT_MLA, mla),
+                               (LATENT_MLA_SPLITS, mla), (LATENT_MLA_COMBINE, {})):
         creator = trt.get_plugin_registry().get_creator(definition.name, "1", "k3")
         collection, _arrays = parser_fields(trt, creator, fields)  # the arrays kept while it is used
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -219,17 +238,15 @@ def jit_main() -> None:
                                            trt.QuickPluginCreationRequest.STRICT_JIT)
             inputs = jit_inputs(torch, definition.name, dtype)
             plugin.get_output_data_types([types[t.dtype] for t in inputs], [t.dim() for t in inputs])
-            # o, and KDA's state aliased to its initial state (one buffer, as TensorRT hands it).
+            # The outputs, KDA's state aliased to its initial state (one buffer, as TensorRT hands it).
             shapes = definition.output_shapes([list(t.shape) for t in inputs], fields, int)
             dtypes = definition.output_dtypes([str(t.dtype).removeprefix("torch.") for t in inputs])
             outputs = [torch.full(shape, float("nan"), dtype=getattr(torch, d))
                        for shape, d in zip(shapes, dtypes, strict=True)]
-            if definition is KDA:
-                outputs[1] = inputs[5]
             expected_inputs = [t.clone() for t in inputs]
             expected = [torch.full_like(o, float("nan")) for o in outputs]
-            if definition is KDA:
-                expected[1] = expected_inputs[5]
+            for output, aliased in definition.aliases.items():
+                outputs[output], expected[output] = inputs[aliased], expected_inputs[aliased]
             definition.launch(expected_inputs, expected, fields)
             descs = [[tensor_desc(trt, types[t.dtype], t.shape) for t in ts] for ts in (inputs, outputs)]
             key = f"{definition.name} {str(dtype).removeprefix('torch.')}"

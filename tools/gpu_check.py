@@ -501,12 +501,15 @@ def plugin_trial(c: Case, gen: torch.Generator) -> Trial:
 def aot_trial(c: Case, gen: torch.Generator) -> Trial:
     """A kernel as trt_aot's aot_impl compiles it (triton.compile for this GPU, PTX 8.7), with its
     grid and scalars from the *_aot_launch functions, launched through Triton's CompiledKernel into
-    NaN-filled outputs; LatentMLA as an export holds it, its split node and then its combine node."""
+    NaN-filled outputs; KDA and LatentMLA as an export holds them, two nodes each (KDAPrepare then
+    KDAChunkRecurrence, the chunk terms between them; LatentMLA's split node then its combine node)."""
     from k3export import ops
     from k3plugins.aot import compile_variant, device_target
     from k3plugins.trt_aot import (
-        kda_aot_kernel,
-        kda_aot_launch,
+        KDA_CHUNK,
+        kda_chunk_recurrence_aot_launch,
+        kda_prepare_aot_launch,
+        kda_two_node_aot_kernels,
         latent_mla_aot_kernel,
         latent_mla_aot_launch,
         latent_mla_combine_aot_kernel,
@@ -527,10 +530,16 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         inputs = kda_inputs(c, gen)
         q, v, h0 = inputs[0], inputs[2], inputs[5]
         reference = kda_reference(ops.recurrent_kda, inputs)
-        variant = kda_aot_kernel(c.dtype, KDA_K)
-        grid, scalars = kda_aot_launch(list(q.shape), list(v.shape))
+        prepare, recurrence = kda_two_node_aot_kernels(c.dtype, KDA_K)
+        B, T, H, K = q.shape
+        terms = [v.new_full((B, T, H, n), float("nan")) for n in (K, K, K, KDA_V, KDA_CHUNK)]
+        terms.append(torch.full((B, -(-T // KDA_CHUNK), H, K), float("nan"), device="cuda"))
+        grid, scalars = kda_prepare_aot_launch(list(q.shape), list(v.shape))
+        recurrence_grid, _ = kda_chunk_recurrence_aot_launch(list(q.shape), list(v.shape),
+                                                             recurrence.constexprs["BV"])
         outputs = [torch.full_like(v, float("nan")), torch.full_like(h0, float("nan"))]
-        launches = [(variant, grid, [*inputs, *scalars, *outputs])]
+        launches = [(prepare, grid, [*inputs[:5], *scalars, *terms]),
+                    (recurrence, recurrence_grid, [*inputs[:5], *terms, h0, *scalars, *outputs])]
     else:
         inputs = mla_inputs(c, gen)
         q, kv, _ = inputs

@@ -570,8 +570,14 @@ def kda_bytes(tokens: int, heads: int) -> float:
 def kda_rows() -> list[Row]:
     """KDA (bf16): prefill T = 8192 (one row) and decode (one token a row, batch 1, 8 and 64), 96 heads and 12
     a rank of 8."""
-    from k3plugins.trt_aot import KDA_CHUNK, kda_aot_kernel, kda_aot_launch
+    from k3plugins.trt_aot import (
+        KDA_STEP_TOKENS,
+        kda_chunk_recurrence_aot_launch,
+        kda_prepare_aot_launch,
+        kda_two_node_aot_kernels,
+    )
 
+    prepare, recurrence = kda_two_node_aot_kernels("bfloat16", KDA_K)
     rows = []
     for tokens, phase, batches in ((8192, "prefill", (1,)), (1, "decode", (1, 8, 64))):
         for heads in (KDA_HEADS, KDA_HEADS // RANKS):
@@ -579,51 +585,58 @@ def kda_rows() -> list[Row]:
                 nbytes = batch * kda_bytes(tokens, heads)
                 flops = batch * (kda_chunk_flops(tokens, heads) if tokens > 1 else 7 * heads * KDA_K * KDA_V)
                 shape = f"{phase} T{tokens} H{heads}" + (f" B{batch}" if phase == "decode" else "")
-                # AOT: one program per row, head and 32 value columns; a call of at most KDA_STEP_TOKENS steps
-                # the recurrence, a longer one walks chunks of 16 (the kernel's T picks the path at run time).
-                aot = kda_aot_kernel("bfloat16", KDA_K)
-                grid, _ = kda_aot_launch([batch, tokens, heads, KDA_K], [batch, tokens, heads, KDA_V])
-                if tokens <= aot.constexprs["STEP_TOKENS"]:
-                    loop = "for t in range(T)"
-                    trips = {loop: tokens}
-                    work = 7 * KDA_K * aot.constexprs["BV"]
-                else:
-                    chunks = cdiv(tokens, KDA_CHUNK)
-                    loop = "for t0 in range(0, T, BT)"
-                    trips = {loop: chunks, "for c0 in range(0, K, BC)": chunks * cdiv(KDA_K, 16)}
-                    work = kda_chunk_flops(KDA_CHUNK, 1, KDA_CHUNK) * aot.constexprs["BV"] / KDA_V
                 case = {"B": batch, "T": tokens, "heads": heads, "gate_dtype": "float32"}
-                launch = Launch(aot, grid, trips, loop, work, "FLOP", chain=loop)
-                rows.append(Row("kda", "AOT", shape, [launch], nbytes, flops,
-                                case={"kernel": "aot:kda", **case}))
+                # AOT: the export's two nodes, KDAPrepare then KDAChunkRecurrence (trt_aot); a call of at most
+                # KDA_STEP_TOKENS steps the recurrence from the token inputs, and the prepare's programs exit
+                # at once (the kernels' T picks the path at run time).
+                q, v = [batch, tokens, heads, KDA_K], [batch, tokens, heads, KDA_V]
+                if tokens <= KDA_STEP_TOKENS:
+                    loop = "for t in range(T)"
+                    block_v = recurrence.constexprs["BV"]
+                    launches = [
+                        Launch(prepare, kda_prepare_aot_launch(q, v)[0], {}, programs=0),
+                        Launch(recurrence, kda_chunk_recurrence_aot_launch(q, v, block_v)[0], {loop: tokens},
+                               loop, 7 * KDA_K * block_v, "FLOP", chain=loop)]
+                else:
+                    launches = kda_chunk_launches(tokens, batch * heads, prepare, recurrence)
+                rows.append(Row("kda", "AOT", shape, launches, nbytes, flops,
+                                note="KDAPrepare + KDAChunkRecurrence", case={"kernel": "aot:kda", **case}))
                 jit = "chunk_kda" if tokens > 1 else "recurrent_kda"
-                launches = kda_jit_launches(tokens, batch * heads)
+                launches = (kda_chunk_launches(tokens, batch * heads, jit_variant("kda_prepare_bf16_k128"),
+                                               jit_variant("kda_chunk_recurrence_bf16_k128"))
+                            if tokens > 1 else kda_recurrent_launches(tokens, batch * heads))
                 rows.append(Row("kda", "JIT", shape, launches, nbytes, flops,
                                 note=f"{jit} ({len(launches)} launches)", case={"kernel": jit, **case}))
     return rows
 
 
-def kda_jit_launches(tokens: int, heads: int) -> list[Launch]:
-    """What k3plugins.kda launches for `heads` (row, head) pairs: the recurrence for one token; for a prompt
-    chunk_kda's parallel prepare over (chunk, head), then its recurrence over the chunks (the dependent
-    chain)."""
+def kda_recurrent_launches(tokens: int, heads: int) -> list[Launch]:
+    """What k3plugins.kda launches for a call of `tokens` on `heads` (row, head) pairs: the recurrence."""
     from k3plugins import kda
 
-    if tokens == 1:
-        loop = "for t in range(T)"
-        return [Launch(jit_variant("recurrent_kda_bf16_k128"), (heads, cdiv(KDA_V, kda.BLOCK_V)), {loop: 1},
-                       loop, 7 * KDA_K * kda.BLOCK_V, "FLOP", chain=loop)]
+    loop = "for t in range(T)"
+    return [Launch(jit_variant("recurrent_kda_bf16_k128"), (heads, cdiv(KDA_V, kda.BLOCK_V)), {loop: tokens},
+                   loop, 7 * KDA_K * kda.BLOCK_V, "FLOP", chain=loop)]
+
+
+def kda_chunk_launches(tokens: int, heads: int, prepare: KernelVariant,
+                       recurrence: KernelVariant) -> list[Launch]:
+    """chunk_kda's launches for a prompt on `heads` (row, head) pairs, the JIT plugin's or the AOT nodes'
+    (`prepare`, `recurrence`): the parallel prepare over (chunk, head), then the recurrence over the chunks
+    (the dependent chain)."""
+    from k3plugins import kda
+
     chunk = kda.CHUNK_SIZE
     chunks = cdiv(tokens, chunk)
-    block_v = kda.RECURRENCE_BLOCKS["bf16"][0]
+    block_v = recurrence.constexprs["BV"]
     chain = "for i_t in range(n_chunks)"
     return [
         # The scores' factored products take 16 key channels a trip; the steep chunks' loop is not taken; the
         # 16-row solve compiles unrolled (straight-line code).
-        Launch(jit_variant("kda_prepare_bf16_k128"), (chunks, heads),
+        Launch(prepare, (chunks, heads),
                {"for c0 in range(0, K, BC)": cdiv(KDA_K, 16),
-                "for v0 in range(0, V, BV)": cdiv(KDA_V, kda.BLOCK_V)}),
-        Launch(jit_variant("kda_chunk_recurrence_bf16_k128"), (heads, cdiv(KDA_V, block_v)), {chain: chunks},
+                "for v0 in range(0, V, BV)": cdiv(KDA_V, prepare.constexprs["BV"])}),
+        Launch(recurrence, (heads, cdiv(KDA_V, block_v)), {chain: chunks},
                chain, 2 * chunk * (3 * KDA_K + chunk) * block_v, "FLOP", chain=chain),
     ]
 

@@ -47,14 +47,41 @@ def _inputs(*specs: tuple[str, str]) -> list[OpSchema.FormalParameter]:
     return [OpSchema.FormalParameter(name, type_str) for name, type_str in specs]
 
 
+# g and beta may stay float32 under a half-precision model; the state is always float32.
+_KDA_TYPES = [("T", _FLOATS, ""), ("TG", _FLOATS, ""), ("TS", ["tensor(float)"], "")]
+
 KDA_SCHEMA = OpSchema(
     "KDA", DOMAIN, DOMAIN_VERSION,
     doc="KDA recurrence; see k3export/ops/kda.py",
     inputs=_inputs(("q", "T"), ("k", "T"), ("v", "T"), ("g", "TG"), ("beta", "TG"),
                    ("initial_state", "TS")),
     outputs=_inputs(("o", "T"), ("final_state", "TS")),
-    # g and beta may stay float32 under a half-precision model; the state is always float32.
-    type_constraints=[("T", _FLOATS, ""), ("TG", _FLOATS, ""), ("TS", ["tensor(float)"], "")],
+    type_constraints=_KDA_TYPES,
+    attributes=_PLUGIN_ATTRS,
+)
+
+# kda as the graph runs it: the chunks' state-free terms, then the recurrence over them (the token inputs too:
+# a short call steps from them). Two nodes, so that an engine's AOT kernels run prefill as two launches: an
+# AOT plugin is one launch with no workspace, and the terms are graph tensors between the two. (KDA, the
+# one-node form, is what earlier exports hold.)
+_KDA_TERMS = (("qg", "T"), ("kt", "T"), ("w", "T"), ("u", "T"), ("a_qk", "T"), ("decay_last", "TS"))
+
+KDA_PREPARE_SCHEMA = OpSchema(
+    "KDAPrepare", DOMAIN, DOMAIN_VERSION,
+    doc="KDA's chunk terms qg, kt, w, u, a_qk (v's dtype) and decay_last (float32); see k3export/ops/kda.py",
+    inputs=_inputs(("q", "T"), ("k", "T"), ("v", "T"), ("g", "TG"), ("beta", "TG")),
+    outputs=_inputs(*_KDA_TERMS),
+    type_constraints=_KDA_TYPES,
+    attributes=_PLUGIN_ATTRS,
+)
+
+KDA_CHUNK_RECURRENCE_SCHEMA = OpSchema(
+    "KDAChunkRecurrence", DOMAIN, DOMAIN_VERSION,
+    doc="KDA's (o, final_state) from KDAPrepare's terms; see k3export/ops/kda.py",
+    inputs=_inputs(("q", "T"), ("k", "T"), ("v", "T"), ("g", "TG"), ("beta", "TG"), *_KDA_TERMS,
+                   ("initial_state", "TS")),
+    outputs=_inputs(("o", "T"), ("final_state", "TS")),
+    type_constraints=_KDA_TYPES,
     attributes=_PLUGIN_ATTRS,
 )
 
@@ -95,7 +122,8 @@ LATENT_MLA_COMBINE_SCHEMA = OpSchema(
 )
 
 _K3 = values.Opset(DOMAIN, DOMAIN_VERSION)
-_KDA = values.Op(_K3, "KDA", KDA_SCHEMA)
+_KDA_PREPARE = values.Op(_K3, "KDAPrepare", KDA_PREPARE_SCHEMA)
+_KDA_CHUNK_RECURRENCE = values.Op(_K3, "KDAChunkRecurrence", KDA_CHUNK_RECURRENCE_SCHEMA)
 _LATENT_MLA_SPLITS = values.Op(_K3, "LatentMLASplits", LATENT_MLA_SPLITS_SCHEMA)
 _LATENT_MLA_COMBINE = values.Op(_K3, "LatentMLACombine", LATENT_MLA_COMBINE_SCHEMA)
 # onnxscript 0.7.2 has no opset-24 module; the exporter takes an Op on the standard schema.
@@ -103,8 +131,9 @@ _TENSOR_SCATTER = values.Op(values.Opset("", 24), "TensorScatter", onnx.defs.get
 
 
 def _kda(q, k, v, g, beta, initial_state):
-    return _KDA(q, k, v, g, beta, initial_state,
-                plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    terms = _KDA_PREPARE(q, k, v, g, beta, plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    return _KDA_CHUNK_RECURRENCE(q, k, v, g, beta, *terms, initial_state, plugin_namespace=PLUGIN_NAMESPACE,
+                                 plugin_version=PLUGIN_VERSION)
 
 
 # Annotated so that the exporter passes v_dim and scale as attributes, not as tensors.
@@ -154,13 +183,19 @@ def attach_functions_ir(model: ir.Model) -> ir.Model:
     return model
 
 
-def type_latent_mla_partials(model: ir.Model) -> None:
-    """The partials between LatentMLASplits and LatentMLACombine have no torch value behind them, so the
-    exporter leaves them untyped: declared float32 (their schema's one type), as every other tensor is."""
+def type_partials(model: ir.Model) -> None:
+    """The graph tensors between LatentMLASplits and LatentMLACombine, and between KDAPrepare and
+    KDAChunkRecurrence, have no torch value behind them, so the exporter leaves them untyped: declared as
+    every other tensor is (float32, and KDA's chunk terms but decay_last in v's dtype, as their schemas
+    say)."""
     for node in model.graph:
         if node.domain == DOMAIN and node.op_type == "LatentMLASplits":
             for value in node.outputs:
                 value.dtype = ir.DataType.FLOAT
+        if node.domain == DOMAIN and node.op_type == "KDAPrepare":
+            for value in node.outputs[:-1]:
+                value.dtype = node.inputs[2].dtype
+            node.outputs[-1].dtype = ir.DataType.FLOAT
 
 
 def request_aot_plugins(model: ir.Model) -> ir.Model:
@@ -344,7 +379,7 @@ def export_onnx(module: torch.nn.Module, args: tuple[Any, ...], path: str | os.P
     for value, name in zip(model.graph.outputs, output_names or [], strict=bool(output_names)):
         value.name = name
     attach_functions_ir(model)
-    type_latent_mla_partials(model)
+    type_partials(model)
     type_grouped_intermediates(model)
     if aot_plugins:
         request_aot_plugins(model)

@@ -166,3 +166,69 @@ def kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 @kda.register_fake
 def _(q, k, v, g, beta, initial_state):
     return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape)
+
+
+# The exported graph runs kda as two nodes (k3export/onnx/ops.py): the chunks' state-free terms, then the
+# recurrence over them, so that an engine's AOT kernels run prefill as two launches (an AOT plugin is one
+# launch with no workspace: the terms are graph tensors between the two). These are the two nodes' references
+# (the parsed network's evaluator calls them), in the kernels' layout: token rows [B, T, H, ...], chunks of
+# CHUNK_SIZE tokens from the first.
+
+
+@torch.library.custom_op("k3::kda_prepare", mutates_args=())
+def kda_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
+                beta: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(qg, kt, w [B, T, H, K], u [B, T, H, V], a_qk [B, T, H, CHUNK_SIZE], in v's dtype; decay_last
+    [B, n_chunks, H, K], float32): chunk_kda's Q exp(G), keys decayed to the chunk's end, W, U, tril(A_qk) and
+    exp(G_C) (_chunk_terms)."""
+    B, T, H, K = q.shape
+    C, dtype = CHUNK_SIZE, _compute_dtype(q, k, v, g, beta)
+    N = -(-T // C)
+
+    def chunked(x: Tensor) -> Tensor:  # [B, T, H, X] -> [N * B * H, C, X]
+        x = torch.nn.functional.pad(x.to(dtype), (0, 0, 0, 0, 0, N * C - T))
+        return x.unflatten(1, (N, C)).permute(1, 0, 3, 2, 4).reshape(N * B * H, C, x.shape[-1])
+
+    terms = _chunk_terms(*(chunked(x)[None] for x in (q, k, v, g, beta[..., None])))
+    QG, W, U, K_tail, decay_last, A_qk = terms
+
+    def tokens(x: Tensor) -> Tensor:  # [N * B * H, C, X] -> [B, T, H, X]
+        x = x.view(N, B, H, C, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, x.shape[-1])
+        return x[:, :T].to(v.dtype)
+
+    return (*(tokens(x) for x in (QG, K_tail, W, U, A_qk)),
+            decay_last.view(N, B, H, K).transpose(0, 1).float())
+
+
+@kda_prepare.register_fake
+def _(q, k, v, g, beta):
+    B, T, H, K = q.shape
+    x = q.new_empty(B, T, H, K, dtype=v.dtype)
+    return (x, x.clone(), x.clone(), v.new_empty(v.shape), v.new_empty(B, T, H, CHUNK_SIZE),
+            g.new_empty(B, -(-T // CHUNK_SIZE), H, K, dtype=torch.float32))
+
+
+@torch.library.custom_op("k3::kda_chunk_recurrence", mutates_args=())
+def kda_chunk_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, qg: Tensor, kt: Tensor,
+                         w: Tensor, u: Tensor, a_qk: Tensor, decay_last: Tensor,
+                         initial_state: Tensor) -> tuple[Tensor, Tensor]:
+    """kda's (o, final_state) from kda_prepare's terms, chunk by chunk:
+        V' = U - W S;  O = qg S + a_qk V';  S <- decay_last S + kt^T V'
+    A decode call (T = 1) steps the recurrence from the token inputs instead, as kda does."""
+    if q.shape[1] == 1:
+        return recurrent_kda(q, k, v, g, beta, initial_state)
+    dtype = _compute_dtype(qg, u, initial_state)
+    qg, kt, w, u, a_qk = (x.to(dtype).transpose(1, 2) for x in (qg, kt, w, u, a_qk))  # [B, H, T, ...]
+    state = initial_state.to(dtype)
+    o = torch.empty_like(u)
+    for n, first in enumerate(range(0, q.shape[1], CHUNK_SIZE)):
+        rows = slice(first, first + CHUNK_SIZE)
+        V_new = u[:, :, rows] - w[:, :, rows] @ state
+        o[:, :, rows] = qg[:, :, rows] @ state + a_qk[:, :, rows, :V_new.shape[2]] @ V_new
+        state = decay_last[:, n, :, :, None].to(dtype) * state + kt[:, :, rows].mT @ V_new
+    return o.transpose(1, 2).to(v.dtype), state.to(initial_state.dtype)
+
+
+@kda_chunk_recurrence.register_fake
+def _(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, initial_state):
+    return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape)

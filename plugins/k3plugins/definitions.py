@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from k3plugins.kda import chunk_kda, recurrent_kda
+from k3plugins.kda import CHUNK_SIZE, chunk_kda, kda_chunk_recurrence, kda_prepare, recurrent_kda
 from k3plugins.mla import latent_mla, latent_mla_combine, latent_mla_splits, split_count
 from k3plugins.moe import Grouping, down, gate_up, group_pairs, routed_experts, routed_experts_mxfp4
 
@@ -135,6 +135,54 @@ KDA = PluginDefinition(
     launch=_launch_kda,
     aliases={1: 5},  # final_state updates initial_state in place
 )
+
+def _kda_prepare_shapes(dims: Sequence[Sequence[Any]], fields: Mapping[str, Any],
+                        constant: Callable[[int], Any]) -> list[list[Any]]:
+    # qg, kt, w like q; u like v; a_qk [B, T, H, CHUNK_SIZE]; decay_last [B, n_chunks, H, K] (+, // only:
+    # trt.py's expressions have no -).
+    B, T, H, K = dims[0]
+    return [list(dims[0])] * 3 + [list(dims[2]), [B, T, H, constant(CHUNK_SIZE)],
+                                  [B, (T + (CHUNK_SIZE - 1)) // CHUNK_SIZE, H, K]]
+
+
+_KDA_INTERMEDIATES = (*(TensorArg(n, "T") for n in ("qg", "kt", "w", "u", "a_qk")),
+                      TensorArg("decay_last", "TS"))
+
+# kda as exports hold it since 2026-12 (k3export/onnx/ops.py): kda_prepare's chunk terms (graph tensors), then
+# the recurrence over them, so that full TensorRT's AOT plugins (one launch each, no workspace) run prefill as
+# chunk_kda's two kernels. The recurrence takes the token inputs too: a short call (decode) steps the
+# recurrence from them, and the prepare's AOT kernel then writes nothing.
+KDA_PREPARE = PluginDefinition(
+    name="KDAPrepare",
+    fields=(),
+    inputs=KDA.inputs[:5],
+    outputs=_KDA_INTERMEDIATES,
+    groups=KDA.groups,
+    output_shapes=_kda_prepare_shapes,
+    launch=lambda inputs, outputs, fields: kda_prepare(*inputs, outputs),
+)
+
+
+def _launch_kda_chunk_recurrence(inputs: Sequence[Tensor], outputs: Sequence[Tensor],
+                                 fields: Mapping[str, Any]) -> None:
+    # As torch.ops.k3.kda_chunk_recurrence: decode (T = 1) steps the recurrence from the token inputs.
+    if inputs[0].shape[1] == 1:
+        recurrent_kda(*inputs[:5], inputs[11], o=outputs[0], final_state=outputs[1])
+    else:
+        kda_chunk_recurrence(inputs[5:11], inputs[11], o=outputs[0], final_state=outputs[1])
+
+
+KDA_CHUNK_RECURRENCE = PluginDefinition(
+    name="KDAChunkRecurrence",
+    fields=(),
+    inputs=(*KDA.inputs[:5], *_KDA_INTERMEDIATES, KDA.inputs[5]),
+    outputs=KDA.outputs,
+    groups=KDA.groups,
+    output_shapes=lambda dims, fields, constant: [list(dims[2]), list(dims[11])],
+    launch=_launch_kda_chunk_recurrence,
+    aliases={1: 11},  # final_state updates initial_state in place
+)
+
 
 LATENT_MLA = PluginDefinition(
     name="LatentMLA",
@@ -320,6 +368,7 @@ ROUTED_EXPERTS_DOWN_MXFP4 = _grouped("RoutedExpertsDownMXFP4", ("h", "offsets"),
 GROUPED_EXPERTS = (ROUTED_EXPERTS_GROUP, ROUTED_EXPERTS_GATE_UP, ROUTED_EXPERTS_GATE_UP_MXFP4,
                    ROUTED_EXPERTS_DOWN, ROUTED_EXPERTS_DOWN_MXFP4)
 
-DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, LATENT_MLA, LATENT_MLA_SPLITS, LATENT_MLA_COMBINE,
-                                             ROUTED_EXPERTS, ROUTED_EXPERTS_MXFP4, ROUTED_EXPERTS_V2,
-                                             ROUTED_EXPERTS_MXFP4_V2, *GROUPED_EXPERTS)
+DEFINITIONS: tuple[PluginDefinition, ...] = (KDA, KDA_PREPARE, KDA_CHUNK_RECURRENCE, LATENT_MLA,
+                                             LATENT_MLA_SPLITS, LATENT_MLA_COMBINE, ROUTED_EXPERTS,
+                                             ROUTED_EXPERTS_MXFP4, ROUTED_EXPERTS_V2, ROUTED_EXPERTS_MXFP4_V2,
+                                             *GROUPED_EXPERTS)

@@ -23,6 +23,7 @@ v's dtype (tensor cores in float16 / bfloat16) and accumulate in float32. The st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -310,12 +311,11 @@ def _block_k(K: int) -> int:
     raise ValueError(f"KDA head dim K={K}: the kernels support K <= {BLOCK_KS[-1]}")
 
 
-def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-             initial_state: Tensor) -> tuple[Tensor, ...]:
+def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
     # g and beta go in as float32 and q, k in v's dtype: the set of compiled variants stays small.
     q, k, v = (t.to(v.dtype).contiguous() for t in (q, k, v))
-    g, beta, h0 = (t.float().contiguous() for t in (g, beta, initial_state))
-    return q, k, v, g, beta, h0
+    g, beta = (t.float().contiguous() for t in (g, beta))
+    return q, k, v, g, beta
 
 
 def _outputs(v: Tensor, h0: Tensor, o: Tensor | None, final_state: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -337,33 +337,50 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     optional output buffers; final_state may be initial_state (updated in place)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    h0 = initial_state.float().contiguous()
     o, ht = _outputs(v, h0, o, final_state)
     RECURRENT.launch((B * H, triton.cdiv(V, BLOCK_V)), q, k, v, g, beta, h0, o, ht, T, H, K, V,
                      BK=_block_k(K))
     return o, ht
 
 
+def kda_prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                intermediates: Sequence[Tensor] | None = None) -> tuple[Tensor, ...]:
+    """chunk_kda's first launch: (qg, kt, w [B, T, H, K], u [B, T, H, V], a_qk [B, T, H, CHUNK_SIZE], in v's
+    dtype; decay_last [B, n_chunks, H, K], float32), into `intermediates` where given (TensorRT's buffers)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    n_chunks = triton.cdiv(T, CHUNK_SIZE)
+    if intermediates is None:
+        intermediates = (*(torch.empty_like(q) for _ in range(3)), torch.empty_like(v),
+                         v.new_empty(B, T, H, CHUNK_SIZE), g.new_empty(B, n_chunks, H, K))
+    PREPARE.launch((n_chunks, B * H), q, k, v, g, beta, *intermediates, T, H, K, V, BK=_block_k(K))
+    return tuple(intermediates)
+
+
+def kda_chunk_recurrence(intermediates: Sequence[Tensor], initial_state: Tensor, *, o: Tensor | None = None,
+                         final_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """chunk_kda's second launch: the recurrence over kda_prepare's `intermediates`. Only it reads the
+    initial state, and each of its programs reads its block before storing it, so final_state may be
+    initial_state."""
+    qg, u = intermediates[0], intermediates[3]
+    B, T, H, K = qg.shape
+    V = u.shape[-1]
+    h0 = initial_state.float().contiguous()
+    o, ht = _outputs(u, h0, o, final_state)
+    recurrence = RECURRENCE[_DTYPE_NAMES[u.dtype]]
+    recurrence.launch((B * H, triton.cdiv(V, recurrence.blocks["BV"])), *intermediates, h0, o, ht, T, H, K, V,
+                      BK=_block_k(K))
+    return o, ht
+
+
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, *,
               o: Tensor | None = None, final_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Prefill in two launches (see above): the chunks' terms in parallel, then the recurrence over them.
-    Outputs as for `recurrent_kda`: only the recurrence reads the initial state, and each of its programs
-    reads its block before storing it, so final_state may be initial_state."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    bk = _block_k(K)
-    q, k, v, g, beta, h0 = _prepare(q, k, v, g, beta, initial_state)
-    n_chunks = triton.cdiv(T, CHUNK_SIZE)
-    qg, kt, w = (torch.empty_like(q) for _ in range(3))
-    u = torch.empty_like(v)
-    a_qk = v.new_empty(B, T, H, CHUNK_SIZE)
-    decay_last = g.new_empty(B, n_chunks, H, K)
-    o, ht = _outputs(v, h0, o, final_state)
-    PREPARE.launch((n_chunks, B * H), q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, T, H, K, V, BK=bk)
-    recurrence = RECURRENCE[_DTYPE_NAMES[v.dtype]]
-    recurrence.launch((B * H, triton.cdiv(V, recurrence.blocks["BV"])), qg, kt, w, u, a_qk, decay_last, h0, o,
-                      ht, T, H, K, V, BK=bk)
-    return o, ht
+    Outputs as for `recurrent_kda`."""
+    return kda_chunk_recurrence(kda_prepare(q, k, v, g, beta), initial_state, o=o, final_state=final_state)
 
 
 def _signatures(x: str) -> dict[str, dict[str, str]]:

@@ -18,12 +18,14 @@ engine holds the PTX, so it runs with no Python. KDA and LatentMLA also keep a j
 routed experts' nodes have the AOT form only.
 
 An AOT plugin is one kernel launch with no workspace and int32 scalar arguments only, so:
-- KDA in float16 and bfloat16 walks chunks of 16 tokens in one launch, the state on chip and the
-  products on tensor cores (kda.py's `_fused_chunk_kda_kernel`), and steps the recurrence for a call of at
-  most KDA_STEP_TOKENS tokens (decode, a short verify call: the state read and written once),
-  where the JIT form's `chunk_kda` is two kernels with intermediates between them (`tensorrt.plugin`'s
-  AOT interface has no workspace: docs/kernels.md gives the two-node form's next step); float32 runs the
-  recurrence (its chunked form spills registers).
+- KDA is two nodes in the graph (k3export/onnx/ops.py), so that its chunk terms are graph tensors between
+  two launches: KDAPrepare runs kda.py's parallel prepare over (16-token chunk, batch x head), and
+  KDAChunkRecurrence its recurrence over the chunks, the state on chip (chunk_kda's two kernels, at the
+  JIT plugin's blocks). A call of at most KDA_STEP_TOKENS tokens (decode, a short verify call) steps the
+  recurrence from the token inputs in KDAChunkRecurrence, the state read and written once, and KDAPrepare
+  writes nothing. The one-node KDA of earlier exports keeps its one-launch kernel (float16 and bfloat16
+  walk chunks of 16 tokens with each chunk's prepare work in the dependent chain, `_fused_chunk_kda_kernel`;
+  float32 runs the recurrence, its chunked form spilling registers).
 - LatentMLA is two nodes in the graph (k3export/onnx/ops.py), so that its partials are a graph tensor
   between two launches: LatentMLASplits runs the attention kernel over `mla.split_count` splits of each
   row's visible cache (the grid's z; 16 heads of a token a program, each cache block loaded once for
@@ -40,17 +42,17 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   earlier exports runs one program per token and block of 256 output columns over its k slots (the
   gate/up products recomputed for each column block: 0.28% of the HBM bound at decode in
   tools/kernel_estimate.py, where the grouped nodes give 32%).
-- KDA's final state is declared aliased to its initial state (`TensorDesc.aliased()`), as the
-  IPluginV3 adapters declare it: both KDA kernels are safe in place.
+- KDA's final state (KDAChunkRecurrence's, the one-node KDA's) is declared aliased to its initial state
+  (`TensorDesc.aliased()`), as the IPluginV3 adapters declare it: every KDA kernel is safe in place.
 - Every AOT kernel asks at most the 48 KB of dynamic shared memory a CUDA launch gets without raising the
   kernel's limit (DEFAULT_SHARED_BYTES; `shared_memory`, tests/test_aot.py), since nothing in TensorRT's
   open sources says its AOT launch raises it. LatentMLA takes two pipeline stages, and in float32 its value
   columns in slices of 128, one pass over the cache each: at the published widths 37,376 B in float16 and
   bfloat16, 28,672 B in float32 (55,808 and 111,680 B before).
 An AOT kernel's parameters must be the inputs, then the scalars, then the outputs; the Triton kernels
-take the outputs earlier, so `_kda_aot_kernel` and the `_latent_mla_*_aot_kernel`s reorder them. A compiled
-kernel also has Triton's two trailing scratch pointers, which TensorRT does not pass: tests/test_aot.py
-refuses an AOT kernel whose scratch sizes are not 0.
+take the outputs earlier, so the `_kda_*_aot_kernel`s and the `_latent_mla_*_aot_kernel`s reorder them.
+A compiled kernel also has Triton's two trailing scratch pointers, which TensorRT does not pass:
+tests/test_aot.py refuses an AOT kernel whose scratch sizes are not 0.
 
 `tensorrt.plugin` registers every plugin as version "1" (its plugin class sets plugin_version = "1":
 tensorrt_bindings/plugin/_plugin_class.py, which `tensorrt.plugin` re-exports), so every k3 node names
@@ -66,10 +68,12 @@ import torch
 import triton
 import triton.language as tl
 
-from k3plugins import moe
+from k3plugins import kda, moe
 from k3plugins.aot import compile_variant, device_target
 from k3plugins.definitions import (
     KDA,
+    KDA_CHUNK_RECURRENCE,
+    KDA_PREPARE,
     LATENT_MLA,
     LATENT_MLA_COMBINE,
     LATENT_MLA_SPLITS,
@@ -82,7 +86,13 @@ from k3plugins.definitions import (
     ROUTED_EXPERTS_MXFP4,
     PluginDefinition,
 )
-from k3plugins.kda import CHUNK_SIZE, _fused_chunk_kda_kernel, _recurrent_kda_kernel
+from k3plugins.kda import (
+    CHUNK_SIZE,
+    _fused_chunk_kda_kernel,
+    _kda_chunk_recurrence_kernel,
+    _kda_prepare_kernel,
+    _recurrent_kda_kernel,
+)
 from k3plugins.mla import (
     COMBINE_BLOCK_V,
     COMBINE_SPLITS,
@@ -166,6 +176,69 @@ def kda_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[
     B, T, H, K = q_dims
     V = v_dims[3]
     return (B * H, (V + BLOCK_V - 1) // BLOCK_V), [T, H, K, V]
+
+
+@triton.jit
+def _kda_prepare_aot_kernel(q, k, v, g, beta, T, H, K, V, qg, kt, w, u, a_qk, decay_last, BT: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, STEP_TOKENS: tl.constexpr):
+    # A call the recurrence node steps (T <= STEP_TOKENS) reads none of the terms: nothing to write.
+    if T > STEP_TOKENS:
+        _kda_prepare_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, T, H, K, V, BT, BK, BV)
+
+
+@triton.jit
+def _kda_chunk_recurrence_aot_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, h0, T, H, K, V, o, ht,
+                                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                     STEP_TOKENS: tl.constexpr):
+    # As _kda_aot_chunk_kernel, T picks the path at run time: decode and short verify calls step the
+    # recurrence from the token inputs (the state read and written once), longer calls walk the terms.
+    if T <= STEP_TOKENS:
+        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV)
+    else:
+        _kda_chunk_recurrence_kernel(qg, kt, w, u, a_qk, decay_last, h0, o, ht, T, H, K, V, BT, BK, BV)
+
+
+def kda_two_node_aot_kernels(dtype: str, head_dim: int) -> tuple[KernelVariant, KernelVariant]:
+    """The AOT kernels of KDAPrepare and KDAChunkRecurrence for q, k, v, o and the terms in `dtype` (g, beta,
+    decay_last and the states float32): kda.py's prepare and chunk recurrence at the JIT plugin's blocks and
+    stages (RECURRENCE_BLOCKS: 64 value columns and 2 stages in float16 / bfloat16, 16 and 1 in float32), in
+    TensorRT's parameter order, with the short-call rule (KDA_STEP_TOKENS)."""
+    t = _TRITON_DTYPES[dtype]
+    x, f32, block_k = f"*{t}", "*fp32", kda._block_k(head_dim)
+    sizes = {"T": "i32", "H": "i32", "K": "i32", "V": "i32"}
+    tokens = {"q": x, "k": x, "v": x, "g": f32, "beta": f32}
+    terms = {"qg": x, "kt": x, "w": x, "u": x, "a_qk": x, "decay_last": f32}
+    recurrence_kernel = kda.RECURRENCE[t]
+    common = {"BT": KDA_CHUNK, "BK": block_k, "STEP_TOKENS": KDA_STEP_TOKENS}
+    prepare_constexprs = {**common, "BV": kda.PREPARE.blocks["BV"]}
+    recurrence_constexprs = {**common, "BV": recurrence_kernel.blocks["BV"]}
+    # Every preset's head_dim is a multiple of 16: the token rows' loads vectorise.
+    aligned = ("K", "V") if head_dim % 16 == 0 else ()
+    prepare = KernelVariant(f"kda_prepare_aot_{t}_k{block_k}", _kda_prepare_aot_kernel,
+                            {**tokens, **sizes, **terms, **dict.fromkeys(prepare_constexprs, "constexpr")},
+                            prepare_constexprs, kda.PREPARE.num_warps, kda.PREPARE.num_stages,
+                            divisible_by_16=aligned)
+    recurrence = KernelVariant(f"kda_chunk_recurrence_aot_{t}_k{block_k}", _kda_chunk_recurrence_aot_kernel,
+                               {**tokens, **terms, "h0": f32, **sizes, "o": x, "ht": f32,
+                                **dict.fromkeys(recurrence_constexprs, "constexpr")},
+                               recurrence_constexprs, recurrence_kernel.num_warps,
+                               recurrence_kernel.num_stages,
+                               divisible_by_16=aligned)
+    return prepare, recurrence
+
+
+def kda_prepare_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid: chunks x rows and heads, scalar args T, H, K, V) from q [B, T, H, K] and v [B, T, H, V]."""
+    B, T, H, K = q_dims
+    return ((T + KDA_CHUNK - 1) // KDA_CHUNK, B * H), [T, H, K, v_dims[3]]
+
+
+def kda_chunk_recurrence_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any],
+                                    block_v: int) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid: rows and heads x blocks of `block_v` value columns, scalar args T, H, K, V)."""
+    B, T, H, K = q_dims
+    V = v_dims[3]
+    return (B * H, (V + block_v - 1) // block_v), [T, H, K, V]
 
 
 # Value columns a float32 LatentMLA AOT program accumulates at once (a pass over the cache each).
@@ -387,7 +460,8 @@ def grouped_experts_aot_grid(variant: KernelVariant, num_pairs: Any, E: int, row
 
 def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
     """Every kernel the `aot_impl`s compile for a model `config` (a k3export.config.K3Config, read by
-    attribute) whose MoE nodes hold `experts_held` experts, in each float dtype: KDA, LatentMLA's split and
+    attribute) whose MoE nodes hold `experts_held` experts, in each float dtype: KDA's prepare and
+    recurrence nodes and its one-node form, LatentMLA's split and
     combine nodes and its one-node form (the cache in the model's dtype), and the routed experts as float
     tensors and as MXFP4 words: one node, and grouped (the grouping; gate/up and down in both tactics'
     tiles)."""
@@ -396,7 +470,9 @@ def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
     kernels = []
     for dtype in _TRITON_DTYPES:
         mla = (dtype, dtype, config.latent_dim, config.kv_lora_rank, scale)
-        kernels += [kda_aot_kernel(dtype, config.linear_attn_config.head_dim), latent_mla_aot_kernel(*mla),
+        kernels += [kda_aot_kernel(dtype, config.linear_attn_config.head_dim),
+                    *kda_two_node_aot_kernels(dtype, config.linear_attn_config.head_dim),
+                    latent_mla_aot_kernel(*mla),
                     latent_mla_aot_kernel(*mla, splits=True), latent_mla_combine_aot_kernel(dtype, mla[3])]
         kernels += [routed_experts_aot_kernel(dtype, packed, L, I, experts_held, config.num_experts_per_token,
                                               0, config.activation_situ_beta,
@@ -460,7 +536,7 @@ def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
     per position (a string cannot mix tied and independent positions). The AOT KDA kernel takes g
     and beta in float32 only."""
     groups = dict(definition.groups)
-    if aot and definition is KDA:
+    if aot and definition in (KDA, KDA_PREPARE, KDA_CHUNK_RECURRENCE):
         groups["TG"] = ("float32",)
     combinations = []
     for choice in itertools.product(*groups.values()):
@@ -472,7 +548,8 @@ def type_combinations(definition: PluginDefinition, aot: bool) -> list[str]:
 
 @functools.cache
 def register(trt: Any) -> dict[str, Any]:
-    """Registers k3::KDA, k3::LatentMLA (and LatentMLASplits, LatentMLACombine), k3::RoutedExperts and
+    """Registers k3::KDA (and KDAPrepare, KDAChunkRecurrence), k3::LatentMLA (and LatentMLASplits,
+    LatentMLACombine), k3::RoutedExperts and
     k3::RoutedExpertsMXFP4 with
     `tensorrt.plugin` (`trt` is full TensorRT's module; k3export.engine.flavours calls this for it).
     Returns no creators: tensorrt.plugin keeps its own.
@@ -505,6 +582,51 @@ def register(trt: Any) -> dict[str, Any]:
         head_dim = q.shape_expr[3].constant_value()  # the model's head dim: static
         grid, scalars = kda_aot_launch(list(q.shape_expr), list(v.shape_expr))
         return _aot_result(trtp, kda_aot_kernel(names[v.dtype], head_dim), grid, scalars)
+
+    @trtp.register("k3::KDAPrepare")
+    def kda_prepare_desc(q: Desc, k: Desc, v: Desc, g: Desc,
+                         beta: Desc) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc]:
+        return output_descs(trtp, trt, KDA_PREPARE, (q, k, v, g, beta), {})
+
+    @trtp.autotune("k3::KDAPrepare")
+    def kda_prepare_autotune(q, k, v, g, beta, outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(KDA_PREPARE, aot=True)]
+
+    @trtp.impl("k3::KDAPrepare")
+    def kda_prepare_impl(q, k, v, g, beta, outputs, stream: int) -> None:
+        _run(KDA_PREPARE, names, (q, k, v, g, beta), {}, outputs, stream)
+
+    @trtp.aot_impl("k3::KDAPrepare")
+    def kda_prepare_aot(q, k, v, g, beta, outputs, tactic: int) -> AotResult:
+        variant = kda_two_node_aot_kernels(names[v.dtype], q.shape_expr[3].constant_value())[0]
+        grid, scalars = kda_prepare_aot_launch(list(q.shape_expr), list(v.shape_expr))
+        return _aot_result(trtp, variant, grid, scalars)
+
+    @trtp.register("k3::KDAChunkRecurrence")
+    def kda_chunk_recurrence_desc(q: Desc, k: Desc, v: Desc, g: Desc, beta: Desc, qg: Desc, kt: Desc, w: Desc,
+                                  u: Desc, a_qk: Desc, decay_last: Desc,
+                                  initial_state: Desc) -> tuple[Desc, Desc]:
+        inputs = (q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, initial_state)
+        return output_descs(trtp, trt, KDA_CHUNK_RECURRENCE, inputs, {})
+
+    @trtp.autotune("k3::KDAChunkRecurrence")
+    def kda_chunk_recurrence_autotune(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, initial_state,
+                                      outputs) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(c) for c in type_combinations(KDA_CHUNK_RECURRENCE, aot=True)]
+
+    @trtp.impl("k3::KDAChunkRecurrence")
+    def kda_chunk_recurrence_impl(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, initial_state, outputs,
+                                  stream: int) -> None:
+        inputs = (q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, initial_state)
+        _run(KDA_CHUNK_RECURRENCE, names, inputs, {}, outputs, stream)
+
+    @trtp.aot_impl("k3::KDAChunkRecurrence")
+    def kda_chunk_recurrence_aot(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, initial_state, outputs,
+                                 tactic: int) -> AotResult:
+        variant = kda_two_node_aot_kernels(names[v.dtype], q.shape_expr[3].constant_value())[1]
+        grid, scalars = kda_chunk_recurrence_aot_launch(list(q.shape_expr), list(v.shape_expr),
+                                                        variant.constexprs["BV"])
+        return _aot_result(trtp, variant, grid, scalars)
 
     @trtp.register("k3::LatentMLA")
     def latent_mla_desc(q: Desc, kv: Desc, cache_lengths: Desc, v_dim: int, scale: float) -> Desc:

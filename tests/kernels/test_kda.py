@@ -13,6 +13,8 @@ import k3export.ops as ref
 import k3plugins
 from k3plugins import trt_aot
 
+C, STEPPED = trt_aot.KDA_CHUNK, trt_aot.KDA_STEP_TOKENS
+
 # float16 inputs are rounded before both sides see them, so the recurrence's error is its float32
 # arithmetic plus rounding o to float16 (relative 2^-11 per element, about 5e-4), and the float32
 # state carries no rounding at all.
@@ -99,6 +101,27 @@ def aot_kda(q, k, v, g, beta, initial_state, final_state=None):
     return o, ht
 
 
+def aot_kda_two_nodes(q, k, v, g, beta, initial_state, final_state=None):
+    """KDA as exports hold it, the AOT kernels of KDAPrepare then KDAChunkRecurrence launched as TensorRT
+    would, the chunk terms between them (NaN where the prepare writes nothing: a stepped call reads none)."""
+    dtype = str(v.dtype).removeprefix("torch.")
+    prepare, recurrence = trt_aot.kda_two_node_aot_kernels(dtype, q.shape[-1])
+    B, T, H, K = q.shape
+    terms = [v.new_full((B, T, H, n), float("nan")) for n in (K, K, K, v.shape[-1], C)]
+    terms.append(torch.full((B, -(-T // C), H, K), float("nan")))
+    grid, scalars = trt_aot.kda_prepare_aot_launch(q.shape, v.shape)
+    prepare.fn[grid](q, k, v, g, beta, *scalars, *terms, **prepare.constexprs, num_warps=prepare.num_warps)
+    grid, scalars = trt_aot.kda_chunk_recurrence_aot_launch(q.shape, v.shape, recurrence.constexprs["BV"])
+    o = torch.full_like(v, float("nan"))
+    ht = torch.full_like(initial_state, float("nan")) if final_state is None else final_state
+    recurrence.fn[grid](q, k, v, g, beta, *terms, initial_state, *scalars, o, ht, **recurrence.constexprs,
+                        num_warps=recurrence.num_warps)
+    return o, ht
+
+
+AOT_LAUNCHERS = {"one-node": aot_kda, "two-nodes": aot_kda_two_nodes}
+
+
 def aot_tolerances(T: int) -> dict:
     """A call of at most KDA_STEP_TOKENS steps the recurrence in every dtype: its state never passes through a
     float16 product, so it holds float32's bound (the chunked path's, rounded to float16, is about 3e-4)."""
@@ -108,7 +131,6 @@ def aot_tolerances(T: int) -> dict:
 # Every edge of the AOT kernel's chunk: one token (decode), the most tokens stepped (a verify call) and one
 # more, a chunk less one, one chunk, one more, four chunks and either side, a few hundred tokens; K and V not
 # multiples of the blocks; the published head dim.
-C, STEPPED = trt_aot.KDA_CHUNK, trt_aot.KDA_STEP_TOKENS
 AOT_SHAPES = [(2, 1, 2, 32, 32), (1, 1, 2, 128, 128), (2, STEPPED, 2, 48, 40), (1, STEPPED + 1, 2, 32, 48),
               (1, C - 1, 2, 32, 48), (2, C, 1, 48, 32), (1, C + 1, 2, 32, 32), (2, 3 * C + 5, 1, 64, 40),
               (1, 4 * C - 1, 1, 32, 32), (1, 4 * C, 1, 32, 32), (1, 4 * C + 1, 1, 128, 128),
@@ -116,11 +138,12 @@ AOT_SHAPES = [(2, 1, 2, 32, 32), (1, 1, 2, 128, 128), (2, STEPPED, 2, 48, 40), (
 
 
 @pytest.mark.parametrize("shape", AOT_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["recurrent", "chunked"])
-def test_aot_kernel(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """The single-launch kernel the KDA aot_impl embeds, against the eager op (float64), final state
-    included."""
-    check(aot_kda, ref.recurrent_kda, shape, dtype, aot_tolerances(shape[1]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("launcher", AOT_LAUNCHERS)
+def test_aot_kernel(launcher: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """The AOT kernels the KDA aot_impls embed (the one-node KDA's; KDAPrepare's and KDAChunkRecurrence's),
+    against the eager op (float64), final state included."""
+    check(AOT_LAUNCHERS[launcher], ref.recurrent_kda, shape, dtype, aot_tolerances(shape[1]))
 
 
 @pytest.mark.parametrize(("kernel", "dtype"), [(aot_kda, torch.float16), (k3plugins.chunk_kda, torch.float16),
@@ -141,20 +164,22 @@ def test_chunked_kernels_steep_gates(kernel, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("T", [1, C + 3], ids=["decode", "prefill"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["recurrent", "chunked"])
-def test_aot_kernel_state_in_place(dtype: torch.dtype, T: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("launcher", AOT_LAUNCHERS)
+def test_aot_kernel_state_in_place(launcher: str, dtype: torch.dtype, T: int) -> None:
     """TensorRT aliases the final state to the initial state: one buffer for both."""
     inputs = kda_inputs(2, T, 2, 32, 48, dtype, seed=5)
     o_ref, state_ref = ref.recurrent_kda(*(t.double() for t in inputs))
     state = inputs[5].clone()
-    o, final = aot_kda(*inputs[:5], state, final_state=state)
+    o, final = AOT_LAUNCHERS[launcher](*inputs[:5], state, final_state=state)
     assert final is state
     o_tol, state_tol = aot_tolerances(T)[dtype]
     assert rel_error(o, o_ref) < o_tol and rel_error(state, state_ref) < state_tol
 
 
 @pytest.mark.parametrize("T", [1, STEPPED, 2 * C + 3], ids=["decode", "verify", "prefill"])
-def test_aot_kernel_ragged_rows(T: int) -> None:
+@pytest.mark.parametrize("launcher", AOT_LAUNCHERS)
+def test_aot_kernel_ragged_rows(launcher: str, T: int) -> None:
     """Rows right-padded as the graph pads them (k, beta and g zeroed), float16: each row's state and valid
     outputs are those of the row run alone on its valid prefix; a row with no token keeps its state
     exactly."""
@@ -162,7 +187,7 @@ def test_aot_kernel_ragged_rows(T: int) -> None:
     q, k, v, g, beta, state = kda_inputs(len(lengths), T, 2, 32, 32, torch.float16, seed=T)
     for b, n in enumerate(lengths):
         k[b, n:], g[b, n:], beta[b, n:] = 0, 0, 0
-    o, final = aot_kda(q, k, v, g, beta, state)
+    o, final = AOT_LAUNCHERS[launcher](q, k, v, g, beta, state)
     o_tol, state_tol = aot_tolerances(T)[torch.float16]
     for b, n in enumerate(lengths):
         if n == 0:
