@@ -52,8 +52,8 @@ def test_demo_runs_the_pipeline(tmp_path, capfd):
     assert main(["demo", "--steps", "4", "--out", str(demo)]) == 0
     printed, errors = capfd.readouterr()  # the file descriptors: TensorRT's own C++ logging too
     assert "relative error" in printed and "(ok)" in printed
-    assert ("6 KDA, 3 LatentMLACombine, 3 LatentMLASplits, 8 RoutedExpertsDown, 8 RoutedExpertsGateUp, "
-            "8 RoutedExpertsGroup nodes") in printed
+    assert ("6 KDAChunkRecurrence, 6 KDAPrepare, 3 LatentMLACombine, 3 LatentMLASplits, 8 RoutedExpertsDown, "
+            "8 RoutedExpertsGateUp, 8 RoutedExpertsGroup nodes") in printed
     assert "PASSED (float32" in printed
     assert (demo / "export" / "model.onnx").exists()
     report = demo / "report"
