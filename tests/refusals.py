@@ -207,6 +207,10 @@ REFUSALS = [
     Refusal(("run", "{build}", "--speculate", "2", "--temperature", "0.5", "--top-k", "1"),
             "--speculate 2: --top-k 1 keeps one token a position", lambda p, a: p == "run"
             and bool(given(a, "speculate")) and a.temperature > 0 and (a.top_k == 1 or a.top_p == 0)),
+    Refusal(("run", "{build}", "--top-k", "5"), "--top-k 5 with --temperature 0: ",
+            lambda p, a: p == "run" and a.temperature == 0 and (a.top_k > 0 or a.top_p < 1)),
+    Refusal(("run", "{build}", "--top-p", "0.9"), "--top-p 0.9 with --temperature 0: ",
+            lambda p, a: p == "run" and a.temperature == 0 and (a.top_k > 0 or a.top_p < 1)),
     Refusal(("run", "{build}", "--drafts", "suffix"), "--drafts suffix: expected --speculate K",
             lambda p, a: p == "run" and bool(given(a, "drafts")) and not given(a, "speculate")),
     Refusal(("run", "{build}", "--draft-min-match", "2"), "--draft-min-match 2: expected --speculate K",

@@ -50,6 +50,7 @@ from k3export.runtime.request import (
     prompts_of,
     random_prompts,
     report,
+    sampler_of,
     stage_name,
 )
 from k3export.runtime.speculation import require_verify_profiles, speculate, speculation_of
@@ -65,7 +66,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(choice.line(), file=sys.stderr, flush=True)
     threads = intra_op_threads(args, 1) if choice.kind != ENGINE else None  # ONNX Runtime's
     prompts = prompts_of(args, exports)
-    speculation = speculation_of(args, exports, prompts)
+    sampler = sampler_of(args)
+    speculation = speculation_of(args, exports, prompts, sampler)
     batches = micro_batches_of(args, prompts, len(exports))
     engines = None
     if choice.kind == ENGINE:  # every stage on this process's GPU
@@ -78,7 +80,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         if speculation:
             result = speculate(pipeline, speculation, len(batches))
         else:
-            sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
             result = generate(pipeline, prompts, args.max_new_tokens, sampler, frozenset(args.stop),
                               len(batches))
     finally:

@@ -16,12 +16,19 @@ import torch.distributed as dist
 from k3export.errors import UserError
 from k3export.runtime.engines import ENGINE, RunnerChoice
 from k3export.runtime.faults import call_waits
-from k3export.runtime.generation import Generation, Sampler, generate
+from k3export.runtime.generation import Generation, generate
 from k3export.runtime.lane import Part, Peers, pipelined
 from k3export.runtime.links import CONTROL, Links, Plane
 from k3export.runtime.nccl import communicator_capsule
 from k3export.runtime.pipeline import Pipeline, Stage
-from k3export.runtime.request import intra_op_threads, micro_batches_of, prompts_of, report, stage_name
+from k3export.runtime.request import (
+    intra_op_threads,
+    micro_batches_of,
+    prompts_of,
+    report,
+    sampler_of,
+    stage_name,
+)
 from k3export.runtime.schedule import StageTimes, Tokens
 from k3export.runtime.speculation import require_verify_profiles, speculate, speculation_of
 from k3export.runtime.watchdog import Watchdog
@@ -44,8 +51,8 @@ def run_process(args: argparse.Namespace, exports: list[list[Path]], choice: Run
     prompts = prompts_of(args, lane)  # on every process, so that all refuse a bad request alike
     batches = micro_batches_of(args, prompts, stages)
     count = len(batches)
-    speculation = speculation_of(args, lane, prompts)
-    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    sampler = sampler_of(args)
+    speculation = speculation_of(args, lane, prompts, sampler)
     tokens = speculation or Tokens(len(prompts), args.max_new_tokens, sampler, frozenset(args.stop))
     # The ranks of each stage sum over a group of their own, which every process creates, in the same
     # order (torch.distributed's rule). ONNX Runtime's pieces sum over gloo, whose timeout names a rank

@@ -27,7 +27,7 @@ from k3export.options import (
 )
 from k3export.runtime.drafts import DEFAULT_MIN_MATCH, DRAFTS, NGRAM_LONGEST
 from k3export.runtime.engines import RUNNERS
-from k3export.runtime.generation import Generation
+from k3export.runtime.generation import Generation, Sampler
 from k3export.runtime.pipeline import Stage
 from k3export.runtime.schedule import MicroBatch, default_micro_batches, split_prompts
 
@@ -126,6 +126,17 @@ def prompts_of(args: argparse.Namespace, exports: list[Path]) -> list[list[int]]
     require_request_fits(f"{request} --max-new-tokens {args.max_new_tokens}", manifests, batch, prompt_len,
                          args.max_new_tokens - 1)
     return [args.prompt_ids] if args.prompt_ids else random_prompts(batch, prompt_len, vocab, args.seed)
+
+
+def sampler_of(args: argparse.Namespace) -> Sampler:
+    """The request's sampler. --top-k and --top-p cut a sampled distribution; greedy decoding
+    (--temperature 0) takes the most likely token whatever they say, so a cut beside it is refused."""
+    cuts = [f"--top-k {args.top_k}"] if args.top_k else []
+    cuts += [f"--top-p {args.top_p}"] if args.top_p < 1 else []
+    if args.temperature == 0 and cuts:
+        raise UserError(f"{cuts[0]} with --temperature 0: greedy decoding ignores the cut; expected "
+                        "--temperature T > 0 to sample with it, or no cut")
+    return Sampler(args.temperature, args.top_k, args.top_p, args.seed)
 
 
 def micro_batches_of(args: argparse.Namespace, prompts: list[list[int]], stages: int) -> list[MicroBatch]:

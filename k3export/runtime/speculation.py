@@ -39,11 +39,11 @@ from k3export.runtime.pipeline import Pipeline
 from k3export.runtime.schedule import MicroBatch, StageTimes, round_robin, split_prompts
 
 
-def speculation_of(args: argparse.Namespace, exports: list[Path],
-                   prompts: list[list[int]]) -> Speculation | None:
-    """The request's speculation (None without --speculate), refused before any stage loads unless the
-    sampler keeps more than one token (or is greedy), the last stage gives every position's logits, and
-    each row's caches hold its prompt, its new tokens and a call's padding."""
+def speculation_of(args: argparse.Namespace, exports: list[Path], prompts: list[list[int]],
+                   sampler: Sampler) -> Speculation | None:
+    """The request's speculation (None without --speculate) with the request's `sampler`, refused before
+    any stage loads unless the sampler keeps more than one token (or is greedy), the last stage gives every
+    position's logits, and each row's caches hold its prompt, its new tokens and a call's padding."""
     for name, value in (("--drafts", args.drafts), ("--draft-min-match", args.draft_min_match)):
         if value and not args.speculate:
             raise UserError(f"{name} {value}: expected --speculate K (drafts are made to be verified)")
@@ -54,7 +54,6 @@ def speculation_of(args: argparse.Namespace, exports: list[Path],
         raise UserError(f"--draft-min-match {args.draft_min_match}: expected 1 up to K = --speculate "
                         f"{args.speculate}")
     min_match = args.draft_min_match or min(DEFAULT_MIN_MATCH, args.speculate)
-    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     if args.temperature > 0 and (args.top_k == 1 or args.top_p == 0):
         cut = "--top-k 1" if args.top_k == 1 else "--top-p 0"
         raise UserError(f"{option}: {cut} keeps one token a position, which is greedy decoding; expected "

@@ -510,10 +510,6 @@ def rank_stages(plan: Plan, ranks: int, collective_gb_per_s: float = COLLECTIVE_
     return result
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f}"
-
-
 def format_rank_plan(stages: list[RankStage], collective_gb_per_s: float, host_bytes: float) -> str:
     ranks = stages[0].ranks
     verify = any(s.rollback_bytes for s in stages)
