@@ -20,7 +20,8 @@ process (ONNX Runtime's threads included; wall seconds beside them: the machine 
 - one call's cost at a cache of the prompt's length, as the runtime makes it (onnx.runner.Rollback
   with the call's draft_lengths): a decode call; a verify (1 + K tokens, the row's KDA caches copied
   first); the call after a verify rejected at its first draft (the row taken back, 2 tokens re-fed
-  and K new drafts, no copy: the kept one is its state) and at its last (K + 1 re-fed, K drafts);
+  and K new drafts, no copy: the kept one is its state), at its last (K + 1 re-fed, K drafts) and
+  after consecutive rejections, at the cap of 3K + 1 tokens (2K + 1 re-fed, K drafts);
 - tokens a call of runtime.speculation.Speculation driven by a model that always gives the true
   continuation (no graph: every token is the truth's, so only the drafts decide), 4 rows x 2000
   tokens of random text, each draft the true token with probability a: measured beside the formula
@@ -47,7 +48,7 @@ import numpy as np
 
 from k3export.cli import main as k3export
 from k3export.onnx.export import GRAPH_FILE, MANIFEST_FILE
-from k3export.onnx.runner import DRAFT_LENGTHS, BoundOnnxrtRunner, Signature
+from k3export.onnx.runner import CALL_TOKENS_PER_DRAFT, DRAFT_LENGTHS, BoundOnnxrtRunner, Signature
 from k3export.runtime import Pipeline, Sampler, generate
 from k3export.runtime.drafts import (
     DEFAULT_MIN_MATCH,
@@ -140,9 +141,10 @@ def generation_table(pipeline: Pipeline, prompt: list[int], tokens: int, drafts:
     return rows
 
 
-def call_costs(folder: Path, prompt: list[int], drafts: int, threads: int, calls: int) -> dict[str, float]:
-    """Median CPU milliseconds of each kind of call the runtime makes, from a cache of the prompt (one
-    more token each round, so each call is legal), with its rollback as the runner does it."""
+def call_costs(folder: Path, prompt: list[int], drafts: int, threads: int,
+               calls: int) -> dict[str, tuple[int, float]]:
+    """Each kind of call the runtime makes: its tokens and median CPU milliseconds, from a cache of the
+    prompt (one more token each round, so each call is legal), with its rollback as the runner does it."""
     signature = Signature(json.loads((folder / MANIFEST_FILE).read_text()))
     runner = BoundOnnxrtRunner(folder / GRAPH_FILE, signature, threads=threads)
     runner.activate()
@@ -154,18 +156,25 @@ def call_costs(folder: Path, prompt: list[int], drafts: int, threads: int, calls
         return timed(lambda: runner.infer(feed, check_inputs=False))[1] * 1e3
 
     call(len(prompt), 0, 0)
-    first, last = "after a verify rejected at its first draft", "after a verify rejected at its last"
-    names = {"decode": [], "verify (copies)": [], first: [], last: []}
+    # The kinds by the tokens a row feeds: a verify feeds its last token and K drafts; after a rejection the
+    # call re-feeds the tokens from the rollback's point and K new drafts, up to the cap of 3K + 1
+    # (onnx.runner.CALL_TOKENS_PER_DRAFT) after consecutive rejections.
+    fed = {"decode": 1, "verify (copies)": 1 + drafts,
+           "after a verify rejected at its first draft": 2 + drafts,
+           "after a verify rejected at its last": 2 * drafts + 1,
+           "after consecutive rejections (the cap)": CALL_TOKENS_PER_DRAFT * drafts + 1}
+    times: dict[str, list[float]] = {name: [] for name in fed}
     cached = len(prompt)
     for _ in range(calls):
-        names["verify (copies)"].append(call(1 + drafts, cached, drafts))
-        # Each taken back to the verify's cache length (the kept state is the row's own then).
-        names[first].append(call(2 + drafts, cached, drafts))  # 2 re-fed, K drafts
-        names[last].append(call(2 * drafts + 1, cached, drafts))  # K + 1 re-fed, K drafts
-        names["decode"].append(call(1, cached + 2 * drafts + 1, 0))  # all of the last accepted
-        cached += 2 * drafts + 2
+        # Each drafting call taken back to the verify's cache length (the kept state is the row's own then);
+        # the decode follows the longest with all of it accepted.
+        for name, tokens in fed.items():
+            if name != "decode":
+                times[name].append(call(tokens, cached, drafts))
+        times["decode"].append(call(1, cached + fed[max(fed, key=fed.get)], 0))
+        cached += max(fed.values()) + 1
     runner.deactivate()
-    return {name: statistics.median(t) for name, t in names.items()}
+    return {name: (fed[name], statistics.median(t)) for name, t in times.items()}
 
 
 def replay(texts: list[list[int]], prompt_len: int, drafters: list[Drafter], drafts: int,
@@ -285,7 +294,7 @@ def main() -> None:
     try:
         rows = generation_table(pipeline, prompt, args.tokens, k, vocab, args.repeats)
         costs = call_costs(folder, prompt, k, args.threads, args.calls)
-        drafted_cost = (costs["verify (copies)"] / costs["decode"] - 1) / k
+        drafted_cost = (costs["verify (copies)"][1] / costs["decode"][1] - 1) / k
     finally:
         pipeline.close()
     print(f"{args.preset}, float32, batch 1, K = {k}, {args.tokens} tokens from a 64-token prompt, "
@@ -299,10 +308,8 @@ def main() -> None:
           f"{args.calls}:")
     print("| call | tokens | CPU ms | vs decode |")
     print("|---|---|---|---|")
-    fed = {"decode": 1, "verify (copies)": 1 + k}
-    for name, ms in costs.items():
-        tokens = fed.get(name, 2 + k if "first" in name else 2 * k + 1)
-        print(f"| {name} | {tokens} | {ms:.1f} | {ms / costs['decode']:.2f}x |")
+    for name, (tokens, ms) in costs.items():
+        print(f"| {name} | {tokens} | {ms:.1f} | {ms / costs['decode'][1]:.2f}x |")
     table = tokens_a_call_table(k)
     print(f"\ntokens a call, Speculation with a model giving the truth, K = {k}, 4 rows x 2000 tokens "
           f"({table[0]['row_calls']}+ row calls each):")
