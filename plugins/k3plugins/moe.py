@@ -104,29 +104,55 @@ def _tanh(x):
 
 
 @triton.jit
-def _scale_factors(scale):
-    # 2^(s - 127) times 2^126 (which _e2m1 leaves out) as two powers of two within float32's range,
-    # 2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), from their exponent bits: exact for every scale byte.
-    low = ((tl.minimum(scale, 128) + 126) << 23).to(tl.float32, bitcast=True)
-    high = ((tl.maximum(scale, 128) - 1) << 23).to(tl.float32, bitcast=True)
-    return low, high
+def _scale_factor(scale, dtype: tl.constexpr):
+    # 2^(s - 127) from its exponent bits (s = 0: the denormal 2^-127), exact for every scale byte: in bfloat16
+    # for bfloat16 activations (float32's exponent range, in packed multiplies: HMUL2.BF16_V2), else float32
+    # (float16's range does not hold it).
+    if dtype == tl.bfloat16:
+        return tl.maximum(scale << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return tl.maximum(scale << 23, 0x400000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _e2m1(code, low, high):
-    # The E2M1 code in bits 0 .. 3 of `code` (sign, exponent e (2 bits), mantissa m) times the scale
-    # (_scale_factors), float32. As float32 bits, the sign to bit 31 and e, m to bits 24 .. 22 are the value
-    # times 2^-126 for every code (e = 0 gives the denormal 0.5 m 2^-126): a shift and two masked shifts,
-    # no table, no select; then two multiplies by powers of two (products below 2^-126 are float32
-    # denormals, exact down to 2^-149).
-    bits = ((code & 8) << 28) | ((code & 7) << 22)
-    return bits.to(tl.float32, bitcast=True) * low * high
+def _shift_left(x, n: tl.constexpr):
+    if n >= 0:
+        return x << n
+    else:
+        return x >> -n
 
 
 @triton.jit
-def _packed_words(w, w_scale, rows, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _e2m1_pair(word, i: tl.constexpr):
+    # Codes i and i + 4 of each int32 word (E2M1: sign, exponent e (2 bits), mantissa m at bits 4i .. and
+    # 4i + 16 ..) as two bfloat16 bit patterns, code i in the low half: e, m to bits 8 .. 6 of a half and the
+    # sign to bit 15 make the value times 2^-126 for every code (e = 0 gives the denormal 0.5 m 2^-126), no
+    # table, no select. One shift and mask places both halves' e, m, another both signs (the masks keep the
+    # right shifts' sign fill out): two codes in four instructions.
+    return (_shift_left(word, 6 - 4 * i) & 0x01C001C0) | (_shift_left(word, 12 - 4 * i) & -0x7FFF8000)
+
+
+@triton.jit
+def _e2m1_values(pair, scale):
+    """The two codes of an _e2m1_pair times `scale` (_scale_factor), in its dtype: bfloat16 as the pattern's
+    halves, float32 as their bits moved to the top half (a bfloat16 is a float32's top half). Times 2^126
+    first (every code exact, normal or 0), then the scale: each product exact, denormals included (down
+    to 2^-128, the least: 0.5 times 2^-127)."""
+    if scale.dtype == tl.bfloat16:
+        first = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        second = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        first = (pair << 16).to(tl.float32, bitcast=True)
+        second = (pair & -0x10000).to(tl.float32, bitcast=True)
+    return first * 2.0**126 * scale, second * 2.0**126 * scale
+
+
+@triton.jit
+def _packed_words(w, w_scale, rows, mask_n, k0, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     """MXFP4 weight rows `rows` [BLOCK_N] (int64, expert offset included), inputs k0 .. k0 + BLOCK_K: their
-    int32 words [BLOCK_N, BLOCK_K / 8] and each word's scale as _scale_factors' two factors."""
+    int32 words [BLOCK_N, BLOCK_K / 8] and each word's scale factor (_scale_factor) for `dtype`
+    activations."""
     # Word j of the stacked experts holds codes 8j .. 8j + 7 of the flat [E * O, K] matrix, code 8j + i in
     # bits 4i .. 4i + 3.
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -138,8 +164,7 @@ def _packed_words(w, w_scale, rows, mask_n, k0, K, BLOCK_N: tl.constexpr, BLOCK_
     scale_bytes = w_scale.to(tl.pointer_type(tl.uint8))
     scale = tl.load(scale_bytes + rows[:, None] * (K // 32) + (offs_w // 4)[None, :], mask=mask,
                     other=0).to(tl.int32)
-    low, high = _scale_factors(scale)
-    return word, low, high
+    return word, _scale_factor(scale, dtype)
 
 
 @triton.jit
@@ -149,14 +174,14 @@ def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
     [BLOCK_N, BLOCK_K] tile in `dtype`. Packed: each word's eight codes (lowest nibble first) spread along a
     third axis and reshaped back into the row."""
     if PACKED:
-        word, low, high = _packed_words(w, w_scale, rows, mask_n, k0, K, BLOCK_N, BLOCK_K)
+        word, scale = _packed_words(w, w_scale, rows, mask_n, k0, K, tl.float32, BLOCK_N, BLOCK_K)
         # Code i of each word as [BLOCK_N, BLOCK_K / 8] values, put back in order (input 8j + i) by joins:
         # join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), join(c3, c7)))[.., j, a, b, c] is code
         # 4a + 2b + c of word j, which the reshape puts at 8j + 4a + 2b + c.
-        c0, c1 = _e2m1(word, low, high), _e2m1(word >> 4, low, high)
-        c2, c3 = _e2m1(word >> 8, low, high), _e2m1(word >> 12, low, high)
-        c4, c5 = _e2m1(word >> 16, low, high), _e2m1(word >> 20, low, high)
-        c6, c7 = _e2m1(word >> 24, low, high), _e2m1(word >> 28, low, high)
+        c0, c4 = _e2m1_values(_e2m1_pair(word, 0), scale)
+        c1, c5 = _e2m1_values(_e2m1_pair(word, 1), scale)
+        c2, c6 = _e2m1_values(_e2m1_pair(word, 2), scale)
+        c3, c7 = _e2m1_values(_e2m1_pair(word, 3), scale)
         joined = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
         tile = tl.reshape(joined, (BLOCK_N, BLOCK_K))
     else:
@@ -167,26 +192,45 @@ def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
 
 
 @triton.jit
-def _expert_step(acc, w, w_scale, rows, mask_w, k0, K, x_rows, mask_p, PACKED: tl.constexpr,
-                 BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_W, BLOCK_P] + the weight rows `rows` times the pairs' inputs k0 .. k0 + BLOCK_K: x_rows
-    [1, BLOCK_P] point at each pair's input row (masked by mask_p [1, BLOCK_P])."""
-    if PACKED and x_rows.dtype.element_ty != tl.float32:
+def _code_inputs(x_rows, mask_p, k0, i: tl.constexpr, K, BLOCK_K: tl.constexpr):
+    # The inputs code i of the words k0 / 8 .. meets, k0 + 8j + i, as [BLOCK_K / 8, BLOCK_P].
+    offs_k = k0 + 8 * tl.arange(0, BLOCK_K // 8) + i
+    return tl.load(x_rows + offs_k[:, None], mask=mask_p & (offs_k < K)[:, None], other=0.0)
+
+
+@triton.jit
+def _expert_step(acc_a, acc_b, wa, wa_scale, wb, wb_scale, rows, mask_w, k0, K, x_rows, mask_p,
+                 PACKED: tl.constexpr, TWO: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc_a (and acc_b, when TWO) [BLOCK_W, BLOCK_P] + the weight rows `rows` of wa (and wb) times the pairs'
+    inputs k0 .. k0 + BLOCK_K, each input tile loaded once for both: x_rows [1, BLOCK_P] point at each
+    pair's input row (masked by mask_p [1, BLOCK_P])."""
+    dtype = x_rows.dtype.element_ty
+    if PACKED and dtype != tl.float32:
         # On tensor cores, code i of every word is one elementwise decode of the word tile, no reshape, so the
         # decoded codes can stay in the registers of tl.dot's operand layout: eight products of BLOCK_K / 8
-        # inputs each, code i of word j times input k0 + 8j + i (a sum over the inputs in another order).
-        word, low, high = _packed_words(w, w_scale, rows, mask_w, k0, K, BLOCK_W, BLOCK_K)
-        for i in tl.static_range(8):
-            offs_k = k0 + 8 * tl.arange(0, BLOCK_K // 8) + i
-            x = tl.load(x_rows + offs_k[:, None], mask=mask_p & (offs_k < K)[:, None], other=0.0)
-            acc = tl.dot(_e2m1(word >> 4 * i, low, high).to(x.dtype), x, acc)
+        # inputs each, code i of word j times input k0 + 8j + i (a sum over the inputs in another order),
+        # codes i and i + 4 decoded together.
+        word_a, scale_a = _packed_words(wa, wa_scale, rows, mask_w, k0, K, dtype, BLOCK_W, BLOCK_K)
+        if TWO:
+            word_b, scale_b = _packed_words(wb, wb_scale, rows, mask_w, k0, K, dtype, BLOCK_W, BLOCK_K)
+        for i in tl.static_range(4):
+            x_first = _code_inputs(x_rows, mask_p, k0, i, K, BLOCK_K)
+            x_second = _code_inputs(x_rows, mask_p, k0, i + 4, K, BLOCK_K)
+            first, second = _e2m1_values(_e2m1_pair(word_a, i), scale_a)
+            acc_a = tl.dot(second.to(dtype), x_second, tl.dot(first.to(dtype), x_first, acc_a))
+            if TWO:
+                first, second = _e2m1_values(_e2m1_pair(word_b, i), scale_b)
+                acc_b = tl.dot(second.to(dtype), x_second, tl.dot(first.to(dtype), x_first, acc_b))
     else:
         # float32 (FMA products, operands in registers: the eight products spill) and float experts.
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[:, None], mask=mask_p & (offs_k < K)[:, None], other=0.0)
-        tile = _weight_tile(w, w_scale, rows, mask_w, k0, K, x.dtype, PACKED, BLOCK_W, BLOCK_K)
-        acc = tl.dot(tile, x, acc, input_precision="ieee")
-    return acc
+        tile = _weight_tile(wa, wa_scale, rows, mask_w, k0, K, dtype, PACKED, BLOCK_W, BLOCK_K)
+        acc_a = tl.dot(tile, x, acc_a, input_precision="ieee")
+        if TWO:
+            tile = _weight_tile(wb, wb_scale, rows, mask_w, k0, K, dtype, PACKED, BLOCK_W, BLOCK_K)
+            acc_b = tl.dot(tile, x, acc_b, input_precision="ieee")
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -253,8 +297,8 @@ def _moe_gate_up_kernel(z, sorted_pairs, offsets, w1, w1_scale, w3, w3_scale, TO
     acc_a = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):
-        acc_a = _expert_step(acc_a, w1, w1_scale, rows, mask_w, k0, L, x, x_mask, PACKED, BLOCK_W, BLOCK_K)
-        acc_b = _expert_step(acc_b, w3, w3_scale, rows, mask_w, k0, L, x, x_mask, PACKED, BLOCK_W, BLOCK_K)
+        acc_a, acc_b = _expert_step(acc_a, acc_b, w1, w1_scale, w3, w3_scale, rows, mask_w, k0, L, x, x_mask,
+                                    PACKED, True, BLOCK_W, BLOCK_K)
     # SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)].
     out = BETA * _tanh(acc_a / BETA) * tl.sigmoid(acc_a) * (LINEAR_BETA * _tanh(acc_b / LINEAR_BETA))
     tl.store(h + slots.to(tl.int64)[None, :] * I + offs_w[:, None], out.to(h.dtype.element_ty),
@@ -276,7 +320,8 @@ def _moe_down_kernel(h, offsets, w2, w2_scale, y, L, I, E, PACKED: tl.constexpr,
     x_rows, x_mask = h + slots[None, :] * I, mask_p[None, :]
     acc = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        acc = _expert_step(acc, w2, w2_scale, rows, mask_w, k0, I, x_rows, x_mask, PACKED, BLOCK_W, BLOCK_K)
+        acc, _ = _expert_step(acc, acc, w2, w2_scale, w2, w2_scale, rows, mask_w, k0, I, x_rows, x_mask,
+                              PACKED, False, BLOCK_W, BLOCK_K)
     tl.store(y + slots[None, :] * L + offs_w[:, None], acc, mask=mask_p[None, :] & mask_w[:, None])
 
 
