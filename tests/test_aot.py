@@ -87,14 +87,15 @@ def test_aot_kernels_fit_the_default_shared_memory(preset: str, target: str) -> 
     assert {name: size for name, size in shared.items() if size > trt_aot.DEFAULT_SHARED_BYTES} == {}
 
 
+@pytest.mark.parametrize("heads", [12, 96])
 @pytest.mark.parametrize("target", ["sm90", "sm100"])
-def test_latent_mla_splits_pipeline_the_cache_into_tensor_cores(target: str) -> None:
-    """The split kernel at the published widths (bf16, what a kimi-k3 engine runs at decode) loads each block
-    of latent rows asynchronously (cp.async: its two pipeline stages) and multiplies it on tensor cores for
-    the program's 16 heads."""
+def test_latent_mla_splits_pipeline_the_cache_into_tensor_cores(target: str, heads: int) -> None:
+    """The split kernel at the published widths (bf16, what a kimi-k3 engine runs at decode; a rank's 12 heads
+    and all 96 on their 2-warp tile) loads each block of latent rows asynchronously (cp.async: its two
+    pipeline stages) and multiplies it on tensor cores for the program's 16 heads."""
     c = K3Config.from_preset("kimi-k3")
     variant = trt_aot.latent_mla_aot_kernel("bfloat16", "bfloat16", c.latent_dim, c.kv_lora_rank, c.mla_scale,
-                                            splits=True)
+                                            heads, splits=True)
     ptx = compile_variant(variant, target).asm["ptx"]
     assert re.search(r"\bcp\.async\.(ca|cg)", ptx)
     assert re.search(r"\b(mma\.sync|wgmma\.mma_async)", ptx)

@@ -181,18 +181,19 @@ def test_aot_kda_two_node_kernels_parameter_order(dtype: str) -> None:
 
 def test_aot_latent_mla_launch() -> None:
     # q [B, T, H, D], kv [B, 1, C, D]: one program per token and block of 16 heads; one split, or
-    # split_count's (the grid's z): 2 x 37 x 1 programs before the splits, 96 heads 6 head blocks.
+    # split_count's (the grid's z: at most 264 programs): 2 x 37 x 1 programs before the splits, 96 heads 6
+    # head blocks.
     grid, scalars = latent_mla_aot_launch([2, 37, 3, 48], [2, 1, 40, 48])
     assert grid == (2 * 37, 1, 1)
     assert scalars == [37, 40, 3]  # T, C, H
-    assert latent_mla_aot_launch([2, 37, 3, 48], [2, 1, 40, 48], splits=True) == ((2 * 37, 1, 4), [37, 40, 3])
+    assert latent_mla_aot_launch([2, 37, 3, 48], [2, 1, 40, 48], splits=True) == ((2 * 37, 1, 3), [37, 40, 3])
     published = latent_mla_aot_launch([4, 1, 96, 576], [4, 1, 1000, 576], splits=True)
     assert published == ((4, 6, 11), [1, 1000, 96])
 
 
 def test_aot_latent_mla_kernel_refuses_unbuilt_widths() -> None:
     with pytest.raises(ValueError, match="D=100, v_dim=64"):
-        latent_mla_aot_kernel("float16", "float16", 100, 64, 0.1)
+        latent_mla_aot_kernel("float16", "float16", 100, 64, 0.1, 12)
 
 
 @needs_compiler
@@ -204,7 +205,7 @@ def test_aot_latent_mla_kernel_compiles(dtype: str, kv_dtype: str, head_dim: int
                                         scale: float) -> None:
     """One launch with no workspace, for sm_90 without spills; TensorRT passes q, kv and
     cache_lengths, then T, C, H, then o (the scale and widths are compiled in)."""
-    kernel = compile_variant(latent_mla_aot_kernel(dtype, kv_dtype, head_dim, v_dim, scale))
+    kernel = compile_variant(latent_mla_aot_kernel(dtype, kv_dtype, head_dim, v_dim, scale, 12))
     stats = kernel_stats(kernel)
     assert stats.shared_bytes <= MAX_SHARED_BYTES["sm90"], stats
     assert stats.spill_stores == 0 and stats.spill_loads == 0, stats

@@ -135,12 +135,12 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
                                "kda_chunk_recurrence_aot_bf16_k128"),
         # One program per (batch, block of DECODE.block_t tokens) and block of heads; scalars T, C, H.
         "LatentMLA": ((B * math.ceil(T / DECODE.block_t), math.ceil(heads / DECODE.block_h)), [T, C, heads],
-                      "latent_mla_aot_bf16_kvbf16_d576_v512"),
+                      "latent_mla_aot_bf16_kvbf16_d576_v512_many_heads"),
         # The same, over split_count's splits (the grid's z); then a program per (query, head) row and 64
         # value columns, scalars the rows and the splits (the partials' first dim).
         "LatentMLASplits": ((B * math.ceil(T / DECODE.block_t), math.ceil(heads / DECODE.block_h),
                              split_count(B, T, heads)), [T, C, heads],
-                            "latent_mla_splits_aot_bf16_kvbf16_d576_v512"),
+                            "latent_mla_splits_aot_bf16_kvbf16_d576_v512_many_heads"),
         "LatentMLACombine": ((B * T * heads, math.ceil(c.kv_lora_rank / COMBINE_BLOCK_V)), [B * T * heads, S],
                              "latent_mla_combine_aot_bf16_v512"),
         # One program per token and 256 output columns; every width compiled in.

@@ -544,7 +544,7 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         inputs = mla_inputs(c, gen)
         q, kv, _ = inputs
         reference = mla_reference(*inputs)
-        variant = latent_mla_aot_kernel(c.dtype, c.dtype, MLA_D, MLA_VDIM, MLA_SCALE, splits=True)
+        variant = latent_mla_aot_kernel(c.dtype, c.dtype, MLA_D, MLA_VDIM, MLA_SCALE, q.shape[2], splits=True)
         grid, scalars = latent_mla_aot_launch(list(q.shape), list(kv.shape), splits=True)
         o_part = torch.full((grid[2], *q.shape[:3], MLA_VDIM), float("nan"), device="cuda")
         lse = torch.full(o_part.shape[:4], float("nan"), device="cuda")

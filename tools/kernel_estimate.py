@@ -508,8 +508,9 @@ def mla_rows() -> list[Row]:
     """LatentMLA decode (one new token a row) at cache 4K / 16K / 64K and batch 1 / 8 / 64, 12 heads a rank
     of 8 and 96 unsplit; every row sees the whole length, in a cache of twice that capacity (as
     tools/gpu_check allocates it). Both forms run the same two launches: the attention kernel over
-    (row, 16 heads, split), `split_count` splits (B x head blocks x splits >= 264), then the combine."""
-    from k3plugins.mla import COMBINE_SPLITS, DECODE, SPLIT_ROWS, split_count
+    (row, 16 heads, split) on `decode_tiles`' warps, `split_count` splits (B x head blocks x splits <= 264),
+    then the combine."""
+    from k3plugins.mla import COMBINE_SPLITS, DECODE, DECODE_MANY_HEADS, SPLIT_ROWS, decode_tiles, split_count
     from k3plugins.trt_aot import (
         latent_mla_aot_kernel,
         latent_mla_aot_launch,
@@ -517,10 +518,13 @@ def mla_rows() -> list[Row]:
         latent_mla_combine_aot_launch,
     )
 
-    step = "for s0 in range(lo, hi, BLOCK_S)"
+    # Whole blocks of rows every query sees, then the masked rest (the last partial block).
+    step, tail = "for s0 in range(lo, unmasked_end, BLOCK_S)", "for s0 in range(unmasked_end, hi, BLOCK_S)"
     combine_step = "for s0 in range(0, n_splits, BLOCK_SPLITS)"  # its two loops: the max, then the sum
     rows = []
     for heads in (MLA_HEADS // RANKS, MLA_HEADS):
+        tiles = decode_tiles(heads, half=True)
+        mode = "decode_many_heads" if tiles == DECODE_MANY_HEADS else "decode"
         for cache in (4096, 16384, 65536):
             for batch in (1, 8, 64):
                 nbytes = BF16 * (batch * cache * MLA_D + batch * heads * (MLA_D + MLA_V))
@@ -531,11 +535,12 @@ def mla_rows() -> list[Row]:
                 split_len = max(cdiv(cache, splits), SPLIT_ROWS)
                 head_blocks = cdiv(heads, DECODE.block_h)
                 useful = 2 * DECODE.block_s * min(heads, DECODE.block_h) * (MLA_D + MLA_V)
-                trips = {step: cdiv(split_len, DECODE.block_s)}
+                trips = {step: split_len // DECODE.block_s, tail: int(split_len % DECODE.block_s > 0)}
                 programs = batch * head_blocks * cdiv(cache, split_len)
                 combine_trips = {combine_step: cdiv(splits, COMBINE_SPLITS)}
                 # AOT: k3::LatentMLASplits then k3::LatentMLACombine, two nodes.
-                attn = latent_mla_aot_kernel("bfloat16", "bfloat16", MLA_D, MLA_V, MLA_SCALE, splits=True)
+                attn = latent_mla_aot_kernel("bfloat16", "bfloat16", MLA_D, MLA_V, MLA_SCALE, heads,
+                                             splits=True)
                 grid, _ = latent_mla_aot_launch([batch, 1, heads, MLA_D], [batch, 1, 2 * cache, MLA_D],
                                                 splits=True)
                 combine = latent_mla_combine_aot_kernel("bfloat16", MLA_V)
@@ -545,7 +550,7 @@ def mla_rows() -> list[Row]:
                 rows.append(Row("mla", "AOT", shape, launches, nbytes, flops, note=f"{splits} splits",
                                 case={"kernel": "aot:latent_mla", **case}))
                 # JIT: the same kernels launched by latent_mla.
-                launches = [Launch(jit_variant("mla_decode_bf16_splits_v512_r64"), grid, trips, step, useful,
+                launches = [Launch(jit_variant(f"mla_{mode}_bf16_splits_v512_r64"), grid, trips, step, useful,
                                    unit="FLOP", programs=programs),
                             Launch(jit_variant("mla_combine_bf16_v512"), combine_grid, combine_trips)]
                 rows.append(Row("mla", "JIT", shape, launches, nbytes, flops, note=f"{splits} splits",

@@ -37,15 +37,25 @@ class _Tiles(NamedTuple):
 
 # Decode: a program's 16 product rows are 16 heads of one token (12 heads a rank fill 12, 96 heads take
 # 6 programs), so each block of cache rows is loaded once (cp.async, two stages) and multiplied on tensor
-# cores (mma.sync) for all of them. At the published widths in half precision: 128 registers, 37,376 B of
+# cores (mma.sync) for all of them. At the published widths in half precision: 158-176 registers, 37,376 B of
 # shared memory (within the 48 KB a launch gets: three stages take 55,808 B), no spills, sm_90a and sm_100a.
 DECODE = _Tiles(block_t=1, block_h=16, block_s=16, num_warps=4)
+# More heads than one block (96 unsplit: 6 programs a row and split, each running the whole loop for a cache
+# block their loads share), in half precision: the same tile on 2 warps, each warp 8 cache rows of the
+# scores and 256 value columns, where 4 warps split 16 cache rows four ways and so compute each score
+# twice. 0.058 SASS a FLOP in the loop against 0.085 (tools/kernel_estimate.py), 255 registers, no spills;
+# at 12 heads 4 warps stay, since a batch-1 row's few programs (one a SM) issue from 4 warps, not 2. A
+# 64-head tile on wgmma (FlashMLA's) needs q's 64 x 576 block in shared memory, 73,728 B, over the 48 KB an
+# AOT launch gets.
+DECODE_MANY_HEADS = DECODE._replace(num_warps=2)
+# Float32 (any head count) on 8 warps: at 4 its FMA products spill at the published width.
+DECODE_FLOAT32 = DECODE._replace(num_warps=8)
 # Prefill (the JIT plugin, T > DECODE_MAX_T): 16 tokens of one head, 8 warps in every dtype (16 warps spill
 # float32 at the published width with two stages).
 PREFILL = _Tiles(block_t=16, block_h=1, block_s=16, num_warps=8)
 DECODE_MAX_T = 16
 # Each split takes at least SPLIT_ROWS of a row's visible cache rows. The split count is chosen per shape
-# (`split_count`): enough programs for SPLIT_PROGRAMS, two on each of an H100's 132 SMs (at 4 a SM by
+# (`split_count`): at most SPLIT_PROGRAMS programs, two on each of an H100's 132 SMs (3-4 fit a SM by
 # registers, so every SM keeps at least two blocks of cache rows in flight).
 SPLIT_ROWS = 256
 SPLIT_PROGRAMS = 2 * 132
@@ -56,6 +66,52 @@ COMBINE_SPLITS = 16
 COMBINE_WARPS = 4
 # (value block, rope block) of the presets: v_dim 32 / 128 / 512 with rope 16 / 32 / 64.
 BLOCK_DIMS = ((32, 16), (128, 32), (512, 64))
+
+
+@triton.jit
+def _attend_block(q, kv_row0, row, mask_m, q_v, q_r, offs_o, mask_o, offs_r, mask_r, s0, hi, last, scale, m_i,
+                  l_i, acc, D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BDV: tl.constexpr,
+                  BDO: tl.constexpr, V_SLICES: tl.constexpr, MASKED: tl.constexpr):
+    # One block of BLOCK_S cache rows from s0 for the program's rows: the online softmax's running max m_i,
+    # sum l_i and output acc updated. MASKED: rows from hi on and those past a query's own (`last`) are
+    # not read and weigh 0; else every row of the block is visible to every query (no row masks).
+    cols = s0 + tl.arange(0, BLOCK_S)
+    kv_rows = kv_row0 + cols[:, None] * D
+    mask_s = cols < hi
+    if MASKED:
+        mask_ko, mask_kr = mask_s[:, None] & mask_o[None, :], mask_s[:, None] & mask_r[None, :]
+    else:
+        mask_ko, mask_kr = mask_o[None, :], mask_r[None, :]
+    # Cache rows in q's dtype: the AOT plugin gets kv in its own dtype (latent_mla casts it first).
+    kv_o = tl.load(kv_rows + offs_o[None, :], mask=mask_ko, other=0.0).to(q.dtype.element_ty)
+    kv_r = tl.load(kv_rows + offs_r[None, :], mask=mask_kr, other=0.0).to(q.dtype.element_ty)
+    scores = tl.dot(q_r, tl.trans(kv_r), input_precision="ieee")
+    if V_SLICES == 1:
+        scores = tl.dot(q_v, tl.trans(kv_o), scores, input_precision="ieee")
+    else:
+        for c0 in range(0, BDV, BDO):  # a runtime loop, so that its slices share one buffer
+            offs_c = c0 + tl.arange(0, BDO)
+            mask_c = offs_c < V_DIM
+            q_c = tl.load(q + row[:, None] * D + offs_c[None, :], mask=mask_m[:, None] & mask_c[None, :],
+                          other=0.0)
+            mask_kc = mask_s[:, None] & mask_c[None, :] if MASKED else mask_c[None, :]
+            kv_c = tl.load(kv_rows + offs_c[None, :], mask=mask_kc, other=0.0).to(q.dtype.element_ty)
+            scores = tl.dot(q_c, tl.trans(kv_c), scores, input_precision="ieee")
+    if MASKED:
+        visible = mask_s[None, :] & (cols[None, :] <= last[:, None])
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row that has seen no visible key keeps m = -inf: shift it by 0 so exp gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        scores = scores * scale
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_shift = m_new  # finite: every row of the block is visible
+    p = tl.exp(scores - m_shift[:, None])
+    alpha = tl.exp(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(kv_o.dtype), kv_o, acc * alpha[:, None], input_precision="ieee")
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -97,6 +153,7 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, split_rows, scale, D: tl.c
     # shared memory a launch gets): the value columns are taken BDO at a time, one pass over the cache each,
     # the scores formed a slice of columns at a time.
     BDO: tl.constexpr = BDV // V_SLICES
+    q_v = None  # V_SLICES > 1 loads it a slice at a time
     if V_SLICES == 1:
         offs_v = tl.arange(0, BDV)
         mask_v = mask_m[:, None] & (offs_v < V_DIM)[None, :]
@@ -105,43 +162,26 @@ def _mla_attn_kernel(q, kv, lengths, o, lse, T, C, H, split_rows, scale, D: tl.c
     mask_r = offs_r < D
     q_r = tl.load(q + row[:, None] * D + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     kv_row0 = kv + i_b.to(tl.int64) * C * D
+    # A decode tile's one query sees every row of [lo, hi): in half precision its whole blocks take no row
+    # masks (`_attend_block`'s MASKED: about a sixth of the loop's instructions), only the last partial
+    # one. Prefill tiles (a causal band) and float32 mask every block: two loops made ptxas spill there.
+    UNMASKED: tl.constexpr = BLOCK_T == 1 and q.dtype.element_ty != tl.float32
+    unmasked_end = lo + (hi - lo) // BLOCK_S * BLOCK_S if UNMASKED else lo
     for i_slice in tl.static_range(V_SLICES):
         offs_o = i_slice * BDO + tl.arange(0, BDO)  # the value columns of this pass
         mask_o = offs_o < V_DIM
         m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_T * BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_T * BLOCK_H, BDO], dtype=tl.float32)
-        for s0 in range(lo, hi, BLOCK_S):
-            cols = s0 + tl.arange(0, BLOCK_S)
-            mask_s = cols < hi
-            kv_rows = kv_row0 + cols[:, None] * D
-            # Cache rows in q's dtype: the AOT plugin gets kv in its own dtype (latent_mla casts it first).
-            kv_o = tl.load(kv_rows + offs_o[None, :], mask=mask_s[:, None] & mask_o[None, :],
-                           other=0.0).to(q.dtype.element_ty)
-            kv_r = tl.load(kv_rows + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :],
-                           other=0.0).to(q.dtype.element_ty)
-            scores = tl.dot(q_r, tl.trans(kv_r), input_precision="ieee")
-            if V_SLICES == 1:
-                scores = tl.dot(q_v, tl.trans(kv_o), scores, input_precision="ieee")
-            else:
-                for c0 in range(0, BDV, BDO):  # a runtime loop, so that its slices share one buffer
-                    offs_c = c0 + tl.arange(0, BDO)
-                    mask_c = offs_c < V_DIM
-                    q_c = tl.load(q + row[:, None] * D + offs_c[None, :],
-                                  mask=mask_m[:, None] & mask_c[None, :], other=0.0)
-                    kv_c = tl.load(kv_rows + offs_c[None, :], mask=mask_s[:, None] & mask_c[None, :],
-                                   other=0.0).to(q.dtype.element_ty)
-                    scores = tl.dot(q_c, tl.trans(kv_c), scores, input_precision="ieee")
-            visible = mask_s[None, :] & (cols[None, :] <= last[:, None])
-            scores = tl.where(visible, scores * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # A row that has seen no visible key keeps m = -inf: shift it by 0 so exp gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_shift[:, None])
-            alpha = tl.exp(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(kv_o.dtype), kv_o, acc * alpha[:, None], input_precision="ieee")
-            m_i = m_new
+        if UNMASKED:
+            for s0 in range(lo, unmasked_end, BLOCK_S):
+                m_i, l_i, acc = _attend_block(q, kv_row0, row, mask_m, q_v, q_r, offs_o, mask_o, offs_r,
+                                              mask_r, s0, hi, last, scale, m_i, l_i, acc, D, V_DIM, BLOCK_S,
+                                              BDV, BDO, V_SLICES, False)
+        for s0 in range(unmasked_end, hi, BLOCK_S):
+            m_i, l_i, acc = _attend_block(q, kv_row0, row, mask_m, q_v, q_r, offs_o, mask_o, offs_r, mask_r,
+                                          s0, hi, last, scale, m_i, l_i, acc, D, V_DIM, BLOCK_S, BDV, BDO,
+                                          V_SLICES, True)
 
         # A query with no visible key in this split writes lse = -inf (weight 0 in the combine) and zeros.
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -190,14 +230,23 @@ def block_dims(D: int, v_dim: int) -> tuple[int, int]:
     return dims
 
 
+def decode_tiles(H: int, half: bool) -> _Tiles:
+    """The decode tile for H query heads, q in half precision (`half`) or float32."""
+    if not half:
+        return DECODE_FLOAT32
+    return DECODE_MANY_HEADS if DECODE.block_h < H else DECODE  # more heads than one block
+
+
 def split_count(B: Any, T: Any, H: Any) -> Any:
-    """How many splits each row's visible cache is divided into for q [B, T, H, D]: enough that the
-    decode tile's programs (B x T x head blocks of DECODE) times the splits reach SPLIT_PROGRAMS; 1 once
-    they do (prefill). The dims may be ints or a builder's shape expressions: only +, * and // with the
-    dimension on the left (ceil(a / u) = (u + a - 1) // u for a, u >= 1)."""
+    """How many splits each row's visible cache is divided into for q [B, T, H, D]: as many as keep the
+    decode tile's programs (B x T x head blocks of DECODE) times the splits at most SPLIT_PROGRAMS, at
+    least 1 (prefill): never over, since a third program on some SMs would take half as long again as the
+    two on the rest (96 heads at batch 8: 6 splits gave 288 programs). The dims may be ints or a builder's
+    shape expressions: only +, * and // with the dimension on the left."""
     bt, bh = DECODE.block_t, DECODE.block_h
     units = B * ((T + (bt - 1)) // bt) * ((H + (bh - 1)) // bh)
-    return (units + (SPLIT_PROGRAMS - 1)) // units
+    n = (units * 0 + SPLIT_PROGRAMS) // units  # floor(SPLIT_PROGRAMS / units), the constant as an expression
+    return (n * (n + 1) + 1) // (n + 1)  # max(n, 1): n for n >= 1, 1 for n = 0
 
 
 def _check_inputs(q: Tensor, kv: Tensor, cache_lengths: Tensor) -> None:
@@ -225,7 +274,7 @@ def latent_mla_splits(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, 
     kv = kv.to(q.dtype).contiguous()
     lengths = cache_lengths.to(torch.int64).contiguous()
     n_splits = 1 if lse is None else o_part.shape[0]
-    tiles = DECODE if T <= DECODE_MAX_T else PREFILL
+    tiles = decode_tiles(H, q.dtype != torch.float32) if T <= DECODE_MAX_T else PREFILL
     grid = (B * triton.cdiv(T, tiles.block_t), triton.cdiv(H, tiles.block_h), n_splits)
     _mla_attn_kernel[grid](q, kv, lengths, o_part, lse, T, kv.shape[2], H, SPLIT_ROWS, scale, D=D,
                            V_DIM=v_dim, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_S=tiles.block_s,
@@ -289,7 +338,9 @@ def kernel_variants() -> list[KernelVariant]:
     for dtype in DTYPES:
         for bdv, bdr in BLOCK_DIMS:
             D = bdv + bdr
-            for mode, tiles in (("decode", DECODE), ("prefill", PREFILL)):
+            decode = [("decode", DECODE_FLOAT32)] if dtype == "fp32" else [
+                ("decode", DECODE), ("decode_many_heads", DECODE_MANY_HEADS)]
+            for mode, tiles in [*decode, ("prefill", PREFILL)]:
                 for splits in (False, True):
                     name = f"mla_{mode}_{dtype}_{'splits' if splits else 'o'}_v{bdv}_r{bdr}"
                     variants.append(_attention_variant(name, dtype, splits, D, bdv, tiles))

@@ -98,10 +98,12 @@ from k3plugins.mla import (
     COMBINE_SPLITS,
     COMBINE_WARPS,
     DECODE,
+    DECODE_MANY_HEADS,
     SPLIT_ROWS,
     _mla_attn_kernel,
     _mla_combine_kernel,
     block_dims,
+    decode_tiles,
     split_count,
 )
 from k3plugins.moe import _tanh, _weight_tile
@@ -272,19 +274,19 @@ def _latent_mla_combine_aot_kernel(q, o_part, lse, n_rows, n_splits, o, V_DIM: t
     _mla_combine_kernel(o_part, lse, o, n_rows, n_splits, V_DIM, BLOCK_V, BLOCK_SPLITS)
 
 
-def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int, scale: float,
+def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int, scale: float, heads: int,
                           splits: bool = False) -> KernelVariant:
     """The AOT LatentMLA attention kernel for q in `dtype`, the cache in `kv_dtype` (cast to `dtype` as it
-    is loaded, as `latent_mla` does), head dim `head_dim`, value width `v_dim` and softmax `scale`: one
-    split writing o in `dtype` (k3::LatentMLA), or the splits' float32 partials and lse (`splits`:
-    k3::LatentMLASplits, combined by `latent_mla_combine_aot_kernel`'s node)."""
+    is loaded, as `latent_mla` does), head dim `head_dim`, value width `v_dim`, softmax `scale` and `heads`
+    query heads (the tile: `mla.decode_tiles`): one split writing o in `dtype` (k3::LatentMLA), or the
+    splits' float32 partials and lse (`splits`: k3::LatentMLASplits, combined by
+    `latent_mla_combine_aot_kernel`'s node)."""
     bdv, bdr = block_dims(head_dim, v_dim)
-    # The decode tile (mla.DECODE: 16 heads of a token share each block of cache rows) with two pipeline
-    # stages, and float32's value columns in slices of MLA_FP32_SLICE: within the 48 KB of dynamic shared
-    # memory a launch gets (DEFAULT_SHARED_BYTES) at the published widths on sm_90a and sm_100a (half
-    # precision 37,376 B; with three stages 55,808 B, and a whole 512-wide float32 block 73,728 B). Float32
-    # takes 8 warps: at 4 its FMA products spill at the published width (255 registers).
-    tiles = DECODE._replace(num_warps=8) if dtype == "float32" else DECODE
+    # The decode tile (16 heads of a token share each block of cache rows) with two pipeline stages, and
+    # float32's value columns in slices of MLA_FP32_SLICE: within the 48 KB of dynamic shared memory a
+    # launch gets (DEFAULT_SHARED_BYTES) at the published widths on sm_90a and sm_100a (half precision
+    # 37,376 B; with three stages 55,808 B, and a whole 512-wide float32 block 73,728 B).
+    tiles = decode_tiles(heads, half=dtype != "float32")
     value_slices = max(1, bdv // MLA_FP32_SLICE) if dtype == "float32" else 1
     t, t_kv = _TRITON_DTYPES[dtype], _TRITON_DTYPES[kv_dtype]
     outputs = {"o_part": "*fp32", "lse": "*fp32"} if splits else {"o": f"*{t}"}
@@ -295,7 +297,8 @@ def latent_mla_aot_kernel(dtype: str, kv_dtype: str, head_dim: int, v_dim: int, 
                   "V_SLICES": value_slices, **({"SPLIT_ROWS": SPLIT_ROWS} if splits else {})}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     fn = _latent_mla_splits_aot_kernel if splits else _latent_mla_aot_kernel
-    name = f"latent_mla_{'splits_' if splits else ''}aot_{t}_kv{t_kv}_d{head_dim}_v{v_dim}"
+    many = "_many_heads" if tiles == DECODE_MANY_HEADS else ""
+    name = f"latent_mla_{'splits_' if splits else ''}aot_{t}_kv{t_kv}_d{head_dim}_v{v_dim}{many}"
     return KernelVariant(name, fn, signature, constexprs, tiles.num_warps, tiles.num_stages)
 
 
@@ -462,7 +465,8 @@ def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
     """Every kernel the `aot_impl`s compile for a model `config` (a k3export.config.K3Config, read by
     attribute) whose MoE nodes hold `experts_held` experts, in each float dtype: KDA's prepare and
     recurrence nodes and its one-node form, LatentMLA's split and
-    combine nodes and its one-node form (the cache in the model's dtype), and the routed experts as float
+    combine nodes and its one-node form (the cache in the model's dtype; the tiles of a rank's few heads and
+    of all the model's heads, `mla.decode_tiles`), and the routed experts as float
     tensors and as MXFP4 words: one node, and grouped (the grouping; gate/up and down in both tactics'
     tiles)."""
     L, I = config.routed_expert_hidden_size, config.moe_intermediate_size
@@ -472,8 +476,9 @@ def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
         mla = (dtype, dtype, config.latent_dim, config.kv_lora_rank, scale)
         kernels += [kda_aot_kernel(dtype, config.linear_attn_config.head_dim),
                     *kda_two_node_aot_kernels(dtype, config.linear_attn_config.head_dim),
-                    latent_mla_aot_kernel(*mla),
-                    latent_mla_aot_kernel(*mla, splits=True), latent_mla_combine_aot_kernel(dtype, mla[3])]
+                    *{v.name: v for heads in (1, config.num_attention_heads) for splits in (False, True)
+                      for v in [latent_mla_aot_kernel(*mla, heads, splits)]}.values(),
+                    latent_mla_combine_aot_kernel(dtype, mla[3])]
         kernels += [routed_experts_aot_kernel(dtype, packed, L, I, experts_held, config.num_experts_per_token,
                                               0, config.activation_situ_beta,
                                               config.activation_situ_linear_beta)
@@ -644,7 +649,8 @@ def register(trt: Any) -> dict[str, Any]:
     @trtp.aot_impl("k3::LatentMLA")
     def latent_mla_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs, tactic: int) -> AotResult:
         head_dim = q.shape_expr[3].constant_value()  # the latent width: static
-        variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale)
+        heads = q.shape_expr[2].constant_value()  # the rank's heads: static
+        variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale, heads)
         grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr))
         return _aot_result(trtp, variant, grid, scalars)
 
@@ -667,7 +673,9 @@ def register(trt: Any) -> dict[str, Any]:
     def latent_mla_splits_aot(q, kv, cache_lengths, v_dim: int, scale: float, outputs,
                               tactic: int) -> AotResult:
         head_dim = q.shape_expr[3].constant_value()  # the latent width: static
-        variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale, splits=True)
+        heads = q.shape_expr[2].constant_value()  # the rank's heads: static
+        variant = latent_mla_aot_kernel(names[q.dtype], names[kv.dtype], head_dim, v_dim, scale, heads,
+                                        splits=True)
         grid, scalars = latent_mla_aot_launch(list(q.shape_expr), list(kv.shape_expr), splits=True)
         return _aot_result(trtp, variant, grid, scalars)
 

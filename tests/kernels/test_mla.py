@@ -138,7 +138,7 @@ def aot_latent_mla(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: int, sca
     scalars, outputs."""
     B, T, H, D = q.shape
     dtype, kv_dtype = (str(x.dtype).removeprefix("torch.") for x in (q, kv))
-    variant = latent_mla_aot_kernel(dtype, kv_dtype, D, v_dim, scale)
+    variant = latent_mla_aot_kernel(dtype, kv_dtype, D, v_dim, scale, H)
     grid, scalars = latent_mla_aot_launch(q.shape, kv.shape)
     o = q.new_empty(B, T, H, v_dim)
     variant.fn[grid](q, kv, cache_lengths, *scalars, o, **variant.constexprs, num_warps=variant.num_warps)
@@ -150,7 +150,7 @@ def aot_latent_mla_splits(q: Tensor, kv: Tensor, cache_lengths: Tensor, v_dim: i
     partials a tensor between them of the shape the split node declares."""
     B, T, H, D = q.shape
     dtype, kv_dtype = (str(x.dtype).removeprefix("torch.") for x in (q, kv))
-    variant = latent_mla_aot_kernel(dtype, kv_dtype, D, v_dim, scale, splits=True)
+    variant = latent_mla_aot_kernel(dtype, kv_dtype, D, v_dim, scale, H, splits=True)
     grid, scalars = latent_mla_aot_launch(q.shape, kv.shape, splits=True)
     n_splits = grid[2]
     assert n_splits == mla.split_count(B, T, H)
@@ -193,13 +193,27 @@ def test_aot_split_and_combine(case: tuple, dtype: torch.dtype, monkeypatch: pyt
 
 
 def test_split_count_fills_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Splits per shape: B x T x head blocks x splits reaches SPLIT_PROGRAMS (264: two a SM on 132) at the
-    issue's decode shapes (12 heads a rank: one head block), and prefill takes one split."""
+    """Splits per shape: B x T x head blocks x splits as near SPLIT_PROGRAMS (264: two a SM on 132) as it
+    goes without passing it, at the issue's decode shapes (12 heads a rank: one head block; 96: six), and
+    one split where the programs alone pass it (prefill, 96 heads at batch 64)."""
     assert GPU_SPLIT_PROGRAMS == 264
     monkeypatch.setattr(mla, "SPLIT_PROGRAMS", GPU_SPLIT_PROGRAMS)
     assert mla.split_count(1, 1, 12) == 264  # batch 1
     assert mla.split_count(8, 1, 12) == 33  # batch 8: 264 programs
-    assert mla.split_count(64, 1, 12) == 5  # batch 64: 320
-    assert mla.split_count(8, 1, 96) == 6  # 96 heads: 6 head blocks, 288
-    assert mla.split_count(8, 5, 12) == 7  # a verify call of 5 tokens: 280
+    assert mla.split_count(64, 1, 12) == 4  # batch 64: 256
+    assert mla.split_count(8, 1, 96) == 5  # 96 heads: 6 head blocks, 240
+    assert mla.split_count(1, 1, 96) == 44  # 264
+    assert mla.split_count(64, 1, 96) == 1  # 384 programs unsplit
+    assert mla.split_count(8, 5, 12) == 6  # a verify call of 5 tokens: 240
     assert mla.split_count(1, 8192, 12) == 1
+
+
+def test_many_heads_take_the_two_warp_tile() -> None:
+    """96 heads in half precision run the 2-warp decode tile (each score computed once), 12 heads the
+    4-warp one, float32 8 warps at any head count; the AOT split kernel follows the node's head count."""
+    assert mla.decode_tiles(96, half=True) == mla.DECODE_MANY_HEADS
+    assert mla.decode_tiles(12, half=True) == mla.DECODE
+    assert mla.decode_tiles(96, half=False) == mla.decode_tiles(12, half=False) == mla.DECODE_FLOAT32
+    args = (576, 512, 0.1)
+    assert [latent_mla_aot_kernel(dtype, dtype, *args, heads, splits=True).num_warps
+            for dtype, heads in (("bfloat16", 96), ("bfloat16", 12), ("float32", 96))] == [2, 4, 8]
