@@ -520,7 +520,9 @@ def mla_rows() -> list[Row]:
 
     # Whole blocks of rows every query sees, then the masked rest (the last partial block).
     step, tail = "for s0 in range(lo, unmasked_end, BLOCK_S)", "for s0 in range(unmasked_end, hi, BLOCK_S)"
-    combine_step = "for s0 in range(0, n_splits, BLOCK_SPLITS)"  # its two loops: the max, then the sum
+    # The combine's two loops: the max over every split's lse, then the sum over the splits holding rows.
+    combine_max, combine_sum = ("for s0 in range(0, n_splits, BLOCK_SPLITS)",
+                                "for s0 in range(0, n_live, BLOCK_SPLITS)")
     rows = []
     for heads in (MLA_HEADS // RANKS, MLA_HEADS):
         tiles = decode_tiles(heads, half=True)
@@ -536,8 +538,10 @@ def mla_rows() -> list[Row]:
                 head_blocks = cdiv(heads, DECODE.block_h)
                 useful = 2 * DECODE.block_s * min(heads, DECODE.block_h) * (MLA_D + MLA_V)
                 trips = {step: split_len // DECODE.block_s, tail: int(split_len % DECODE.block_s > 0)}
-                programs = batch * head_blocks * cdiv(cache, split_len)
-                combine_trips = {combine_step: cdiv(splits, COMBINE_SPLITS)}
+                live = cdiv(cache, split_len)  # splits holding rows
+                programs = batch * head_blocks * live
+                combine_trips = {combine_max: cdiv(splits, COMBINE_SPLITS),
+                                 combine_sum: cdiv(live, COMBINE_SPLITS)}
                 # AOT: k3::LatentMLASplits then k3::LatentMLACombine, two nodes.
                 attn = latent_mla_aot_kernel("bfloat16", "bfloat16", MLA_D, MLA_V, MLA_SCALE, heads,
                                              splits=True)

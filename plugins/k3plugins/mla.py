@@ -197,20 +197,26 @@ def _mla_combine_kernel(o_part, lse, o, n_rows, n_splits, V_DIM: tl.constexpr, B
                         BLOCK_SPLITS: tl.constexpr):
     # Program (one query and head row, BLOCK_V value columns): the splits' partial outputs weighted by
     # exp(lse - max lse), BLOCK_SPLITS splits a step; the largest lse first, so that no weight overflows.
+    # A query's splits with no row it sees (lse = -inf) are its last ones: split s starts at s x the split's
+    # length, and a query that sees no row from there sees none further on. So the weighted sum stops at the
+    # first of them (a short cache at batch 1: 16 of 264 splits hold rows at 4K).
     r = tl.program_id(0).to(tl.int64)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V_DIM
     offs_s = tl.arange(0, BLOCK_SPLITS)
     m = tl.full([BLOCK_SPLITS], float("-inf"), dtype=tl.float32)
+    live = tl.zeros([BLOCK_SPLITS], dtype=tl.int32)
     for s0 in range(0, n_splits, BLOCK_SPLITS):
-        m = tl.maximum(m, tl.load(lse + (s0 + offs_s) * n_rows + r, mask=s0 + offs_s < n_splits,
-                                  other=float("-inf")))
+        lse_s = tl.load(lse + (s0 + offs_s) * n_rows + r, mask=s0 + offs_s < n_splits, other=float("-inf"))
+        m = tl.maximum(m, lse_s)
+        live += (lse_s > float("-inf")).to(tl.int32)
     m_max = tl.max(m, axis=0)  # finite: every query sees at least its own row
+    n_live = tl.sum(live, axis=0)
     l_sum = tl.zeros([BLOCK_SPLITS], dtype=tl.float32)
     acc = tl.zeros([BLOCK_SPLITS, BLOCK_V], dtype=tl.float32)
-    for s0 in range(0, n_splits, BLOCK_SPLITS):
+    for s0 in range(0, n_live, BLOCK_SPLITS):
         splits = s0 + offs_s
-        lse_s = tl.load(lse + splits * n_rows + r, mask=splits < n_splits, other=float("-inf"))
+        lse_s = tl.load(lse + splits * n_rows + r, mask=splits < n_live, other=float("-inf"))
         # A part with lse = -inf has weight 0 and may never have been written: it is not read.
         part = tl.load(o_part + (splits * n_rows + r)[:, None] * V_DIM + offs_v[None, :],
                        mask=(lse_s > float("-inf"))[:, None] & mask_v[None, :], other=0.0)

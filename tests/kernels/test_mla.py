@@ -120,6 +120,15 @@ def test_decode_splits_without_visible_rows(monkeypatch: pytest.MonkeyPatch) -> 
     check(3, 16, 2, 200, 48, 32, (84, 0, 184), torch.float32)
 
 
+def test_combine_stops_at_a_rows_first_empty_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 splits of at least 8 rows: a row at 200 fills 19 (two of the combine's 16-split steps), one at 30
+    fills 4 and leaves 16 empty; the combine's weighted sum stops at each row's first empty split."""
+    monkeypatch.setattr(mla, "SPLIT_PROGRAMS", 40)
+    monkeypatch.setattr(mla, "SPLIT_ROWS", 8)
+    assert mla.split_count(2, 1, 3) == 20
+    check(2, 1, 3, 220, 48, 32, (200, 30), torch.float32)
+
+
 def test_writes_into_given_output() -> None:
     q, kv, cache_lengths = inputs(2, 1, 3, 300, 48, (5, 290), torch.float32)
     out = torch.full((2, 1, 3, 32), float("nan"))
