@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from test_gpu_check import tool
 
+import k3plugins
 from k3plugins.variants import KernelVariant
 
 kernel_estimate = tool("kernel_estimate")
@@ -105,3 +106,18 @@ def test_the_moe_rows_routing_puts_two_slots_of_each_token_on_the_rank() -> None
     counts = [sum(e == x for h in held for e in h) for x in range(kernel_estimate.MOE_HELD)]
     assert min(counts) == max(counts) == 2  # spread evenly over the rank's experts
     assert math.isclose(kernel_estimate.MXFP4_BYTES * 32, 17)
+
+
+def test_the_kda_step_sums_within_a_warp(cache: Path) -> None:
+    """The decode step at the published widths (bf16, K = V = 128) as the JIT plugin (recurrent_kda) and
+    KDAChunkRecurrence's AOT kernel compile it for sm_90a: its sums over the key channels are in-thread adds
+    and shuffles between the lanes along K, so a token's step has no barrier and at most 3 shuffles a sum (the
+    three sums over 8 or 4 lanes). With Triton's own layout for the state it had 11-17 barriers and 24-27
+    shuffles."""
+    from k3plugins import trt_aot
+
+    jit = next(v for v in k3plugins.kernel_variants() if v.name == "recurrent_kda_bf16_k128")
+    for variant in (jit, trt_aot.kda_two_node_aot_kernels("bfloat16", 128)[1]):
+        analysis = kernel_estimate.analyse(variant, "sm90")
+        step = analysis.loops[analysis.loop("for t in range(T)")].own
+        assert step.get("BAR", 0) == 0 and 0 < step["SHFL"] <= 9, (variant.name, step)

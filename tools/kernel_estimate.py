@@ -624,8 +624,9 @@ def kda_recurrent_launches(tokens: int, heads: int) -> list[Launch]:
     from k3plugins import kda
 
     loop = "for t in range(T)"
-    return [Launch(jit_variant("recurrent_kda_bf16_k128"), (heads, cdiv(KDA_V, kda.BLOCK_V)), {loop: tokens},
-                   loop, 7 * KDA_K * kda.BLOCK_V, "FLOP", chain=loop)]
+    grid = (heads, cdiv(KDA_V, kda.STEP_BLOCK_V))
+    return [Launch(jit_variant("recurrent_kda_bf16_k128"), grid, {loop: tokens}, loop,
+                   7 * KDA_K * kda.STEP_BLOCK_V, "FLOP", chain=loop)]
 
 
 def kda_chunk_launches(tokens: int, heads: int, prepare: KernelVariant,

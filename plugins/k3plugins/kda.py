@@ -41,8 +41,12 @@ BLOCK_KS = (32, 64, 128)
 # The head dims, compiled as multiples of 16 as Triton's JIT specialises them at every preset's widths: the
 # token rows' offsets are then aligned, so the loads vectorise (and can be pipelined with cp.async).
 HEAD_DIMS = ("K", "V")
-# Value columns a program of the recurrent kernel holds, and a step of the prepare kernel's U = UT V.
+# Value columns a step of the prepare kernel's U = UT V takes.
 BLOCK_V = 32
+# The recurrent kernel (decode): value columns a program and warps. 16 columns and 4 warps put 8 lanes on the
+# key channels (16 state elements a thread at K = 128, 3 shuffles a sum) and 96 programs on 12 heads at
+# batch 1, where 32 columns would leave 84 of 132 SMs idle (tools/kernel_estimate.py).
+STEP_BLOCK_V, STEP_WARPS = 16, 4
 # Value columns a program of the chunk recurrence holds, and its pipeline stages (2: the next chunk's tiles
 # fetched with cp.async during this chunk's products): as many columns as fit without spilling on sm_90a at
 # 8 warps and K = 128 (tests/test_aot.py): 64 with products in float16 / bfloat16 (228 registers; 128
@@ -54,6 +58,7 @@ _DTYPE_NAMES = dict(zip((torch.float32, torch.float16, torch.bfloat16), DTYPES, 
 STEEP_GATE = tl.constexpr(80.0)
 # Key channels a factored score product takes at once.
 SCORE_COLUMNS = tl.constexpr(16)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -76,31 +81,51 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _kda_step(S, q, k, v, g, beta, o, tok, K, V, offs_k, offs_v, mask_k, mask_v):
-    """One token (row `tok` of the [B * T * H] token-heads) on the program's [BK, BV] block of the state:
-    stores o_t and returns the new block. o_t = S_new^T q = S^T q + beta (k.q) u with S the decayed state,
-    so the three sums over the key channels (S^T k, S^T q, k.q) are one reduction in the step's dependent
-    chain, one exchange between warps (sm_90a, bf16, 8 warps: 5 barriers a token, 11 as three sums)."""
-    b_q = tl.load(q + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_g = tl.load(g + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + tok * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + tok).to(tl.float32)
-    S = S * tl.exp(b_g)[:, None]
-    kq = tl.broadcast_to((b_k * b_q)[:, None], S.shape)  # the same k.q in every column: one reduction
-    sk, sq, kq = tl.reduce((S * b_k[:, None], S * b_q[:, None], kq), 0, _add3)
-    u = b_v - sk
-    tl.store(o + tok * V + offs_v, (sq + b_beta * kq * u).to(o.dtype.element_ty), mask=mask_v)
-    return S + (b_beta * b_k)[:, None] * u[None, :]
-
-
-@triton.jit
 def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
-                          BK: tl.constexpr, BV: tl.constexpr):
-    """Token by token, the program's [BK, BV] block of the state in registers: read once, written once."""
-    i_b, i_h, offs_k, offs_v, mask_k, mask_v, s_offs, mask_s, S = _state_block(h0, H, K, V, BK, BV)
+                          BK: tl.constexpr, BV: tl.constexpr, LANES_K: tl.constexpr):
+    """Token by token, the program's [BK, BV] block of the state in registers: read once, written once.
+
+    The block is held as [LANES_K, BV, BK // LANES_K], key channel k_lo * (BK // LANES_K) + k_hi: one value
+    column a thread, LANES_K lanes along the key channels, the warps along the value columns (BV * LANES_K =
+    32 * num_warps). So the step's sums over the key channels are in-thread adds and log2(LANES_K) shuffles,
+    never an exchange between warps: no barrier in the dependent chain. Triton's coalescing would give the
+    token rows (contiguous along K) a layout of their own and convert them to the state's through shared
+    memory each step; their pointers are therefore declared non-contiguous (tl.max_contiguous 1), which
+    leaves the axes in order: the layout above. The state is read in its own coalesced layout (16-byte
+    loads) and converted once, outside the token loop.
+    A step: S <- diag(exp(g)) S; u = v - S^T k; o = S_new^T q = S^T q + beta (k.q) u (the three sums over
+    the key channels one reduction); S <- S + k (beta u)^T."""
+    K_HI: tl.constexpr = BK // LANES_K
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    lanes = tl.arange(0, LANES_K)[:, None, None]
+    keys = lanes * K_HI + tl.arange(0, K_HI)[None, None, :]
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)[None, :, None]
+    # Zeros the compiler cannot fold away, so that the token rows' offsets keep the block's 3-D shape (and
+    # with it the layout) under the hint.
+    zero_k, zero_v = tl.where(lanes < 0, lanes, 0), tl.where(cols < 0, cols, 0)
+    mask_s = (keys < K) & (cols < V)
+    mask_v = cols < V
+    h0 += i_bh * K * V
+    ht += i_bh * K * V
+    s_offs = keys * V + cols
+    S = tl.load(h0 + s_offs, mask=mask_s, other=0.0)
     for t in range(T):
-        S = _kda_step(S, q, k, v, g, beta, o, (i_b * T + t) * H + i_h, K, V, offs_k, offs_v, mask_k, mask_v)
+        tok = (i_b * T + t) * H + i_h
+        tk = tl.max_contiguous(tok * K + keys + zero_v, [1, 1, 1])
+        tv = tl.max_contiguous(tok * V + cols + zero_k, [1, 1, 1])  # [LANES_K, BV, 1]: v in every lane
+        b_q = tl.load(q + tk, mask=mask_s, other=0.0).to(tl.float32)
+        b_k = tl.load(k + tk, mask=mask_s, other=0.0).to(tl.float32)
+        b_g = tl.load(g + tk, mask=mask_s, other=0.0)
+        b_v = tl.load(v + tv, mask=mask_v, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + tok)
+        S = S * tl.math.exp2(b_g * LOG2E)  # ex2 of the decay, without exp's denormal handling: 3 SASS less
+        sk, sq, kq = tl.reduce((S * b_k, S * b_q, b_k * b_q), 2, _add3, keep_dims=True)
+        sk, sq, kq = tl.reduce((sk, sq, kq), 0, _add3, keep_dims=True)
+        beta_u = b_beta * (b_v - sk)  # one product a column, not one a state element
+        # One lane of each column stores it.
+        tl.store(o + tv, (sq + kq * beta_u).to(o.dtype.element_ty), mask=mask_v & (lanes == 0))
+        S = S + b_k * beta_u
     tl.store(ht + s_offs, S, mask=mask_s)
 
 
@@ -289,6 +314,12 @@ def _kda_chunk_recurrence_kernel(qg, kt, w, u, a_qk, decay_last, h0, o, ht, T, H
     tl.store(ht + s_offs, S, mask=mask_s)
 
 
+def step_lanes(block_v: int, num_warps: int) -> int:
+    """The recurrent kernel's lanes along the key channels for `block_v` value columns a program on
+    `num_warps` warps: the warps' 32 lanes each, shared out one value column a lane."""
+    return 32 * num_warps // block_v
+
+
 class _Kernel(NamedTuple):
     fn: triton.JITFunction
     blocks: dict[str, int]  # constexpr block sizes, bar BK (every kernel is built per padded head dim BK)
@@ -300,7 +331,8 @@ class _Kernel(NamedTuple):
                       num_stages=self.num_stages)
 
 
-RECURRENT = _Kernel(_recurrent_kda_kernel, {"BV": BLOCK_V}, num_warps=4)
+RECURRENT = _Kernel(_recurrent_kda_kernel,
+                    {"BV": STEP_BLOCK_V, "LANES_K": step_lanes(STEP_BLOCK_V, STEP_WARPS)}, STEP_WARPS)
 PREPARE = _Kernel(_kda_prepare_kernel, {"BT": CHUNK_SIZE, "BV": BLOCK_V}, num_warps=4)
 # One recurrence per dtype: its value columns and stages depend on the products' precision.
 RECURRENCE = {dtype: _Kernel(_kda_chunk_recurrence_kernel, {"BT": CHUNK_SIZE, "BV": bv}, num_warps=8,
@@ -344,7 +376,7 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     h0 = initial_state.float().contiguous()
     o, ht = _outputs(v, h0, o, final_state)
-    RECURRENT.launch((B * H, triton.cdiv(V, BLOCK_V)), q, k, v, g, beta, h0, o, ht, T, H, K, V,
+    RECURRENT.launch((B * H, triton.cdiv(V, STEP_BLOCK_V)), q, k, v, g, beta, h0, o, ht, T, H, K, V,
                      BK=_block_k(K))
     return o, ht
 

@@ -131,18 +131,19 @@ KDA_STEP_TOKENS = 4
 
 @triton.jit
 def _kda_aot_chunk_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, STEP_TOKENS: tl.constexpr):
+                          BV: tl.constexpr, LANES_K: tl.constexpr, STEP_TOKENS: tl.constexpr):
     # One AOT kernel serves every profile (aot_impl sees T only as a symbol), so the call's T picks the path
     # at run time: decode and short verify calls step the recurrence, reading and writing the state once.
     if T <= STEP_TOKENS:
-        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV)
+        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K)
     else:
         _fused_chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BT, BK, BV)
 
 
 @triton.jit
-def _kda_aot_recurrent_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BK: tl.constexpr, BV: tl.constexpr):
-    _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV)
+def _kda_aot_recurrent_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BK: tl.constexpr, BV: tl.constexpr,
+                              LANES_K: tl.constexpr):
+    _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K)
 
 
 def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
@@ -159,11 +160,14 @@ def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
     signature = {"q": f"*{t}", "k": f"*{t}", "v": f"*{t}", "g": "*fp32", "beta": "*fp32", "h0": "*fp32",
                  "T": "i32", "H": "i32", "K": "i32", "V": "i32", "o": f"*{t}", "ht": "*fp32"}
     if dtype == "float32":
-        fn, constexprs, num_warps = _kda_aot_recurrent_kernel, {"BK": block_k, "BV": BLOCK_V}, 4
+        # 8 warps: 32 state elements a thread at K = 128 (at 4, 64 of them spill).
+        fn, num_warps = _kda_aot_recurrent_kernel, 8
+        constexprs = {"BK": block_k, "BV": BLOCK_V, "LANES_K": kda.step_lanes(BLOCK_V, num_warps)}
     else:
         # 8 warps: at 4 the chunk's tiles spill (255 registers either way).
         fn, num_warps = _kda_aot_chunk_kernel, 8
-        constexprs = {"BT": KDA_CHUNK, "BK": block_k, "BV": BLOCK_V, "STEP_TOKENS": KDA_STEP_TOKENS}
+        constexprs = {"BT": KDA_CHUNK, "BK": block_k, "BV": BLOCK_V,
+                      "LANES_K": kda.step_lanes(BLOCK_V, num_warps), "STEP_TOKENS": KDA_STEP_TOKENS}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     # The model's KDA heads are head_dim wide in q, k and v: at a multiple of 16 (every preset) the token
     # rows' offsets are aligned and the loads vectorise.
@@ -191,11 +195,11 @@ def _kda_prepare_aot_kernel(q, k, v, g, beta, T, H, K, V, qg, kt, w, u, a_qk, de
 @triton.jit
 def _kda_chunk_recurrence_aot_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, h0, T, H, K, V, o, ht,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                     STEP_TOKENS: tl.constexpr):
+                                     LANES_K: tl.constexpr, STEP_TOKENS: tl.constexpr):
     # As _kda_aot_chunk_kernel, T picks the path at run time: decode and short verify calls step the
     # recurrence from the token inputs (the state read and written once), longer calls walk the terms.
     if T <= STEP_TOKENS:
-        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV)
+        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K)
     else:
         _kda_chunk_recurrence_kernel(qg, kt, w, u, a_qk, decay_last, h0, o, ht, T, H, K, V, BT, BK, BV)
 
@@ -213,7 +217,9 @@ def kda_two_node_aot_kernels(dtype: str, head_dim: int) -> tuple[KernelVariant, 
     recurrence_kernel = kda.RECURRENCE[t]
     common = {"BT": KDA_CHUNK, "BK": block_k, "STEP_TOKENS": KDA_STEP_TOKENS}
     prepare_constexprs = {**common, "BV": kda.PREPARE.blocks["BV"]}
-    recurrence_constexprs = {**common, "BV": recurrence_kernel.blocks["BV"]}
+    block_v = recurrence_kernel.blocks["BV"]
+    recurrence_constexprs = {**common, "BV": block_v,
+                             "LANES_K": kda.step_lanes(block_v, recurrence_kernel.num_warps)}
     # Every preset's head_dim is a multiple of 16: the token rows' loads vectorise.
     aligned = ("K", "V") if head_dim % 16 == 0 else ()
     prepare = KernelVariant(f"kda_prepare_aot_{t}_k{block_k}", _kda_prepare_aot_kernel,
