@@ -446,10 +446,7 @@ def moe_grouped_launches(mode: str, tokens: int, counts: dict[int, int], aot: bo
     from k3plugins import moe
     from k3plugins.trt_aot import GROUPED_TACTICS, grouped_experts_aot_kernels
 
-    tiles = moe.tile_choices(_torch_bf16(), packed=True)[mode]
     pairs = tokens * MOE_TOP_K
-    used = sum(cdiv(n, tiles.block_p) for n in counts.values())  # tiles of the rank's own pairs
-    bound = moe.max_tiles(pairs, MOE_HELD, tiles.block_p)
     scan = cdiv(pairs, moe.GROUP_BLOCK)
     scans = {"for p0 in range(0, num_pairs, BLOCK)": scan, "for q0 in range(0, num_pairs, BLOCK)": scan}
     if aot:
@@ -459,14 +456,19 @@ def moe_grouped_launches(mode: str, tokens: int, counts: dict[int, int], aot: bo
                                                     tactic)
     else:
         group = moe.group_variant()
-        gate_up, down = moe.grouped_variants("bf16", True, tiles, mode)
+        gate_up, down = moe.grouped_variants("bf16", True, moe.tile_choices(_torch_bf16(), packed=True)[mode],
+                                             mode)
     launches = [Launch(group, (MOE_HELD + 1,), scans)]
+    # Each kernel's tile as compiled: a gate/up program's product has BLOCK_W rows of w1 and BLOCK_W of w3.
     products = ((gate_up, MOE_I, MOE_L, "L", 2), (down, MOE_L, MOE_I, "I", 1))
     for variant, rows, reduce, width, matrices in products:
-        columns = cdiv(rows, tiles.block_w)
+        block_p, block_w, block_k = (variant.constexprs[k] for k in ("BLOCK_P", "BLOCK_W", "BLOCK_K"))
+        used = sum(cdiv(n, block_p) for n in counts.values())  # tiles of the rank's own pairs
+        columns = cdiv(rows, block_w)
         loop = f"for k0 in range(0, {width}, BLOCK_K)"
-        launches.append(Launch(variant, (bound, columns), {loop: cdiv(reduce, tiles.block_k)}, loop,
-                               matrices * tiles.block_w * tiles.block_k, programs=used * columns))
+        launches.append(Launch(variant, (moe.max_tiles(pairs, MOE_HELD, block_p), columns),
+                               {loop: cdiv(reduce, block_k)}, loop, matrices * block_w * block_k,
+                               programs=used * columns))
     launches.append(Launch(moe.combine_variant(), (tokens, cdiv(MOE_L, moe.COMBINE_BLOCK)),
                            {"for j in range(TOP_K)": MOE_TOP_K}))
     return launches

@@ -51,25 +51,37 @@ MXFP4_GROUP = 32  # inputs per E8M0 scale
 
 
 class Tiles(NamedTuple):
-    block_p: int  # (token, slot) pairs per program, all of one expert: the narrow side of the products
-    block_w: int  # weight rows (output columns) per program: the wide side, where wgmma's 64 rows go
+    block_p: int  # (token, slot) pairs per program, all of one expert: the narrow side of the product
+    block_w: int  # output columns per program (gate/up's product has their rows of w1 and of w3: twice as
+    #               many weight rows): the wide side, where wgmma's 64 rows go
     block_k: int  # reduction step (a multiple of 32 for MXFP4's scale groups)
     num_warps: int
     num_stages: int
 
 
+class KernelTiles(NamedTuple):
+    """A mode's tiles: gate/up's and down's."""
+    gate_up: Tiles
+    down: Tiles
+
+
 # The weights are the products' wide (M) side and the pairs the narrow one (16, the least tl.dot takes):
 # at decode an expert has a pair or two, and the weight rows fill wgmma's 64-row tiles. Prefill takes 64
 # pairs. Two stages, within the 48 KB of dynamic shared memory an AOT launch gets
-# (trt_aot.DEFAULT_SHARED_BYTES; gate/up stages two weight tiles). float32 runs "ieee" FMA dots, whose
-# operands sit in registers: short K steps. Sized so that no variant spills on sm_90a (tests/test_aot.py).
-DECODE = Tiles(block_p=16, block_w=64, block_k=64, num_warps=4, num_stages=2)
-PREFILL = Tiles(block_p=64, block_w=128, block_k=32, num_warps=8, num_stages=2)
-DECODE_FP32 = Tiles(block_p=16, block_w=64, block_k=16, num_warps=4, num_stages=2)
-PREFILL_FP32 = Tiles(block_p=32, block_w=32, block_k=16, num_warps=4, num_stages=2)
-# MXFP4 experts on tensor cores: a K step is 8 products of one code of each word (_expert_step), 16 inputs
-# each (the least tl.dot takes).
-PACKED_BLOCK_K = 128
+# (trt_aot.DEFAULT_SHARED_BYTES). float32 runs "ieee" FMA dots, whose operands sit in registers: short K
+# steps. Sized so that no variant spills on sm_90a or sm_100a (tests/test_aot.py).
+DECODE = KernelTiles(*[Tiles(block_p=16, block_w=64, block_k=64, num_warps=4, num_stages=2)] * 2)
+PREFILL = KernelTiles(*[Tiles(block_p=64, block_w=128, block_k=32, num_warps=8, num_stages=2)] * 2)
+DECODE_FP32 = KernelTiles(*[Tiles(block_p=16, block_w=64, block_k=16, num_warps=4, num_stages=2)] * 2)
+PREFILL_FP32 = KernelTiles(*[Tiles(block_p=32, block_w=32, block_k=16, num_warps=4, num_stages=2)] * 2)
+# MXFP4 experts (16-bit activations), each K step a decoded [rows, block_k] tile (_weight_tile): 128 product
+# rows a program on gate/up (64 columns) and at decode on down, to keep the programs many at one token a
+# rank (96 and 112 for 132 SMs); long K steps, within 48 KB. Prefill: 128 pairs, so that each weight is
+# decoded once per 128 pairs (146 an expert at 8,192 tokens a rank: twice, where 64 took three times).
+PACKED_DECODE = KernelTiles(Tiles(block_p=16, block_w=64, block_k=128, num_warps=4, num_stages=2),
+                            Tiles(block_p=16, block_w=64, block_k=256, num_warps=4, num_stages=2))
+PACKED_PREFILL = KernelTiles(Tiles(block_p=128, block_w=64, block_k=64, num_warps=8, num_stages=2),
+                             Tiles(block_p=128, block_w=128, block_k=64, num_warps=8, num_stages=2))
 # Decode tiles while the pairs average fewer than this per expert (decode and short prompts).
 DECODE_PAIRS_PER_EXPERT = 16
 # Pairs the grouping kernel reads at a time; weighted-sum columns per program.
@@ -77,13 +89,13 @@ GROUP_BLOCK = 1024
 COMBINE_BLOCK = 256
 
 
-def tile_choices(dtype: torch.dtype, packed: bool = False) -> dict[str, Tiles]:
+def tile_choices(dtype: torch.dtype, packed: bool = False) -> dict[str, KernelTiles]:
     """The decode and prefill tiles for activations of `dtype`, float or MXFP4 (`packed`) experts."""
-    tiles = {"decode": DECODE_FP32, "prefill": PREFILL_FP32} if dtype == torch.float32 else \
-        {"decode": DECODE, "prefill": PREFILL}
-    if packed and dtype != torch.float32:
-        return {mode: t._replace(block_k=PACKED_BLOCK_K) for mode, t in tiles.items()}
-    return tiles
+    if dtype == torch.float32:
+        return {"decode": DECODE_FP32, "prefill": PREFILL_FP32}
+    if packed:
+        return {"decode": PACKED_DECODE, "prefill": PACKED_PREFILL}
+    return {"decode": DECODE, "prefill": PREFILL}
 
 
 def tile_mode(num_pairs: int, num_experts: int) -> str:
@@ -91,7 +103,7 @@ def tile_mode(num_pairs: int, num_experts: int) -> str:
     return "decode" if num_pairs < DECODE_PAIRS_PER_EXPERT * num_experts else "prefill"
 
 
-def pick_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype, packed: bool = False) -> Tiles:
+def pick_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype, packed: bool = False) -> KernelTiles:
     return tile_choices(dtype, packed)[tile_mode(num_pairs, num_experts)]
 
 
@@ -133,57 +145,46 @@ def _e2m1_pair(word, i: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_values(pair, scale):
-    """The two codes of an _e2m1_pair times `scale` (_scale_factor), in its dtype: bfloat16 as the pattern's
-    halves, float32 as their bits moved to the top half (a bfloat16 is a float32's top half). Times 2^126
-    first (every code exact, normal or 0), then the scale: each product exact, denormals included (down
-    to 2^-128, the least: 0.5 times 2^-127)."""
-    if scale.dtype == tl.bfloat16:
-        first = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        second = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+def _e2m1_codes(pair, dtype: tl.constexpr):
+    """The two codes of an _e2m1_pair, each the value times 2^-126: bfloat16 as the pattern's halves for
+    bfloat16 activations, else float32, their bits moved to the top half (a bfloat16 is a float32's top
+    half)."""
+    if dtype == tl.bfloat16:
+        return pair.to(tl.int16).to(tl.bfloat16, bitcast=True), (pair >> 16).to(tl.int16).to(tl.bfloat16,
+                                                                                                 bitcast=True)
     else:
-        first = (pair << 16).to(tl.float32, bitcast=True)
-        second = (pair & -0x10000).to(tl.float32, bitcast=True)
-    return first * 2.0**126 * scale, second * 2.0**126 * scale
-
-
-@triton.jit
-def _packed_words(w, w_scale, rows, mask_n, k0, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """MXFP4 weight rows `rows` [BLOCK_N] (int64, expert offset included), inputs k0 .. k0 + BLOCK_K: their
-    int32 words [BLOCK_N, BLOCK_K / 8] and each word's scale factor (_scale_factor) for `dtype`
-    activations."""
-    # Word j of the stacked experts holds codes 8j .. 8j + 7 of the flat [E * O, K] matrix, code 8j + i in
-    # bits 4i .. 4i + 3.
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = mask_n[:, None] & (offs_w < K // 8)[None, :]
-    word = tl.load(w + rows[:, None] * (K // 8) + offs_w[None, :], mask=mask, other=0)
-    # Scale byte g of the flat [E * O, K / 32] scales (codes 32g ..) is byte g of the words' memory
-    # (little-endian words: bits 8(g % 4) .. of word g // 4), read as a byte; one per 4 code words, the
-    # repeated addresses served from cache.
-    scale_bytes = w_scale.to(tl.pointer_type(tl.uint8))
-    scale = tl.load(scale_bytes + rows[:, None] * (K // 32) + (offs_w // 4)[None, :], mask=mask,
-                    other=0).to(tl.int32)
-    return word, _scale_factor(scale, dtype)
+        return (pair << 16).to(tl.float32, bitcast=True), (pair & -0x10000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    MUL: tl.constexpr = tl.bfloat16 if dtype == tl.bfloat16 else tl.float32
     """Weight rows `rows` [BLOCK_N] (int64, expert offset included), inputs k0 .. k0 + BLOCK_K, as a
     [BLOCK_N, BLOCK_K] tile in `dtype`. Packed: each word's eight codes (lowest nibble first) spread along a
     third axis and reshaped back into the row."""
     if PACKED:
-        word, scale = _packed_words(w, w_scale, rows, mask_n, k0, K, tl.float32, BLOCK_N, BLOCK_K)
+        # Word j of the stacked experts holds codes 8j .. 8j + 7 of the flat [E * O, K] matrix, code 8j + i in
+        # bits 4i .. 4i + 3.
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        word = tl.load(w + rows[:, None] * (K // 8) + offs_w[None, :],
+                       mask=mask_n[:, None] & (offs_w < K // 8)[None, :], other=0)
         # Code i of each word as [BLOCK_N, BLOCK_K / 8] values, put back in order (input 8j + i) by joins:
         # join(join(join(c0, c4), join(c2, c6)), join(join(c1, c5), join(c3, c7)))[.., j, a, b, c] is code
         # 4a + 2b + c of word j, which the reshape puts at 8j + 4a + 2b + c.
-        c0, c4 = _e2m1_values(_e2m1_pair(word, 0), scale)
-        c1, c5 = _e2m1_values(_e2m1_pair(word, 1), scale)
-        c2, c6 = _e2m1_values(_e2m1_pair(word, 2), scale)
-        c3, c7 = _e2m1_values(_e2m1_pair(word, 3), scale)
+        c0, c4 = _e2m1_codes(_e2m1_pair(word, 0), MUL)
+        c1, c5 = _e2m1_codes(_e2m1_pair(word, 1), MUL)
+        c2, c6 = _e2m1_codes(_e2m1_pair(word, 2), MUL)
+        c3, c7 = _e2m1_codes(_e2m1_pair(word, 3), MUL)
         joined = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-        tile = tl.reshape(joined, (BLOCK_N, BLOCK_K))
+        # Scale byte g of the flat [E * O, K / 32] scales (codes 32g ..) is byte g of the words' memory
+        # (little-endian words: bits 8(g % 4) .. of word g // 4), read as a byte, one per group of the step.
+        GROUPS: tl.constexpr = (BLOCK_K + 31) // 32
+        offs_g = k0 // 32 + tl.arange(0, GROUPS)
+        scale = tl.load(w_scale.to(tl.pointer_type(tl.uint8)) + rows[:, None] * (K // 32) + offs_g[None, :],
+                        mask=mask_n[:, None] & (offs_g < K // 32)[None, :], other=0).to(tl.int32)
+        grouped = tl.reshape(joined, (BLOCK_N, GROUPS, BLOCK_K // GROUPS))
+        tile = tl.reshape(grouped * 2.0**126 * _scale_factor(scale, MUL)[:, :, None], (BLOCK_N, BLOCK_K))
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(w + rows[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
@@ -192,45 +193,18 @@ def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
 
 
 @triton.jit
-def _code_inputs(x_rows, mask_p, k0, i: tl.constexpr, K, BLOCK_K: tl.constexpr):
-    # The inputs code i of the words k0 / 8 .. meets, k0 + 8j + i, as [BLOCK_K / 8, BLOCK_P].
-    offs_k = k0 + 8 * tl.arange(0, BLOCK_K // 8) + i
-    return tl.load(x_rows + offs_k[:, None], mask=mask_p & (offs_k < K)[:, None], other=0.0)
-
-
-@triton.jit
-def _expert_step(acc_a, acc_b, wa, wa_scale, wb, wb_scale, rows, mask_w, k0, K, x_rows, mask_p,
-                 PACKED: tl.constexpr, TWO: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc_a (and acc_b, when TWO) [BLOCK_W, BLOCK_P] + the weight rows `rows` of wa (and wb) times the pairs'
-    inputs k0 .. k0 + BLOCK_K, each input tile loaded once for both: x_rows [1, BLOCK_P] point at each
-    pair's input row (masked by mask_p [1, BLOCK_P])."""
+def _expert_step(acc, w, w_scale, rows, mask_w, k0, K, x_rows, mask_p, PACKED: tl.constexpr,
+                 BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_W, BLOCK_P] + the weight rows `rows` times the pairs' inputs k0 .. k0 + BLOCK_K: x_rows
+    [1, BLOCK_P] point at each pair's input row (masked by mask_p [1, BLOCK_P]). `w` (and `w_scale`) a
+    pointer, or one a row ([BLOCK_W, 1]: rows of two matrices in one product). float32 multiplies in FMA
+    ("ieee"), 16-bit activations on tensor cores."""
     dtype = x_rows.dtype.element_ty
-    if PACKED and dtype != tl.float32:
-        # On tensor cores, code i of every word is one elementwise decode of the word tile, no reshape, so the
-        # decoded codes can stay in the registers of tl.dot's operand layout: eight products of BLOCK_K / 8
-        # inputs each, code i of word j times input k0 + 8j + i (a sum over the inputs in another order),
-        # codes i and i + 4 decoded together.
-        word_a, scale_a = _packed_words(wa, wa_scale, rows, mask_w, k0, K, dtype, BLOCK_W, BLOCK_K)
-        if TWO:
-            word_b, scale_b = _packed_words(wb, wb_scale, rows, mask_w, k0, K, dtype, BLOCK_W, BLOCK_K)
-        for i in tl.static_range(4):
-            x_first = _code_inputs(x_rows, mask_p, k0, i, K, BLOCK_K)
-            x_second = _code_inputs(x_rows, mask_p, k0, i + 4, K, BLOCK_K)
-            first, second = _e2m1_values(_e2m1_pair(word_a, i), scale_a)
-            acc_a = tl.dot(second.to(dtype), x_second, tl.dot(first.to(dtype), x_first, acc_a))
-            if TWO:
-                first, second = _e2m1_values(_e2m1_pair(word_b, i), scale_b)
-                acc_b = tl.dot(second.to(dtype), x_second, tl.dot(first.to(dtype), x_first, acc_b))
-    else:
-        # float32 (FMA products, operands in registers: the eight products spill) and float experts.
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + offs_k[:, None], mask=mask_p & (offs_k < K)[:, None], other=0.0)
-        tile = _weight_tile(wa, wa_scale, rows, mask_w, k0, K, dtype, PACKED, BLOCK_W, BLOCK_K)
-        acc_a = tl.dot(tile, x, acc_a, input_precision="ieee")
-        if TWO:
-            tile = _weight_tile(wb, wb_scale, rows, mask_w, k0, K, dtype, PACKED, BLOCK_W, BLOCK_K)
-            acc_b = tl.dot(tile, x, acc_b, input_precision="ieee")
-    return acc_a, acc_b
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_rows + offs_k[:, None], mask=mask_p & (offs_k < K)[:, None], other=0.0)
+    tile = _weight_tile(w, w_scale, rows, mask_w, k0, K, dtype, PACKED, BLOCK_W, BLOCK_K)
+    precision: tl.constexpr = "ieee" if dtype == tl.float32 else None
+    return tl.dot(tile, x, acc, input_precision=precision)
 
 
 @triton.jit
@@ -281,9 +255,10 @@ def _expert_tile(offsets, E, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
 def _moe_gate_up_kernel(z, sorted_pairs, offsets, w1, w1_scale, w3, w3_scale, TOP_K, h, L, I, E, BETA,
                         LINEAR_BETA, PACKED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
                         BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
-    # h[s] = SiTU-GLU(w1[e] z[n], w3[e] z[n]) for the pairs of one expert in slots s, I rows at a time:
-    # [BLOCK_W, BLOCK_K] weights x [BLOCK_K, BLOCK_P] tokens, each weight read once per tile. (TOP_K before h:
-    # an AOT launch passes the inputs, then the scalars, then the outputs; the widths are compiled in.)
+    # h[s] = SiTU-GLU(w1[e] z[n], w3[e] z[n]) for the pairs of one expert in slots s, BLOCK_W columns of h
+    # at a time: one product of their rows of w1 and of w3, [2 BLOCK_W, BLOCK_K] weights x [BLOCK_K, BLOCK_P]
+    # tokens (the inputs loaded once for both), each weight read once per tile. (TOP_K before h: an AOT
+    # launch passes the inputs, then the scalars, then the outputs; the widths are compiled in.)
     e, first_slot, end_slot = _expert_tile(offsets, E, BLOCK_E, BLOCK_P)
     if e >= E:
         return
@@ -292,13 +267,20 @@ def _moe_gate_up_kernel(z, sorted_pairs, offsets, w1, w1_scale, w3, w3_scale, TO
     tokens = (tl.load(sorted_pairs + slots, mask=mask_p, other=0) // TOP_K).to(tl.int64)
     offs_w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mask_w = offs_w < I
-    rows = e.to(tl.int64) * I + offs_w  # rows of w1 / w3 viewed as [E * I, L]
+    # Product row q: blocks of 8 rows of w1, then the same 8 of w3, so that the wgmma thread holding row
+    # r < 8 of a 16-row block of the result holds row r + 8 too: a and b part in its registers.
+    q = tl.arange(0, 2 * BLOCK_W)
+    offs_q = tl.program_id(1) * BLOCK_W + q // 16 * 8 + q % 8
+    gate = (q % 16 < 8)[:, None]
+    w = tl.where(gate, w1, w3)  # one pointer a row
+    w_scale = tl.where(gate, w1_scale, w3_scale) if PACKED else None
+    rows = e.to(tl.int64) * I + offs_q  # rows of w1 / w3 viewed as [E * I, L]
     x, x_mask = z + tokens[None, :] * L, mask_p[None, :]  # each pair's input row
-    acc_a = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
+    acc = tl.zeros([2 * BLOCK_W, BLOCK_P], dtype=tl.float32)
     for k0 in range(0, L, BLOCK_K):
-        acc_a, acc_b = _expert_step(acc_a, acc_b, w1, w1_scale, w3, w3_scale, rows, mask_w, k0, L, x, x_mask,
-                                    PACKED, True, BLOCK_W, BLOCK_K)
+        acc = _expert_step(acc, w, w_scale, rows, offs_q < I, k0, L, x, x_mask, PACKED, 2 * BLOCK_W, BLOCK_K)
+    acc = acc.reshape(BLOCK_W // 8, 2, 8, BLOCK_P).permute(0, 2, 3, 1).reshape(BLOCK_W, BLOCK_P, 2)
+    acc_a, acc_b = tl.split(acc)
     # SiTU-GLU: [beta tanh(a / beta) sigmoid(a)] * [linear_beta tanh(b / linear_beta)].
     out = BETA * _tanh(acc_a / BETA) * tl.sigmoid(acc_a) * (LINEAR_BETA * _tanh(acc_b / LINEAR_BETA))
     tl.store(h + slots.to(tl.int64)[None, :] * I + offs_w[:, None], out.to(h.dtype.element_ty),
@@ -320,8 +302,7 @@ def _moe_down_kernel(h, offsets, w2, w2_scale, y, L, I, E, PACKED: tl.constexpr,
     x_rows, x_mask = h + slots[None, :] * I, mask_p[None, :]
     acc = tl.zeros([BLOCK_W, BLOCK_P], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        acc, _ = _expert_step(acc, acc, w2, w2_scale, w2, w2_scale, rows, mask_w, k0, I, x_rows, x_mask,
-                              PACKED, False, BLOCK_W, BLOCK_K)
+        acc = _expert_step(acc, w2, w2_scale, rows, mask_w, k0, I, x_rows, x_mask, PACKED, BLOCK_W, BLOCK_K)
     tl.store(y + slots[None, :] * L + offs_w[:, None], acc, mask=mask_p[None, :] & mask_w[:, None])
 
 
@@ -372,7 +353,7 @@ Weight = tuple[Tensor, Tensor | None]  # (weight, None) or (packed, scale)
 
 def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3: Weight, w2: Weight,
                      num_experts: int, intermediate: int, beta: float, linear_beta: float,
-                     expert_offset: int, out: Tensor | None, tiles: Tiles | None) -> Tensor:
+                     expert_offset: int, out: Tensor | None, tiles: KernelTiles | None) -> Tensor:
     N, L = z.shape
     if experts.dim() != 2 or experts.shape[0] != N or weights.shape != experts.shape:
         raise ValueError(f"routed_experts: experts {list(experts.shape)} and weights "
@@ -393,8 +374,8 @@ def _grouped_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Weight, w3
                   for w, s in (w1, w3, w2))
     sorted_pairs, offsets, slots = group_pairs(experts, num_experts, expert_offset)
     h = gate_up(z, sorted_pairs, offsets, w1, w3, beta, linear_beta, z.new_empty(num_pairs, intermediate),
-                tiles)
-    y = down(h, offsets, w2, z.new_empty(num_pairs, L, dtype=torch.float32), tiles)
+                tiles.gate_up)
+    y = down(h, offsets, w2, z.new_empty(num_pairs, L, dtype=torch.float32), tiles.down)
     _moe_combine_kernel[(N, triton.cdiv(L, COMBINE_BLOCK))](
         y, slots, weights.to(torch.float32).contiguous(), u, L, top_k, BLOCK_L=COMBINE_BLOCK)
     return u
@@ -415,7 +396,7 @@ def gate_up(z: Tensor, sorted_pairs: Tensor, offsets: Tensor, w1: Weight, w3: We
     packed = w1[1] is not None
     if num_pairs == 0:
         return h
-    tiles = tiles or pick_tiles(num_pairs, num_experts, z.dtype, packed)
+    tiles = tiles or pick_tiles(num_pairs, num_experts, z.dtype, packed).gate_up
     _moe_gate_up_kernel[(max_tiles(num_pairs, num_experts, tiles.block_p),
                          triton.cdiv(intermediate, tiles.block_w))](
         z, sorted_pairs, offsets, w1[0], w1[1], w3[0], w3[1], num_pairs // z.shape[0], h, z.shape[1],
@@ -430,7 +411,7 @@ def down(h: Tensor, offsets: Tensor, w2: Weight, y: Tensor, tiles: Tiles | None 
     packed = w2[1] is not None
     if num_pairs == 0:
         return y
-    tiles = tiles or pick_tiles(num_pairs, num_experts, h.dtype, packed)
+    tiles = tiles or pick_tiles(num_pairs, num_experts, h.dtype, packed).down
     _moe_down_kernel[(max_tiles(num_pairs, num_experts, tiles.block_p), triton.cdiv(L, tiles.block_w))](
         h, offsets, w2[0], w2[1], y, L, intermediate, num_experts, **_blocks(tiles, packed, num_experts))
     return y
@@ -438,7 +419,7 @@ def down(h: Tensor, offsets: Tensor, w2: Weight, y: Tensor, tiles: Tiles | None 
 
 def routed_experts(z: Tensor, experts: Tensor, weights: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                    situ_beta: float, situ_linear_beta: float, expert_offset: int = 0,
-                   out: Tensor | None = None, tiles: Tiles | None = None) -> Tensor:
+                   out: Tensor | None = None, tiles: KernelTiles | None = None) -> Tensor:
     """u [N, L] float32 (written into `out` when given) for w1 / w3 [E, I, L] and w2 [E, L, I], the
     model's experts expert_offset .. expert_offset + E - 1 (experts holds the model's indices)."""
     E, I, L = w1.shape
@@ -458,7 +439,7 @@ def words(stacked: Tensor) -> Tensor:
 def routed_experts_mxfp4(z: Tensor, experts: Tensor, weights: Tensor, w1_packed: Tensor, w1_scale: Tensor,
                          w3_packed: Tensor, w3_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
                          situ_beta: float, situ_linear_beta: float, expert_offset: int = 0,
-                         out: Tensor | None = None, tiles: Tiles | None = None) -> Tensor:
+                         out: Tensor | None = None, tiles: KernelTiles | None = None) -> Tensor:
     """As `routed_experts`, the experts MXFP4 as int32 words (the plugin's inputs; `words` makes them
     from the checkpoint's bytes): codes [E, O*K/8] and scales [E, O*K/128] per projection, w1 / w3
     [O, K] = [I, L], w2 [L, I]. L is z's width; I follows from w1's words."""
@@ -499,7 +480,7 @@ def _variant(name: str, fn: triton.JITFunction, types: dict[str, str], fixed: di
                          divisible_by_16=tuple(a for a in ("L", "I") if a in fn.arg_names and a not in fixed))
 
 
-def grouped_variants(dtype: str, packed: bool, tiles: Tiles, mode: str,
+def grouped_variants(dtype: str, packed: bool, tiles: KernelTiles, mode: str,
                      constants: dict[str, Any] | None = None) -> list[KernelVariant]:
     """The gate/up and down kernels for activations of `dtype` (Triton's name), float experts in that dtype
     or MXFP4 words, with `tiles`. `constants` compiles scalars in (the AOT form: L, I, E, TOP_K, BETA,
@@ -509,12 +490,13 @@ def grouped_variants(dtype: str, packed: bool, tiles: Tiles, mode: str,
     weight, scale = ("*i32", "*i32") if packed else (pointer(dtype), "constexpr")
     types = {"z": pointer(dtype), "h": pointer(dtype), **dict.fromkeys(("w1", "w3", "w2"), weight),
              **dict.fromkeys(("w1_scale", "w3_scale", "w2_scale"), scale)}
-    fixed = {"PACKED": packed, "BLOCK_E": triton.next_power_of_2(constants.get("E", 128)),
-             "BLOCK_P": tiles.block_p, "BLOCK_W": tiles.block_w, "BLOCK_K": tiles.block_k, **constants,
+    fixed = {"PACKED": packed, "BLOCK_E": triton.next_power_of_2(constants.get("E", 128)), **constants,
              **({} if packed else {"w1_scale": None, "w3_scale": None, "w2_scale": None})}
     form = "mxfp4" if packed else dtype
-    return [_variant(f"moe_{name}_{mode}_{dtype}_w{form}", fn, types, fixed, tiles)
-            for name, fn in (("gate_up", _moe_gate_up_kernel), ("down", _moe_down_kernel))]
+    return [_variant(f"moe_{name}_{mode}_{dtype}_w{form}", fn, types,
+                     {**fixed, "BLOCK_P": t.block_p, "BLOCK_W": t.block_w, "BLOCK_K": t.block_k}, t)
+            for name, fn, t in (("gate_up", _moe_gate_up_kernel, tiles.gate_up),
+                                ("down", _moe_down_kernel, tiles.down))]
 
 
 def group_variant(constants: dict[str, Any] | None = None) -> KernelVariant:

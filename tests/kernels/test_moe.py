@@ -126,39 +126,45 @@ def test_mxfp4_decodes_every_code_and_scale(dtype: torch.dtype, scales: tuple[in
 
 
 @triton.jit
-def _decoded_rows(words, scales, out, factors, ROWS: tl.constexpr):
-    # Rows of 32 inputs (one scale byte each) through the tensor-core decode (moe._packed_words,
-    # _e2m1_pair, _e2m1_values) with float32 factors, code i of word j stored at input 8j + i; and each row's
-    # factor for bfloat16 activations, as bits.
+def _decoded_rows(words, scales, out, codes, factors, ROWS: tl.constexpr):
+    # Rows of 32 inputs (one scale byte each) as the kernels decode them for float32 and float16 activations
+    # (moe._weight_tile: float32 multiplies); for bfloat16 activations, the codes before the multiplies and
+    # the scale factor, as bits.
     rows = tl.arange(0, ROWS).to(tl.int64)
-    word, factor = moe._packed_words(words, scales, rows, rows < ROWS, 0, 32, tl.float32, ROWS, 32)
+    tile = moe._weight_tile(words, scales, rows, rows < ROWS, 0, 32, tl.float32, True, ROWS, 32)
+    tl.store(out + rows[:, None] * 32 + tl.arange(0, 32)[None, :], tile)
     offs = rows[:, None] * 32 + 8 * tl.arange(0, 4)[None, :]
+    word = tl.load(words + rows[:, None] * 4 + tl.arange(0, 4)[None, :])
     for i in tl.static_range(4):
-        first, second = moe._e2m1_values(moe._e2m1_pair(word, i), factor)
-        tl.store(out + offs + i, first)
-        tl.store(out + offs + i + 4, second)
-    _, bf16_factor = moe._packed_words(words, scales, rows, rows < ROWS, 0, 32, tl.bfloat16, ROWS, 32)
-    tl.store(factors + rows[:, None] + tl.arange(0, 4)[None, :] * 0, bf16_factor.to(tl.int16, bitcast=True))
+        first, second = moe._e2m1_codes(moe._e2m1_pair(word, i), tl.bfloat16)
+        tl.store(codes + offs + i, first.to(tl.int16, bitcast=True))
+        tl.store(codes + offs + i + 4, second.to(tl.int16, bitcast=True))
+    scale = tl.load(scales.to(tl.pointer_type(tl.uint8)) + rows).to(tl.int32)
+    tl.store(factors + rows, moe._scale_factor(scale, tl.bfloat16).to(tl.int16, bitcast=True))
 
 
 # Scale byte 254 overflows codes 6 and -6 to infinity, as dequantize does (the export refuses them).
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
-def test_tensor_core_decode_of_every_code_and_scale_byte() -> None:
+def test_decode_of_every_code_and_scale_byte() -> None:
     """Every E2M1 code in every nibble of a word under every scale byte 0 .. 254 (row s has scale byte s,
-    its codes rotated by s), through the tensor-core form's decode, bit for bit against
+    its codes rotated by s) through the kernels' decode (moe._weight_tile), bit for bit against
     k3export.ops.mxfp4.dequantize in float32 (what float16 activations multiply in: denormals down to
-    2^-128 included); the bfloat16 form's scale factor (bits) against dequantize's 2^(s - 127) in bfloat16.
-    (The bfloat16 multiplies themselves run on a GPU only: the interpreter's bf16 arithmetic is wrong.)"""
+    2^-128 included); for bfloat16 activations the codes (the value times 2^-126) and the scale factor
+    2^(s - 127), as bits, against dequantize's in bfloat16. (The bfloat16 multiplies themselves run on a GPU
+    only: the interpreter's bf16 arithmetic is wrong.)"""
     rows = 256  # scale bytes 0 .. 254, and 127 again (255 is NaN)
     codes = (torch.arange(32)[None, :] + torch.arange(rows)[:, None]) % 16
     packed = (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8)[None]
     scale = torch.arange(rows).clamp(max=254)[None, :, None].to(torch.uint8)
     scale[0, 255] = 127
     out = torch.empty(rows, 32)
+    bf16_codes = torch.empty(rows, 32, dtype=torch.int16)
     factors = torch.empty(rows, dtype=torch.int16)
-    _decoded_rows[(1,)](moe.words(packed), moe.words(scale), out, factors, ROWS=rows)
+    _decoded_rows[(1,)](moe.words(packed), moe.words(scale), out, bf16_codes, factors, ROWS=rows)
     expected = mxfp4.dequantize(packed, scale, torch.float32)[0]
     assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    unscaled = mxfp4.dequantize(packed, torch.full_like(scale, 127), torch.float32)[0] * 2.0**-126
+    assert torch.equal(bf16_codes, unscaled.to(torch.bfloat16).view(torch.int16))
     bf16_scales = mxfp4.SCALE_VALUES[scale.flatten().long()].to(torch.bfloat16)
     assert torch.equal(factors, bf16_scales.view(torch.int16))
 
