@@ -28,8 +28,9 @@ seconds, default 360, and no row at all after --budget + 90):
 3. Runs the TensorRT plugins' enqueue body, k3plugins.trt.launch_from_pointers, on raw device
    pointers (into NaN-filled output buffers, on a side stream; KDA's final state into its initial
    state's own buffer, as TensorRT aliases them), and the ahead-of-time compiled KDA, LatentMLA and
-   RoutedExperts(MXFP4) kernels that k3plugins.trt_aot's aot_impls embed (for this GPU: sm_90a on an
-   H200, PTX 8.7), launched directly.
+   routed-experts kernels that k3plugins.trt_aot's aot_impls embed (for this GPU: sm_90a on an
+   H200, PTX 8.7), launched directly, each op as an export holds it (the routed experts: the group,
+   gate/up and down nodes in the tactic of the rank's own pairs, then the graph's sum in torch).
 4. Times each with triton.testing.do_bench (median; the L2 is flushed before each run) and prints
    ONE table: relative error (norm of the difference over the norm of the reference, the largest
    over a row's outputs: o and the final state for KDA), ms, GB/s and TFLOP/s from the counts in
@@ -202,7 +203,7 @@ def plan(dtypes: Sequence[str]) -> list[Case]:
     add("aot:recurrent_kda", 8, 16, gate="float32")  # the AOT kernel takes float32 g and beta
     add("aot:latent_mla", 4, 1, 2048)  # decode: the split node, then the combine node
     add("aot:latent_mla", 1, 256, 256)
-    for kernel in ("aot:moe", "aot:moe_mxfp4"):  # the single-launch kernels: decode, and a prefill chunk
+    for kernel in ("aot:moe", "aot:moe_mxfp4"):  # the grouped nodes: decode, and a prefill chunk
         for N in (4, 512):
             add(kernel, N, 1)
     return cases
@@ -502,7 +503,8 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
     """A kernel as trt_aot's aot_impl compiles it (triton.compile for this GPU, PTX 8.7), with its
     grid and scalars from the *_aot_launch functions, launched through Triton's CompiledKernel into
     NaN-filled outputs; KDA and LatentMLA as an export holds them, two nodes each (KDAPrepare then
-    KDAChunkRecurrence, the chunk terms between them; LatentMLA's split node then its combine node)."""
+    KDAChunkRecurrence, the chunk terms between them; LatentMLA's split node then its combine node);
+    the routed experts as their grouped nodes (moe_aot_launches)."""
     from k3export import ops
     from k3plugins.aot import compile_variant, device_target
     from k3plugins.trt_aot import (
@@ -514,18 +516,14 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         latent_mla_aot_launch,
         latent_mla_combine_aot_kernel,
         latent_mla_combine_aot_launch,
-        routed_experts_aot_kernel,
-        routed_experts_aot_launch,
     )
 
+    finish: Callable[[], Sequence[Tensor]] | None = None  # the outputs after the launches, if not `outputs`
     if c.is_moe:
         raw = moe_inputs(c, gen)
         reference = moe_reference(c, raw)
         inputs = moe_kernel_inputs(c, raw)
-        variant = routed_experts_aot_kernel(c.dtype, c.packed, MOE_L, MOE_I, c.experts, MOE_K, 0, *MOE_BETAS)
-        grid, scalars = routed_experts_aot_launch(list(inputs[0].shape), MOE_L)
-        outputs = [torch.full((c.B, MOE_L), float("nan"), device="cuda")]
-        launches = [(variant, grid, [*inputs, *scalars, *outputs])]
+        launches, finish = moe_aot_launches(c, inputs)
     elif c.is_kda:
         inputs = kda_inputs(c, gen)
         q, v, h0 = inputs[0], inputs[2], inputs[5]
@@ -556,13 +554,55 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
     compiled = [(compile_variant(v, device_target()), v, g, args) for v, g, args in launches]
 
     def run() -> Sequence[Tensor]:
-        # Parameters in each kernel's order: inputs, scalars, outputs, then the constexprs (which
-        # Triton's launcher takes and ignores).
+        # Every parameter in the kernel's order: inputs, scalars and outputs as an AOT launch passes them,
+        # the constexprs where they stand (Triton's launcher takes and ignores them).
         for kernel, launched, launch_grid, args in compiled:
-            kernel[(*launch_grid, 1, 1)[:3]](*args, *launched.constexprs.values())
-        return outputs
+            given = iter(args)
+            constexprs = launched.constexprs
+            kernel[(*launch_grid, 1, 1)[:3]](*(constexprs[n] if n in constexprs else next(given)
+                                               for n in launched.fn.arg_names))
+        return finish() if finish else outputs
 
     return Trial(run, run, reference, None, sum(t.nbytes for t in inputs))
+
+
+def moe_aot_launches(c: Case, inputs: Sequence[Tensor]) -> tuple[list[tuple[Any, Any, list[Any]]],
+                                                                    Callable[[], Sequence[Tensor]]]:
+    """The routed experts as an export holds them for full TensorRT: the RoutedExpertsGroup,
+    RoutedExpertsGateUp(MXFP4) and RoutedExpertsDown(MXFP4) nodes as their aot_impls compile and grid
+    them (trt_aot.grouped_experts_aot_kernels / _grid; scalars N k, then k), in the tactic of the rank's
+    own pairs (what tools/kernel_estimate.py's AOT rows assume TensorRT picks), their outputs NaN-filled;
+    then the graph's standard-op sum (Gather, Where, Mul, ReduceSum) in torch. Returns the launches and
+    the sum."""
+    from k3plugins import moe
+    from k3plugins.trt_aot import GROUPED_TACTICS, grouped_experts_aot_grid, grouped_experts_aot_kernels
+
+    z, experts, weights, *expert_weights = inputs
+    E, pairs = c.experts, experts.numel()
+    mode = moe.tile_mode(int((experts < E).sum()), E)
+    tactic = next(t for t, m in GROUPED_TACTICS.items() if m == mode)
+    gate_up, down = grouped_experts_aot_kernels(c.dtype, c.packed, MOE_L, MOE_I, E, MOE_BETAS, tactic)
+    nan = float("nan")
+    grouping = [torch.full((pairs,), -7, dtype=torch.int32, device="cuda"),
+                torch.full((E + 1,), -7, dtype=torch.int32, device="cuda"),
+                torch.full(tuple(experts.shape), -7, dtype=torch.int32, device="cuda")]
+    h = torch.full((pairs, MOE_I), nan, dtype=z.dtype, device="cuda")
+    y = torch.full((pairs, MOE_L), nan, device="cuda")
+    # Each projection's tensors: (packed, scale) words, or the float weights alone.
+    w1, w3, w2 = (expert_weights[i:i + 2] if c.packed else expert_weights[i // 2:i // 2 + 1]
+                  for i in (0, 2, 4))
+    launches = [(moe.group_variant({"E": E, "OFFSET": 0}), (E + 1,), [experts, pairs, *grouping]),
+                (gate_up, grouped_experts_aot_grid(gate_up, pairs, E, MOE_I),
+                 [z, *grouping[:2], *w1, *w3, pairs // c.B, h]),
+                (down, grouped_experts_aot_grid(down, pairs, E, MOE_L), [h, grouping[1], *w2, y])]
+
+    def weighted_sum() -> Sequence[Tensor]:
+        slots = grouping[2].long()
+        held = slots >= 0
+        rows = y[slots.clamp(min=0)]  # [N, k, L]; a slot held elsewhere gathers a row nobody wrote
+        return [torch.where(held[..., None], weights[..., None] * rows, 0.0).sum(1)]
+
+    return launches, weighted_sum
 
 
 # ---- measuring ----
