@@ -97,26 +97,32 @@ def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
     the key channels one reduction); S <- S + k (beta u)^T."""
     K_HI: tl.constexpr = BK // LANES_K
     i_bh = tl.program_id(0).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b = i_bh // H
+    row0 = i_bh + i_b * (T - 1) * H  # the first token's row, (i_b T) H + i_h, with no remainder to take
     lanes = tl.arange(0, LANES_K)[:, None, None]
-    keys = lanes * K_HI + tl.arange(0, K_HI)[None, None, :]
+    # A lane's K_HI channels, its window moved back to end at K - 1 where K cuts it (or it lies past K): every
+    # channel a thread reads is a real one, so the token rows' loads need no mask (no register zeroed before
+    # each), and the addresses stay a base plus constants. The channels a moved window holds twice belong to
+    # the lane below: the state's block is zero there and k is zeroed, so they add nothing (K >= K_HI).
+    keys = tl.minimum(lanes * K_HI, K - K_HI) + tl.arange(0, K_HI)[None, None, :]
+    mask_k = keys >= lanes * K_HI
     cols = tl.program_id(1) * BV + tl.arange(0, BV)[None, :, None]
     # Zeros the compiler cannot fold away, so that the token rows' offsets keep the block's 3-D shape (and
     # with it the layout) under the hint.
     zero_k, zero_v = tl.where(lanes < 0, lanes, 0), tl.where(cols < 0, cols, 0)
-    mask_s = (keys < K) & (cols < V)
     mask_v = cols < V
+    mask_s = mask_k & mask_v
     h0 += i_bh * K * V
     ht += i_bh * K * V
     s_offs = keys * V + cols
     S = tl.load(h0 + s_offs, mask=mask_s, other=0.0)
     for t in range(T):
-        tok = (i_b * T + t) * H + i_h
+        tok = row0 + t * H
         tk = tl.max_contiguous(tok * K + keys + zero_v, [1, 1, 1])
         tv = tl.max_contiguous(tok * V + cols + zero_k, [1, 1, 1])  # [LANES_K, BV, 1]: v in every lane
-        b_q = tl.load(q + tk, mask=mask_s, other=0.0).to(tl.float32)
-        b_k = tl.load(k + tk, mask=mask_s, other=0.0).to(tl.float32)
-        b_g = tl.load(g + tk, mask=mask_s, other=0.0)
+        b_q = tl.load(q + tk).to(tl.float32)
+        b_k = tl.where(mask_k, tl.load(k + tk).to(tl.float32), 0.0)
+        b_g = tl.load(g + tk)
         b_v = tl.load(v + tv, mask=mask_v, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + tok)
         S = S * tl.math.exp2(b_g * LOG2E)  # ex2 of the decay, without exp's denormal handling: 3 SASS less

@@ -123,9 +123,9 @@ DEFAULT_SHARED_BYTES = 48 * 1024
 KDA_CHUNK = CHUNK_SIZE
 BLOCK_V = 64
 # Calls of at most this many tokens (decode; a verify call of 3 drafts) step the recurrence in float16 and
-# bfloat16 too: compiled for sm_90a, a token's step is 461 SASS instructions a warp with 38 barriers and
-# shuffles, a chunk of 16 tokens about 2,060 with 150 (docs/kernels.md): the recurrence costs less up to 4
-# tokens, by issue slots and with tools/kernel_estimate.py's latency terms alike.
+# bfloat16 too: compiled for sm_90a, a token's step is 475 SASS instructions a warp with 6 shuffles and no
+# barrier, a chunk of 16 tokens about 2,060 with 150 barriers and shuffles (docs/kernels.md): the recurrence
+# costs less up to 4 tokens, by issue slots and with tools/kernel_estimate.py's latency terms alike.
 KDA_STEP_TOKENS = 4
 
 

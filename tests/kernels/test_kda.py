@@ -36,9 +36,10 @@ def check(kernel, reference, shape: tuple[int, ...], dtype: torch.dtype,
     assert rel_error(state, state_ref) < state_tol
 
 
-# (B, T, H, K, V): K and V not powers of two or not multiples of the V block exercise the masks.
+# (B, T, H, K, V): K and V not powers of two or not multiples of the V block exercise the masks; K = 36 cuts
+# a lane's window of key channels (8 at BK = 64), which the kernel moves back to end at K - 1.
 @pytest.mark.parametrize("shape", [(1, 1, 2, 32, 32), (2, 1, 3, 64, 48), (2, 7, 2, 48, 64),
-                                   (1, 33, 1, 32, 32), (1, 1, 2, 128, 128)])
+                                   (1, 33, 1, 32, 32), (1, 1, 2, 128, 128), (2, 3, 2, 36, 24)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_recurrent_kda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     check(k3plugins.recurrent_kda, ref.recurrent_kda, shape, dtype)
@@ -130,11 +131,11 @@ def aot_tolerances(T: int) -> dict:
 
 # Every edge of the AOT kernel's chunk: one token (decode), the most tokens stepped (a verify call) and one
 # more, a chunk less one, one chunk, one more, four chunks and either side, a few hundred tokens; K and V not
-# multiples of the blocks; the published head dim.
-AOT_SHAPES = [(2, 1, 2, 32, 32), (1, 1, 2, 128, 128), (2, STEPPED, 2, 48, 40), (1, STEPPED + 1, 2, 32, 48),
-              (1, C - 1, 2, 32, 48), (2, C, 1, 48, 32), (1, C + 1, 2, 32, 32), (2, 3 * C + 5, 1, 64, 40),
-              (1, 4 * C - 1, 1, 32, 32), (1, 4 * C, 1, 32, 32), (1, 4 * C + 1, 1, 128, 128),
-              (1, 200, 1, 48, 40)]
+# multiples of the blocks (K = 36 cuts the stepped path's window of 16 key channels); the published head dim.
+AOT_SHAPES = [(2, 1, 2, 32, 32), (1, 1, 2, 128, 128), (2, STEPPED, 2, 48, 40), (2, STEPPED - 1, 2, 36, 24),
+              (1, STEPPED + 1, 2, 32, 48), (1, C - 1, 2, 32, 48), (2, C, 1, 48, 32), (1, C + 1, 2, 32, 32),
+              (2, 3 * C + 5, 1, 64, 40), (1, 4 * C - 1, 1, 32, 32), (1, 4 * C, 1, 32, 32),
+              (1, 4 * C + 1, 1, 128, 128), (1, 200, 1, 48, 40)]
 
 
 @pytest.mark.parametrize("shape", AOT_SHAPES, ids=str)
