@@ -9,10 +9,10 @@ plugins can run each as a node of its own, its intermediates graph tensors):
     group    (E + 1 programs) the N * k (token, slot) pairs held here sorted by local expert, stable:
              `sorted_pairs`, each expert's `offsets` (counting only the pairs held here) and each
              pair's slot (-1 for a pair routed to an expert held elsewhere).
-    gate/up  per (tile of one expert's slots, block of I rows): a = w1[e] z^T and b = w3[e] z^T in
-             float32 on tensor cores, the weights the wide side of the product and the tile's pairs the
-             narrow one (16 at decode), then h = SiTU-GLU(a, b), stored per slot in z's dtype (as the
-             eager op rounds it).
+    gate/up  per (tile of one expert's slots, block of I columns): a = w1[e] z^T and b = w3[e] z^T as one
+             product of their rows in float32 on tensor cores, the weights the wide side of the product and
+             the tile's pairs the narrow one (16 at decode), then h = SiTU-GLU(a, b), stored per slot in
+             z's dtype (as the eager op rounds it).
     down     per (tile, block of L rows): y = w2[e] h^T per slot, float32.
     combine  per (token, block of L): u[n] = sum over its slots held here, in slot order, of the routing
              weight times y: deterministic, no atomics.
@@ -24,9 +24,9 @@ run in z's dtype with float32 accumulation. MXFP4 experts come as the plugin rec
 words of the checkpoint's bytes (k3export/ops/mxfp4.py, "Words"): codes [E, O*K/8] (E2M1, eight per
 word, the lowest nibble first), E8M0 scales [E, O*K/128] (2^(s - 127), four per word, one per 32
 inputs), each expert flattened row-major; every scale byte decodes exactly (the export refuses 255, NaN).
-`words` makes them from uint8 bytes. The decode is a few bit operations and two multiplies a value (_e2m1);
-on tensor cores each K step takes one code of every word at a time (_expert_step), so that no reshape
-moves the decoded values between registers.
+`words` makes them from uint8 bytes. Each K step decodes a weight tile for one product (_weight_tile):
+two codes a 32-bit operation (_e2m1_pair), joined into input order, then two exact multiplies by powers of
+two a value (in packed bfloat16 for bfloat16 activations).
 
 NOT PROVEN here (no GPU on the machines this was written on): the speed, and the plugin's enqueue
 under TensorRT. The numerics are tested under Triton's interpreter (tests/kernels/test_moe.py) and
