@@ -85,7 +85,7 @@ PACKED_PREFILL = KernelTiles(Tiles(block_p=128, block_w=64, block_k=64, num_warp
 # Decode tiles while the pairs average fewer than this per expert (decode and short prompts).
 DECODE_PAIRS_PER_EXPERT = 16
 # Pairs the grouping kernel reads at a time; weighted-sum columns per program.
-GROUP_BLOCK = 1024
+GROUP_BLOCK = 512
 COMBINE_BLOCK = 256
 
 
