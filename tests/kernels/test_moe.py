@@ -62,7 +62,7 @@ CASES = [  # N, L, I, E, k, routing
     (13, 64, 96, 6, 2, "random"),
     (9, 32, 32, 8, 1, "random"),  # k = 1 (the tiny widths)
     (11, 64, 64, 8, 3, "unused"),  # half the experts receive no token
-    (40, 32, 64, 4, 1, "one_expert"),  # one expert, several tiles of pairs
+    (150, 32, 64, 4, 1, "one_expert"),  # one expert, several tiles of pairs (128 a prefill tile)
     (17, 64, 96, 3, 4, "repeated"),  # a token's slots sharing an expert
 ]
 
