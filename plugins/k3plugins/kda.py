@@ -82,7 +82,7 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 @triton.jit
 def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
-                          BK: tl.constexpr, BV: tl.constexpr, LANES_K: tl.constexpr):
+                          BK: tl.constexpr, BV: tl.constexpr, LANES_K: tl.constexpr, SHORT_K: tl.constexpr):
     """Token by token, the program's [BK, BV] block of the state in registers: read once, written once.
 
     The block is held as [LANES_K, BV, BK // LANES_K], key channel k_lo * (BK // LANES_K) + k_hi: one value
@@ -100,12 +100,18 @@ def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
     i_b = i_bh // H
     row0 = i_bh + i_b * (T - 1) * H  # the first token's row, (i_b T) H + i_h, with no remainder to take
     lanes = tl.arange(0, LANES_K)[:, None, None]
-    # A lane's K_HI channels, its window moved back to end at K - 1 where K cuts it (or it lies past K): every
-    # channel a thread reads is a real one, so the token rows' loads need no mask (no register zeroed before
-    # each), and the addresses stay a base plus constants. The channels a moved window holds twice belong to
-    # the lane below: the state's block is zero there and k is zeroed, so they add nothing (K >= K_HI).
-    keys = tl.minimum(lanes * K_HI, K - K_HI) + tl.arange(0, K_HI)[None, None, :]
-    mask_k = keys >= lanes * K_HI
+    if SHORT_K:  # K < K_HI (head dims below BK / LANES_K): the token rows' loads are masked
+        keys = lanes * K_HI + tl.arange(0, K_HI)[None, None, :]
+        mask_k = keys < K
+    else:
+        # A lane's K_HI channels, its window moved back to end at K - 1 where K cuts it (or it lies past K):
+        # every channel a thread reads is a real one, so the token rows' loads need no mask (no register
+        # zeroed before each), and the addresses stay a base plus constants. The channels a moved window
+        # holds twice belong to the lane below: the state's block is zero there and k is zeroed, so they add
+        # nothing.
+        keys = tl.minimum(lanes * K_HI, K - K_HI) + tl.arange(0, K_HI)[None, None, :]
+        mask_k = keys >= lanes * K_HI
+    mask_rows, zero_rows = (mask_k, 0.0) if SHORT_K else (None, None)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)[None, :, None]
     # Zeros the compiler cannot fold away, so that the token rows' offsets keep the block's 3-D shape (and
     # with it the layout) under the hint.
@@ -120,9 +126,9 @@ def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
         tok = row0 + t * H
         tk = tl.max_contiguous(tok * K + keys + zero_v, [1, 1, 1])
         tv = tl.max_contiguous(tok * V + cols + zero_k, [1, 1, 1])  # [LANES_K, BV, 1]: v in every lane
-        b_q = tl.load(q + tk).to(tl.float32)
-        b_k = tl.where(mask_k, tl.load(k + tk).to(tl.float32), 0.0)
-        b_g = tl.load(g + tk)
+        b_q = tl.load(q + tk, mask=mask_rows, other=zero_rows).to(tl.float32)
+        b_k = tl.where(mask_k, tl.load(k + tk, mask=mask_rows, other=zero_rows).to(tl.float32), 0.0)
+        b_g = tl.load(g + tk, mask=mask_rows, other=zero_rows)
         b_v = tl.load(v + tv, mask=mask_v, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + tok)
         S = S * tl.math.exp2(b_g * LOG2E)  # ex2 of the decay, without exp's denormal handling: 3 SASS less
@@ -326,6 +332,12 @@ def step_lanes(block_v: int, num_warps: int) -> int:
     return 32 * num_warps // block_v
 
 
+def short_k(head_dim: int, block_k: int, lanes: int) -> bool:
+    """Whether `head_dim` is shorter than the recurrent kernel's window of key channels a lane (BK /
+    LANES_K): its token rows' loads are then masked (SHORT_K)."""
+    return head_dim < block_k // lanes
+
+
 class _Kernel(NamedTuple):
     fn: triton.JITFunction
     blocks: dict[str, int]  # constexpr block sizes, bar BK (every kernel is built per padded head dim BK)
@@ -333,12 +345,14 @@ class _Kernel(NamedTuple):
     num_stages: int = 3  # Triton's default
 
     def launch(self, grid: tuple[int, ...], *args: Any, **constexprs: int) -> None:
-        self.fn[grid](*args, **self.blocks, **constexprs, num_warps=self.num_warps,
+        self.fn[grid](*args, **{**self.blocks, **constexprs}, num_warps=self.num_warps,
                       num_stages=self.num_stages)
 
 
+# SHORT_K as launched (short_k); compiled variants take the head dims of BLOCK_KS, none short.
 RECURRENT = _Kernel(_recurrent_kda_kernel,
-                    {"BV": STEP_BLOCK_V, "LANES_K": step_lanes(STEP_BLOCK_V, STEP_WARPS)}, STEP_WARPS)
+                    {"BV": STEP_BLOCK_V, "LANES_K": step_lanes(STEP_BLOCK_V, STEP_WARPS), "SHORT_K": False},
+                    STEP_WARPS)
 PREPARE = _Kernel(_kda_prepare_kernel, {"BT": CHUNK_SIZE, "BV": BLOCK_V}, num_warps=4)
 # One recurrence per dtype: its value columns and stages depend on the products' precision.
 RECURRENCE = {dtype: _Kernel(_kda_chunk_recurrence_kernel, {"BT": CHUNK_SIZE, "BV": bv}, num_warps=8,
@@ -382,8 +396,9 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     h0 = initial_state.float().contiguous()
     o, ht = _outputs(v, h0, o, final_state)
-    RECURRENT.launch((B * H, triton.cdiv(V, STEP_BLOCK_V)), q, k, v, g, beta, h0, o, ht, T, H, K, V,
-                     BK=_block_k(K))
+    bk = _block_k(K)
+    RECURRENT.launch((B * H, triton.cdiv(V, STEP_BLOCK_V)), q, k, v, g, beta, h0, o, ht, T, H, K, V, BK=bk,
+                     SHORT_K=short_k(K, bk, RECURRENT.blocks["LANES_K"]))
     return o, ht
 
 

@@ -131,19 +131,20 @@ KDA_STEP_TOKENS = 4
 
 @triton.jit
 def _kda_aot_chunk_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BT: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, LANES_K: tl.constexpr, STEP_TOKENS: tl.constexpr):
+                          BV: tl.constexpr, LANES_K: tl.constexpr, SHORT_K: tl.constexpr,
+                          STEP_TOKENS: tl.constexpr):
     # One AOT kernel serves every profile (aot_impl sees T only as a symbol), so the call's T picks the path
     # at run time: decode and short verify calls step the recurrence, reading and writing the state once.
     if T <= STEP_TOKENS:
-        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K)
+        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K, SHORT_K)
     else:
         _fused_chunk_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BT, BK, BV)
 
 
 @triton.jit
 def _kda_aot_recurrent_kernel(q, k, v, g, beta, h0, T, H, K, V, o, ht, BK: tl.constexpr, BV: tl.constexpr,
-                              LANES_K: tl.constexpr):
-    _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K)
+                              LANES_K: tl.constexpr, SHORT_K: tl.constexpr):
+    _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K, SHORT_K)
 
 
 def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
@@ -162,12 +163,15 @@ def kda_aot_kernel(dtype: str, head_dim: int) -> KernelVariant:
     if dtype == "float32":
         # 8 warps: 32 state elements a thread at K = 128 (at 4, 64 of them spill).
         fn, num_warps = _kda_aot_recurrent_kernel, 8
-        constexprs = {"BK": block_k, "BV": BLOCK_V, "LANES_K": kda.step_lanes(BLOCK_V, num_warps)}
+        lanes = kda.step_lanes(BLOCK_V, num_warps)
+        constexprs = {"BK": block_k, "BV": BLOCK_V, "LANES_K": lanes,
+                      "SHORT_K": kda.short_k(head_dim, block_k, lanes)}
     else:
         # 8 warps: at 4 the chunk's tiles spill (255 registers either way).
         fn, num_warps = _kda_aot_chunk_kernel, 8
-        constexprs = {"BT": KDA_CHUNK, "BK": block_k, "BV": BLOCK_V,
-                      "LANES_K": kda.step_lanes(BLOCK_V, num_warps), "STEP_TOKENS": KDA_STEP_TOKENS}
+        lanes = kda.step_lanes(BLOCK_V, num_warps)
+        constexprs = {"BT": KDA_CHUNK, "BK": block_k, "BV": BLOCK_V, "LANES_K": lanes,
+                      "SHORT_K": kda.short_k(head_dim, block_k, lanes), "STEP_TOKENS": KDA_STEP_TOKENS}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     # The model's KDA heads are head_dim wide in q, k and v: at a multiple of 16 (every preset) the token
     # rows' offsets are aligned and the loads vectorise.
@@ -195,11 +199,12 @@ def _kda_prepare_aot_kernel(q, k, v, g, beta, T, H, K, V, qg, kt, w, u, a_qk, de
 @triton.jit
 def _kda_chunk_recurrence_aot_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, h0, T, H, K, V, o, ht,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                     LANES_K: tl.constexpr, STEP_TOKENS: tl.constexpr):
+                                     LANES_K: tl.constexpr, SHORT_K: tl.constexpr,
+                                     STEP_TOKENS: tl.constexpr):
     # As _kda_aot_chunk_kernel, T picks the path at run time: decode and short verify calls step the
     # recurrence from the token inputs (the state read and written once), longer calls walk the terms.
     if T <= STEP_TOKENS:
-        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K)
+        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K, SHORT_K)
     else:
         _kda_chunk_recurrence_kernel(qg, kt, w, u, a_qk, decay_last, h0, o, ht, T, H, K, V, BT, BK, BV)
 
@@ -218,8 +223,9 @@ def kda_two_node_aot_kernels(dtype: str, head_dim: int) -> tuple[KernelVariant, 
     common = {"BT": KDA_CHUNK, "BK": block_k, "STEP_TOKENS": KDA_STEP_TOKENS}
     prepare_constexprs = {**common, "BV": kda.PREPARE.blocks["BV"]}
     block_v = recurrence_kernel.blocks["BV"]
-    recurrence_constexprs = {**common, "BV": block_v,
-                             "LANES_K": kda.step_lanes(block_v, recurrence_kernel.num_warps)}
+    lanes = kda.step_lanes(block_v, recurrence_kernel.num_warps)
+    recurrence_constexprs = {**common, "BV": block_v, "LANES_K": lanes,
+                             "SHORT_K": kda.short_k(head_dim, block_k, lanes)}
     # Every preset's head_dim is a multiple of 16: the token rows' loads vectorise.
     aligned = ("K", "V") if head_dim % 16 == 0 else ()
     prepare = KernelVariant(f"kda_prepare_aot_{t}_k{block_k}", _kda_prepare_aot_kernel,

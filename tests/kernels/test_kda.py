@@ -37,9 +37,11 @@ def check(kernel, reference, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 # (B, T, H, K, V): K and V not powers of two or not multiples of the V block exercise the masks; K = 36 cuts
-# a lane's window of key channels (8 at BK = 64), which the kernel moves back to end at K - 1.
+# a lane's window of key channels (8 at BK = 64), which the kernel moves back to end at K - 1; K = 3 is
+# shorter than a window (4 at BK = 32: SHORT_K, masked rows).
 @pytest.mark.parametrize("shape", [(1, 1, 2, 32, 32), (2, 1, 3, 64, 48), (2, 7, 2, 48, 64),
-                                   (1, 33, 1, 32, 32), (1, 1, 2, 128, 128), (2, 3, 2, 36, 24)])
+                                   (1, 33, 1, 32, 32), (1, 1, 2, 128, 128), (2, 3, 2, 36, 24),
+                                   (2, 2, 2, 3, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_recurrent_kda(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     check(k3plugins.recurrent_kda, ref.recurrent_kda, shape, dtype)
