@@ -150,8 +150,8 @@ def _e2m1_codes(pair, dtype: tl.constexpr):
     bfloat16 activations, else float32, their bits moved to the top half (a bfloat16 is a float32's top
     half)."""
     if dtype == tl.bfloat16:
-        return pair.to(tl.int16).to(tl.bfloat16, bitcast=True), (pair >> 16).to(tl.int16).to(tl.bfloat16,
-                                                                                                 bitcast=True)
+        first, second = pair.to(tl.int16), (pair >> 16).to(tl.int16)
+        return first.to(tl.bfloat16, bitcast=True), second.to(tl.bfloat16, bitcast=True)
     else:
         return (pair << 16).to(tl.float32, bitcast=True), (pair & -0x10000).to(tl.float32, bitcast=True)
 
@@ -159,10 +159,11 @@ def _e2m1_codes(pair, dtype: tl.constexpr):
 @triton.jit
 def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    MUL: tl.constexpr = tl.bfloat16 if dtype == tl.bfloat16 else tl.float32
     """Weight rows `rows` [BLOCK_N] (int64, expert offset included), inputs k0 .. k0 + BLOCK_K, as a
     [BLOCK_N, BLOCK_K] tile in `dtype`. Packed: each word's eight codes (lowest nibble first) spread along a
-    third axis and reshaped back into the row."""
+    third axis and reshaped back into the row, then scaled: in bfloat16 for bfloat16 activations, else in
+    float32 (_scale_factor)."""
+    MUL: tl.constexpr = tl.bfloat16 if dtype == tl.bfloat16 else tl.float32
     if PACKED:
         # Word j of the stacked experts holds codes 8j .. 8j + 7 of the flat [E * O, K] matrix, code 8j + i in
         # bits 4i .. 4i + 3.
@@ -178,7 +179,8 @@ def _weight_tile(w, w_scale, rows, mask_n, k0, K, dtype, PACKED: tl.constexpr,
         c3, c7 = _e2m1_codes(_e2m1_pair(word, 3), MUL)
         joined = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
         # Scale byte g of the flat [E * O, K / 32] scales (codes 32g ..) is byte g of the words' memory
-        # (little-endian words: bits 8(g % 4) .. of word g // 4), read as a byte, one per group of the step.
+        # (little-endian words: bits 8(g % 4) .. of word g // 4), read as a byte, one per group of the step (a
+        # step of 16 lies within one group). Times 2^126 first: every code exact, then the scale.
         GROUPS: tl.constexpr = (BLOCK_K + 31) // 32
         offs_g = k0 // 32 + tl.arange(0, GROUPS)
         scale = tl.load(w_scale.to(tl.pointer_type(tl.uint8)) + rows[:, None] * (K // 32) + offs_g[None, :],
