@@ -42,6 +42,23 @@ def _scale_kernel(x, y, n, BLOCK: tl.constexpr):
         tl.store(y + i0 + offs, v * 2.0, mask=i0 + offs < n)
 
 
+@triton.jit
+def _dot_step(a, b, k0, K, offs, acc, BLOCK: tl.constexpr):
+    x = tl.load(a + offs[:, None] * K + k0 + offs[None, :])
+    y = tl.load(b + (k0 + offs[:, None]) * BLOCK + offs[None, :])
+    return tl.dot(x, y, acc)
+
+
+@triton.jit
+def _helper_loop_kernel(a, b, c, K, BLOCK: tl.constexpr):
+    # The loop's body is an inlined helper: sm_100a's backward branch carries one of its lines.
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        acc = _dot_step(a, b, k0, K, offs, acc, BLOCK)
+    tl.store(c + offs[:, None] * BLOCK + offs[None, :], acc)
+
+
 def variant(fn: triton.JITFunction, signature: dict[str, str], name: str) -> KernelVariant:
     return KernelVariant(name, fn, {**signature, "BLOCK": "constexpr"}, {"BLOCK": 64}, num_warps=4,
                          num_stages=2)
@@ -70,6 +87,19 @@ def test_a_dot_shows_tensor_cores_and_a_loop_without_none(cache: Path, target: s
     assert len(list(cache.glob("*.json"))) == 2  # cached: a second call reads the file
     assert kernel_estimate.analyse(variant(_scale_kernel, {"x": "*fp32", "y": "*fp32", "n": "i32"}, "scale"),
                                    target) == plain
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+def test_a_loop_whose_body_is_an_inlined_helper_is_named_by_its_for(cache: Path, target: str) -> None:
+    """MLA's decode loop calls _attend_block: on sm_100a its branch's line is the helper's, and the loop
+    went unnamed (the tool's rows then failed with a KeyError)."""
+    helper = kernel_estimate.analyse(variant(_helper_loop_kernel, {"a": "*bf16", "b": "*bf16", "c": "*fp32",
+                                                                   "K": "i32"}, "helper_loop"), target)
+    named = [lp for lp in helper.loops if lp.text == "for k0 in range(0, K, BLOCK)"]
+    line = _helper_loop_kernel.starting_line_number + 5
+    assert named and {lp.where for lp in named} == {f"{Path(__file__).name}:{line}"}
+    # Left unnamed: only a wait's few instructions (sm_100a's barrier spins), which the model may skip.
+    assert not [w for w in helper.warnings if "unnamed" in w]
 
 
 def test_the_estimate_of_a_row_against_figures_worked_by_hand() -> None:

@@ -65,7 +65,7 @@ from k3plugins import kernel_variants
 from k3plugins.aot import PTXAS, compile_variant, kernel_stats
 from k3plugins.variants import KernelVariant
 
-ANALYSIS_VERSION = 2  # bump when what `analyse` records changes: the cache is keyed on it
+ANALYSIS_VERSION = 3  # bump when what `analyse` records changes: the cache is keyed on it
 CACHE = Path(os.environ.get("K3_KERNEL_CACHE", Path.home() / ".cache" / "k3export" / "kernels"))
 NVDISASM = PTXAS.parent / "nvdisasm"
 
@@ -208,11 +208,18 @@ def for_statements(path: Path) -> tuple[ForStatement, ...]:
     return tuple(sorted(found, key=lambda f: f.last - f.first))
 
 
+def statements(sources: Path, name: str) -> tuple[ForStatement, ...]:
+    """The `for` statements of source file `name` in `sources` (none where it is not there)."""
+    return for_statements(sources / name) if (sources / name).exists() else ()
+
+
 def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Loop]]:
     """Straight-line opcode counts and the loops of `nvdisasm -g -c` output (one kernel).
 
     A loop is named by the innermost source `for` statement around the line of its backward branch (the
-    `for` line on sm_90a, a line of the body on sm_100a) not already naming a loop nested in it. The
+    `for` line on sm_90a, a line of the body on sm_100a) not already naming a loop nested in it; where that
+    line is in an inlined helper (sm_100a), by the innermost such statement whose `for` line one of the
+    loop's instructions carries (its induction step), static_range excepted (unrolled, never a loop). The
     files are read from `sources` (the imported kernels' folder): the line numbers are those of the
     imported source (Triton's cache key holds them), the path in the line table the first compile's."""
     instructions: list[tuple[int, str, str, tuple[str, int] | None]] = []  # offset, opcode, target, line
@@ -248,12 +255,17 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
     for i in sorted(range(len(loops)), key=lambda i: loops[i].end - loops[i].start):
         taken = set().union(*(claimed.get(j, set()) for j, lp in enumerate(loops) if lp.parent == i))
         branch = spans[loops[i].start][1]
-        if branch is not None and (sources / branch[0]).exists():
-            for statement in for_statements(sources / branch[0]):
-                if statement.first <= branch[1] <= statement.last and statement not in taken:
-                    loops[i].text, loops[i].where = statement.text, statement.where
-                    taken = taken | {statement}
-                    break
+        carried = {line for offset, _, _, line in instructions
+                   if line is not None and loops[i].start <= offset <= loops[i].end}
+        candidates = [] if branch is None else [
+            s for s in statements(sources, branch[0]) if s.first <= branch[1] <= s.last and s not in taken]
+        candidates = candidates or [
+            s for name, _ in carried for s in statements(sources, name)
+            if (name, s.first) in carried and s not in taken and "static_range" not in s.text]
+        if candidates:
+            statement = min(candidates, key=lambda s: s.last - s.first)
+            loops[i].text, loops[i].where = statement.text, statement.where
+            taken = taken | {statement}
         claimed[i] = taken
     straight: dict[str, int] = {}
     for offset, opcode, _, _ in instructions:
