@@ -76,11 +76,6 @@ def _state_block(h0, H, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _add3(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, a1 + b1, a2 + b2
-
-
-@triton.jit
 def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
                           BK: tl.constexpr, BV: tl.constexpr, LANES_K: tl.constexpr, SHORT_K: tl.constexpr):
     """Token by token, the program's [BK, BV] block of the state in registers: read once, written once.
@@ -93,8 +88,8 @@ def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
     memory each step; their pointers are therefore declared non-contiguous (tl.max_contiguous 1), which
     leaves the axes in order: the layout above. The state is read in its own coalesced layout (16-byte
     loads) and converted once, outside the token loop.
-    A step: S <- diag(exp(g)) S; u = v - S^T k; o = S_new^T q = S^T q + beta (k.q) u (the three sums over
-    the key channels one reduction); S <- S + k (beta u)^T."""
+    A step: S <- diag(exp(g)) S; u = v - S^T k; o = S_new^T q = S^T q + beta (k.q) u (so the three sums over
+    the key channels read the decayed state at once, none waiting on another); S <- S + k (beta u)^T."""
     K_HI: tl.constexpr = BK // LANES_K
     i_bh = tl.program_id(0).to(tl.int64)
     i_b = i_bh // H
@@ -132,8 +127,9 @@ def _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V,
         b_v = tl.load(v + tv, mask=mask_v, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + tok)
         S = S * tl.math.exp2(b_g * LOG2E)  # ex2 of the decay, without exp's denormal handling: 3 SASS less
-        sk, sq, kq = tl.reduce((S * b_k, S * b_q, b_k * b_q), 2, _add3, keep_dims=True)
-        sk, sq, kq = tl.reduce((sk, sq, kq), 0, _add3, keep_dims=True)
+        sk = tl.sum(tl.sum(S * b_k, axis=2, keep_dims=True), axis=0, keep_dims=True)
+        sq = tl.sum(tl.sum(S * b_q, axis=2, keep_dims=True), axis=0, keep_dims=True)
+        kq = tl.sum(tl.sum(b_k * b_q, axis=2, keep_dims=True), axis=0, keep_dims=True)
         beta_u = b_beta * (b_v - sk)  # one product a column, not one a state element
         # One lane of each column stores it.
         tl.store(o + tv, (sq + kq * beta_u).to(o.dtype.element_ty), mask=mask_v & (lanes == 0))
