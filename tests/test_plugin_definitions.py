@@ -106,7 +106,23 @@ def test_kda_two_node_definitions() -> None:
         "FP16, FP16, FP16, FP16, FP16, FP32"
     assert len(type_combinations(KDA_CHUNK_RECURRENCE, aot=True)) == 3
     assert kda_prepare_aot_launch(q, v) == ((2, 2 * 3), [17, 3, 32, 8])  # chunks x rows and heads
-    assert kda_chunk_recurrence_aot_launch(q, v, 64) == ((2 * 3, 1), [17, 3, 32, 8])
+    recurrence = kda_two_node_aot_kernels("bfloat16", 32)[1]
+    assert kda_chunk_recurrence_aot_launch(q, v, recurrence) == ((2 * 3, 1), [17, 3, 32, 8])
+
+
+@pytest.mark.parametrize(("B", "T", "H", "blocks"), [
+    (1, 1, 12, 8), (1, 4, 12, 8), (1, 5, 12, 2), (1, 1, 16, 8), (1, 1, 17, 2), (8, 1, 12, 2), (1, 1, 96, 2),
+    (2, 3000, 96, 2)])
+def test_kda_chunk_recurrence_grid(B: int, T: int, H: int, blocks: int) -> None:
+    """KDAChunkRecurrence's value blocks at V = 128 (bfloat16): 16 columns a program (8 blocks) for a stepped
+    call (T <= 4) whose (row, head) pairs x 8 fit in one wave of 132 programs (16 pairs, not 17), else the
+    chunk path's 64 (2 blocks); float32's chunk path already takes 16. Evaluated on ints, as TensorRT
+    evaluates the expression (tests/test_trt_plugin.py: through TensorRT)."""
+    q, v = [B, T, H, 128], [B, T, H, 128]
+    recurrence = kda_two_node_aot_kernels("bfloat16", 128)[1]
+    assert kda_chunk_recurrence_aot_launch(q, v, recurrence) == ((B * H, blocks), [T, H, 128, 128])
+    fp32 = kda_two_node_aot_kernels("float32", 128)[1]
+    assert kda_chunk_recurrence_aot_launch(q, v, fp32)[0] == (B * H, 8)
 
 
 def test_routed_experts_definitions() -> None:

@@ -533,8 +533,7 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         terms = [v.new_full((B, T, H, n), float("nan")) for n in (K, K, K, KDA_V, KDA_CHUNK)]
         terms.append(torch.full((B, -(-T // KDA_CHUNK), H, K), float("nan"), device="cuda"))
         grid, scalars = kda_prepare_aot_launch(list(q.shape), list(v.shape))
-        recurrence_grid, _ = kda_chunk_recurrence_aot_launch(list(q.shape), list(v.shape),
-                                                             recurrence.constexprs["BV"])
+        recurrence_grid, _ = kda_chunk_recurrence_aot_launch(list(q.shape), list(v.shape), recurrence)
         outputs = [torch.full_like(v, float("nan")), torch.full_like(h0, float("nan"))]
         launches = [(prepare, grid, [*inputs[:5], *scalars, *terms]),
                     (recurrence, recurrence_grid, [*inputs[:5], *terms, h0, *scalars, *outputs])]

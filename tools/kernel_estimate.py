@@ -14,7 +14,10 @@ named by the source line of that branch: its `for` statement. The rows (`moe_row
 
 The model (printed with every table; `Machine` holds the figures, each cited):
 - issue: a program executes every SASS instruction of its straight-line code once and of each loop's
-  own body (nested loops apart) once per trip; a branch not taken counts as taken. An SM issues
+  own body (nested loops apart) once per trip; a branch not taken counts as taken, except that a launch
+  may name the part of the code it runs (`Part`: the code from the entry or a branch's target to an
+  EXIT; a kernel that picks its path at run time has one a path): then only that part, the code on the way
+  to it and its loops count. An SM issues
   min(4, resident warps) warp-instructions a clock; the busiest SM runs ceil(programs / SMs) programs,
   min(that, occupancy) at a time. Occupancy from registers (64K an SM, allocated per warp in units of
   256), shared memory (228 KB an SM, 1 KB reserved a block) and warps (64 an SM, 32 blocks).
@@ -65,7 +68,7 @@ from k3plugins import kernel_variants
 from k3plugins.aot import PTXAS, compile_variant, kernel_stats
 from k3plugins.variants import KernelVariant
 
-ANALYSIS_VERSION = 3  # bump when what `analyse` records changes: the cache is keyed on it
+ANALYSIS_VERSION = 4  # bump when what `analyse` records changes: the cache is keyed on it
 CACHE = Path(os.environ.get("K3_KERNEL_CACHE", Path.home() / ".cache" / "k3export" / "kernels"))
 NVDISASM = PTXAS.parent / "nvdisasm"
 
@@ -130,6 +133,17 @@ class Loop:
 
 
 @dataclass
+class Part:
+    """A part of the code that ends the program: from the entry or a branch's target to an unconditional EXIT
+    (a kernel that picks its path at run time, e.g. KDAChunkRecurrence's step or chunks, has one a path)."""
+
+    start: int  # SASS byte offsets
+    end: int
+    own: dict[str, int]  # opcode counts outside loops in the part
+    via: dict[str, int]  # the same on the way from the entry: the parts before it, up to the branch into it
+
+
+@dataclass
 class Analysis:
     name: str
     target: str
@@ -141,6 +155,7 @@ class Analysis:
     ptx: dict[str, int]  # mma.sync, wgmma, cp.async, tma instruction counts in the PTX
     straight: dict[str, int]  # opcode counts outside every loop
     loops: list[Loop]
+    parts: list[Part] = field(default_factory=list)
 
     @property
     def tensor_cores(self) -> str:
@@ -154,18 +169,30 @@ class Analysis:
         pipelining or warp specialisation: each is counted with the statement's full trips)."""
         texts = [lp.text for lp in self.loops]
         unnamed = [lp for lp in self.loops if lp.text == "?" and lp.own.get("ALL", 0) > 16]
-        split = sorted({t for t in texts if t != "?" and texts.count(t) > 1})
+        # Loops of one `for` in different parts (paths picked at run time) are each a path's, not a split.
+        parts = [next((j for j, p in enumerate(self.parts) if p.start <= lp.start <= p.end), None)
+                 for lp in self.loops]
+        split = sorted({t for t, p in zip(texts, parts, strict=True)
+                        if t != "?" and list(zip(texts, parts, strict=True)).count((t, p)) > 1})
         found = [f"`{t}` compiled into {texts.count(t)} loops, each counted" for t in split]
         if unnamed:
             found.insert(0, f"{len(unnamed)} unnamed loops of {sum(lp.own['ALL'] for lp in unnamed)} SASS "
                             "not counted")
         return found
 
-    def loop(self, text: str) -> int:
-        matches = [i for i, lp in enumerate(self.loops) if lp.text == text]
+    def loop(self, text: str, part: int | None = None) -> int:
+        """The first loop `text` names (in `part` where given)."""
+        matches = [i for i in self.in_part(part) if self.loops[i].text == text]
         if not matches:
             raise KeyError(f"{self.name}: no loop `{text}`; its loops: {[lp.text for lp in self.loops]}")
         return matches[0]
+
+    def in_part(self, part: int | None) -> list[int]:
+        """The loops of `part` (None: of the whole kernel)."""
+        if part is None:
+            return list(range(len(self.loops)))
+        p = self.parts[part]
+        return [i for i, lp in enumerate(self.loops) if p.start <= lp.start <= p.end]
 
     def inside(self, index: int) -> list[int]:
         """The loop and every loop nested in it."""
@@ -213,8 +240,8 @@ def statements(sources: Path, name: str) -> tuple[ForStatement, ...]:
     return for_statements(sources / name) if (sources / name).exists() else ()
 
 
-def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Loop]]:
-    """Straight-line opcode counts and the loops of `nvdisasm -g -c` output (one kernel).
+def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Loop], list[Part]]:
+    """Straight-line opcode counts, the loops and the parts of `nvdisasm -g -c` output (one kernel).
 
     A loop is named by the innermost source `for` statement around the line of its backward branch (the
     `for` line on sm_90a, a line of the body on sm_100a) not already naming a loop nested in it; where that
@@ -223,6 +250,7 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
     files are read from `sources` (the imported kernels' folder): the line numbers are those of the
     imported source (Triton's cache key holds them), the path in the line table the first compile's."""
     instructions: list[tuple[int, str, str, tuple[str, int] | None]] = []  # offset, opcode, target, line
+    exits: list[int] = []  # offsets of unconditional EXITs
     labels: dict[str, int] = {}
     pending_labels: list[str] = []
     where: tuple[str, int] | None = None
@@ -240,6 +268,8 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
                 labels[name] = offset
             pending_labels = []
             target = re.search(r"\.(L_x_\d+)", m.group(4)) if opcode == "BRA" else None
+            if opcode == "EXIT" and not line.split("*/", 1)[1].lstrip().startswith("@"):
+                exits.append(offset)
             instructions.append((offset, opcode, target.group(1) if target else "", where))
     spans: dict[int, tuple[int, tuple[str, int] | None]] = {}  # start -> (last backward branch, its line)
     for offset, _, target, line in instructions:
@@ -275,7 +305,37 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
         counts = loops[inner[-1]].own if inner else straight
         for key in (opcode, "ALL"):
             counts[key] = counts.get(key, 0) + 1
-    return straight, loops
+    return straight, loops, code_parts(instructions, labels, loops, exits)
+
+
+def code_parts(instructions: Sequence[tuple[int, str, str, Any]], labels: dict[str, int], loops: list[Loop],
+               exits: list[int]) -> list[Part]:
+    """The parts of the code that end the program (see `Part`), in code order: the first from the entry, each
+    other from the target of the first branch into it; the code after the last EXIT (a trap) is in none."""
+    outside = [(offset, opcode, target) for offset, opcode, target, _ in instructions
+               if not any(lp.start <= offset <= lp.end for lp in loops)]
+
+    def counts(lo: int, hi: int) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for offset, opcode, _ in outside:
+            if lo <= offset <= hi:
+                for key in (opcode, "ALL"):
+                    found[key] = found.get(key, 0) + 1
+        return found
+
+    parts: list[Part] = []
+    for end in exits:
+        start = parts[-1].end + 1 if parts else 0
+        start = min((o for o, *_ in instructions if o >= start), default=start)
+        via: dict[str, int] = {}
+        if parts:
+            branch = next((o for o, _, t in outside if t and labels.get(t) == start and o < start), None)
+            before = next((p for p in parts if branch is not None and p.start <= branch <= p.end), None)
+            if before is not None:
+                via = {k: before.via.get(k, 0) + counts(before.start, branch).get(k, 0)
+                       for k in {*before.via, *counts(before.start, branch)}}
+        parts.append(Part(start, end, counts(start, end), via))
+    return parts
 
 
 def cache_key(variant: KernelVariant, target: str) -> str:
@@ -291,7 +351,8 @@ def analyse(variant: KernelVariant, target: str) -> Analysis:
     path = CACHE / f"{variant.name}.{target}.{cache_key(variant, target)}.json"
     if path.exists():
         data = json.loads(path.read_text())
-        return Analysis(**{**data, "loops": [Loop(**lp) for lp in data["loops"]]})
+        return Analysis(**{**data, "loops": [Loop(**lp) for lp in data["loops"]],
+                           "parts": [Part(**p) for p in data["parts"]]})
     kernel = compile_variant(variant, target)
     stats = kernel_stats(kernel)
     with tempfile.TemporaryDirectory() as tmp:
@@ -299,9 +360,10 @@ def analyse(variant: KernelVariant, target: str) -> Analysis:
         cubin.write_bytes(kernel.asm["cubin"])
         disassembly = subprocess.run([str(NVDISASM), "-g", "-c", str(cubin)], capture_output=True, text=True,
                                      check=True).stdout
-    straight, loops = sass_loops(disassembly, Path(inspect.getsourcefile(variant.fn.fn)).parent)
+    straight, loops, parts = sass_loops(disassembly, Path(inspect.getsourcefile(variant.fn.fn)).parent)
     result = Analysis(variant.name, target, variant.num_warps, stats.registers, stats.spill_stores,
-                      stats.spill_loads, stats.shared_bytes, ptx_counts(kernel.asm["ptx"]), straight, loops)
+                      stats.spill_loads, stats.shared_bytes, ptx_counts(kernel.asm["ptx"]), straight, loops,
+                      parts)
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp_path = path.with_suffix(f".{os.getpid()}.tmp")  # other helpers may fill the cache at once
     tmp_path.write_text(json.dumps(asdict(result)))
@@ -317,7 +379,9 @@ class Launch:
     the enclosing loops' trips (a loop absent from the dict or 0 is not taken). `hot`: the loop whose
     instructions per unit of work the table shows, and the units (weights or FLOPs) a trip does.
     `chain`: the loop whose trips depend on each other (a latency term), if any. `programs`: those
-    that do the work (default: the whole grid; the rest exit at once)."""
+    that do the work (default: the whole grid; the rest exit at once). `part`: the part of the code (`Part`,
+    by index in code order) the programs run, for a kernel that picks its path at run time: only its code,
+    the way to it and its loops are charged (default: the whole kernel)."""
 
     variant: KernelVariant
     grid: tuple[int, ...]
@@ -327,6 +391,7 @@ class Launch:
     unit: str = "weight"
     chain: str | None = None
     programs: int | None = None
+    part: int | None = None
 
     @property
     def active(self) -> int:
@@ -378,23 +443,25 @@ def occupancy(a: Analysis, m: Machine) -> int:
     return max(0, min(by_registers, by_shared, m.warps_per_sm // a.num_warps, m.blocks_per_sm))
 
 
-def program_instructions(a: Analysis, trips: dict[str, float], kind: str = "ALL") -> float:
-    """Warp-instructions of `kind` (an opcode or ALL) one warp of a program executes."""
+def program_instructions(a: Analysis, trips: dict[str, float], kind: str = "ALL",
+                         part: int | None = None) -> float:
+    """Warp-instructions of `kind` (an opcode or ALL) one warp of a program executes (running `part`)."""
     known = {lp.text for lp in a.loops}
     unknown = set(trips) - known
     if unknown:
         raise KeyError(f"{a.name}: trips for loops it does not have: {sorted(unknown)}; "
                        f"its loops: {sorted(known)}")
-    total = a.straight.get(kind, 0)
-    for lp in a.loops:
-        total += lp.own.get(kind, 0) * trips.get(lp.text, 0)
+    total = a.straight.get(kind, 0) if part is None else \
+        a.parts[part].own.get(kind, 0) + a.parts[part].via.get(kind, 0)
+    for i in a.in_part(part):
+        total += a.loops[i].own.get(kind, 0) * trips.get(a.loops[i].text, 0)
     return total
 
 
 def chain_step(a: Analysis, launch: Launch) -> dict[str, float]:
     """Per trip of the chain loop: its BAR and SHFL (nested loops included), and whether it loads global
     memory with no cp.async / TMA in it."""
-    index = a.loop(launch.chain)
+    index = a.loop(launch.chain, launch.part)
     steps = launch.trips[launch.chain]
     inner = a.inside(index)
     sums = {k: sum(a.loops[i].own.get(k, 0) * launch.trips.get(a.loops[i].text, 0) for i in inner) / steps
@@ -413,13 +480,13 @@ def estimate(row: Row, m: Machine, analyses: list[Analysis] | None = None) -> Es
         resident = occupancy(a, m)
         per_sm = math.ceil(launch.active / m.sms)
         at_once = max(1, min(resident, per_sm))
-        warp_instr = program_instructions(a, launch.trips)
+        warp_instr = program_instructions(a, launch.trips, part=launch.part)
         issue = per_sm * a.num_warps * warp_instr / min(m.issue_per_sm, at_once * a.num_warps) / clock
         detail: dict[str, Any] = {"kernel": a.name, "grid": launch.grid, "programs": launch.active,
                                   "occupancy": resident, "waves": launch.active / max(1, resident * m.sms),
                                   "warp_instr": warp_instr, "issue_s": issue}
         if launch.hot:
-            hot = a.loops[a.loop(launch.hot)]
+            hot = a.loops[a.loop(launch.hot, launch.part)]
             detail["hot_per_unit"] = hot.size * a.num_warps * 32 / launch.hot_units
             detail["hot_bar"] = hot.own.get("BAR", 0)
         latency = 0.0
@@ -615,13 +682,15 @@ def kda_rows() -> list[Row]:
                 q, v = [batch, tokens, heads, KDA_K], [batch, tokens, heads, KDA_V]
                 if tokens <= KDA_STEP_TOKENS:
                     loop = "for t in range(T)"
-                    block_v = recurrence.constexprs["BV"]
+                    grid = kda_chunk_recurrence_aot_launch(q, v, recurrence)[0]
+                    narrow = grid[1] > cdiv(KDA_V, recurrence.constexprs["BV"])
                     launches = [
                         Launch(prepare, kda_prepare_aot_launch(q, v)[0], {}, programs=0),
-                        Launch(recurrence, kda_chunk_recurrence_aot_launch(q, v, block_v)[0], {loop: tokens},
-                               loop, 7 * KDA_K * block_v, "FLOP", chain=loop)]
+                        Launch(recurrence, grid, {loop: tokens}, loop, 7 * KDA_K * cdiv(KDA_V, grid[1]),
+                               "FLOP", chain=loop, part=KDA_AOT_PARTS["narrow step" if narrow else "step"])]
                 else:
-                    launches = kda_chunk_launches(tokens, batch * heads, prepare, recurrence)
+                    launches = kda_chunk_launches(tokens, batch * heads, prepare, recurrence,
+                                                  KDA_AOT_PARTS["chunks"])
                 rows.append(Row("kda", "AOT", shape, launches, nbytes, flops,
                                 note="KDAPrepare + KDAChunkRecurrence", case={"kernel": "aot:kda", **case}))
                 jit = "chunk_kda" if tokens > 1 else "recurrent_kda"
@@ -643,8 +712,14 @@ def kda_recurrent_launches(tokens: int, heads: int) -> list[Launch]:
                    7 * KDA_K * kda.STEP_BLOCK_V, "FLOP", chain=loop)]
 
 
-def kda_chunk_launches(tokens: int, heads: int, prepare: KernelVariant,
-                       recurrence: KernelVariant) -> list[Launch]:
+# KDAChunkRecurrence's AOT kernel's parts (`Part`), in code order as sm_90a's compiled code holds them: the
+# step in NARROW_BV columns, the step in the chunk path's BV, then the chunks (tests/test_kernel_estimate.py
+# checks each part holds its path's loop).
+KDA_AOT_PARTS = {"narrow step": 0, "step": 1, "chunks": 2}
+
+
+def kda_chunk_launches(tokens: int, heads: int, prepare: KernelVariant, recurrence: KernelVariant,
+                       part: int | None = None) -> list[Launch]:
     """chunk_kda's launches for a prompt on `heads` (row, head) pairs, the JIT plugin's or the AOT nodes'
     (`prepare`, `recurrence`): the parallel prepare over (chunk, head), then the recurrence over the chunks
     (the dependent chain)."""
@@ -661,7 +736,7 @@ def kda_chunk_launches(tokens: int, heads: int, prepare: KernelVariant,
                {"for c0 in range(0, K, BC)": cdiv(KDA_K, 16),
                 "for v0 in range(0, V, BV)": cdiv(KDA_V, prepare.constexprs["BV"])}),
         Launch(recurrence, (heads, cdiv(KDA_V, block_v)), {chain: chunks},
-               chain, 2 * chunk * (3 * KDA_K + chunk) * block_v, "FLOP", chain=chain),
+               chain, 2 * chunk * (3 * KDA_K + chunk) * block_v, "FLOP", chain=chain, part=part),
     ]
 
 
@@ -771,6 +846,9 @@ def kernels_report(rows: Sequence[Row], m: Machine) -> list[str]:
             lines.append(f"{a.name} ({m.target}a): {a.registers} registers, spills {a.spill_stores}/"
                          f"{a.spill_loads} B, {a.shared} B shared, {a.num_warps} warps; PTX {a.ptx}; "
                          f"{a.straight.get('ALL', 0)} SASS outside loops")
+            for i, part in enumerate(a.parts if len(a.parts) > 1 else []):
+                lines.append(f"  part {i} ({part.start:#x}-{part.end:#x}): {part.own.get('ALL', 0)} SASS "
+                             f"outside loops, {part.via.get('ALL', 0)} on the way; loops {a.in_part(i)}")
             for i, lp in enumerate(a.loops):
                 counts = ", ".join(f"{k} {lp.own[k]}" for k in SASS_SHOWN if lp.own.get(k))
                 lines.append(f"  loop {i} `{lp.text}` ({lp.where}) in {lp.parent}: {lp.size} SASS "

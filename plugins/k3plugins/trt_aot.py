@@ -127,6 +127,13 @@ BLOCK_V = 64
 # barrier, a chunk of 16 tokens about 2,060 with 150 barriers and shuffles (docs/kernels.md): the recurrence
 # costs less up to 4 tokens, by issue slots and with tools/kernel_estimate.py's latency terms alike.
 KDA_STEP_TOKENS = 4
+# A stepped call whose (row, head) pairs are few (12 heads a rank at batch 1) steps NARROW_BV value columns a
+# program, not the chunk path's 64, while those programs fit in one wave of an H100 (132 SMs; the kernel holds
+# one program an SM at the chunk path's 224 registers): 96 programs at 12 heads and batch 1, not 24, each
+# stepping a quarter of the state (16 lanes along the key channels: 4 shuffles a sum, not 2). Past one wave
+# the chunk path's 64 columns take less issue a column (tools/kernel_estimate.py, docs/kernels.md).
+KDA_NARROW_BV = 16
+KDA_NARROW_PROGRAMS = 132
 
 
 @triton.jit
@@ -200,11 +207,18 @@ def _kda_prepare_aot_kernel(q, k, v, g, beta, T, H, K, V, qg, kt, w, u, a_qk, de
 def _kda_chunk_recurrence_aot_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, h0, T, H, K, V, o, ht,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                      LANES_K: tl.constexpr, SHORT_K: tl.constexpr,
-                                     STEP_TOKENS: tl.constexpr):
+                                     STEP_TOKENS: tl.constexpr, NARROW_BV: tl.constexpr,
+                                     NARROW_LANES_K: tl.constexpr, NARROW_SHORT_K: tl.constexpr):
     # As _kda_aot_chunk_kernel, T picks the path at run time: decode and short verify calls step the
     # recurrence from the token inputs (the state read and written once), longer calls walk the terms.
     if T <= STEP_TOKENS:
-        _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K, SHORT_K)
+        # The step takes the mapping the grid was given (kda_chunk_recurrence_aot_launch): NARROW_BV value
+        # columns a program where a grid of them fits in one wave, else the chunk path's BV.
+        if NARROW_BV < BV and tl.num_programs(1) > tl.cdiv(V, BV):
+            _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, NARROW_BV, NARROW_LANES_K,
+                                  NARROW_SHORT_K)
+        else:
+            _recurrent_kda_kernel(q, k, v, g, beta, h0, o, ht, T, H, K, V, BK, BV, LANES_K, SHORT_K)
     else:
         _kda_chunk_recurrence_kernel(qg, kt, w, u, a_qk, decay_last, h0, o, ht, T, H, K, V, BT, BK, BV)
 
@@ -224,8 +238,12 @@ def kda_two_node_aot_kernels(dtype: str, head_dim: int) -> tuple[KernelVariant, 
     prepare_constexprs = {**common, "BV": kda.PREPARE.blocks["BV"]}
     block_v = recurrence_kernel.blocks["BV"]
     lanes = kda.step_lanes(block_v, recurrence_kernel.num_warps)
+    narrow_v = min(block_v, KDA_NARROW_BV)
+    narrow_lanes = kda.step_lanes(narrow_v, recurrence_kernel.num_warps)
     recurrence_constexprs = {**common, "BV": block_v, "LANES_K": lanes,
-                             "SHORT_K": kda.short_k(head_dim, block_k, lanes)}
+                             "SHORT_K": kda.short_k(head_dim, block_k, lanes), "NARROW_BV": narrow_v,
+                             "NARROW_LANES_K": narrow_lanes,
+                             "NARROW_SHORT_K": kda.short_k(head_dim, block_k, narrow_lanes)}
     # Every preset's head_dim is a multiple of 16: the token rows' loads vectorise.
     aligned = ("K", "V") if head_dim % 16 == 0 else ()
     prepare = KernelVariant(f"kda_prepare_aot_{t}_k{block_k}", _kda_prepare_aot_kernel,
@@ -247,12 +265,21 @@ def kda_prepare_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tupl
     return ((T + KDA_CHUNK - 1) // KDA_CHUNK, B * H), [T, H, K, v_dims[3]]
 
 
-def kda_chunk_recurrence_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any],
-                                    block_v: int) -> tuple[tuple[Any, Any], list[Any]]:
-    """(grid: rows and heads x blocks of `block_v` value columns, scalar args T, H, K, V)."""
+def kda_chunk_recurrence_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any], variant: KernelVariant,
+                                    minimum: Any = min,
+                                    maximum: Any = max) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid: rows and heads x blocks of value columns, scalar args T, H, K, V). The blocks are the kernel's
+    BV columns, or NARROW_BV for a stepped call (T <= KDA_STEP_TOKENS) whose grid of NARROW_BV blocks is at
+    most KDA_NARROW_PROGRAMS: the kernel reads which from its grid. The dims may be ints or `tensorrt.plugin`
+    shape expressions (then `minimum`, `maximum` are tensorrt.plugin's min and max; its expressions take no
+    int on the left of an operator): x > c is min(x // (c + 1), 1), 1 or 0 for x >= 0."""
     B, T, H, K = q_dims
     V = v_dims[3]
-    return (B * H, (V + block_v - 1) // block_v), [T, H, K, V]
+    wide, narrow = ((V + variant.constexprs[bv] - 1) // variant.constexprs[bv] for bv in ("BV", "NARROW_BV"))
+    # 1 where the call walks chunks or its narrow grid passes one wave: the chunk path's blocks.
+    wide_call = maximum(minimum(T // (KDA_STEP_TOKENS + 1), 1),
+                        minimum(B * H * narrow // (KDA_NARROW_PROGRAMS + 1), 1))
+    return (B * H, narrow - (narrow - wide) * wide_call), [T, H, K, V]
 
 
 # Value columns a float32 LatentMLA AOT program accumulates at once (a pass over the cache each).
@@ -641,8 +668,8 @@ def register(trt: Any) -> dict[str, Any]:
     def kda_chunk_recurrence_aot(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, initial_state, outputs,
                                  tactic: int) -> AotResult:
         variant = kda_two_node_aot_kernels(names[v.dtype], q.shape_expr[3].constant_value())[1]
-        grid, scalars = kda_chunk_recurrence_aot_launch(list(q.shape_expr), list(v.shape_expr),
-                                                        variant.constexprs["BV"])
+        grid, scalars = kda_chunk_recurrence_aot_launch(list(q.shape_expr), list(v.shape_expr), variant,
+                                                        trtp.min, trtp.max)
         return _aot_result(trtp, variant, grid, scalars)
 
     @trtp.register("k3::LatentMLA")

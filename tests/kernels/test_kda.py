@@ -114,7 +114,7 @@ def aot_kda_two_nodes(q, k, v, g, beta, initial_state, final_state=None):
     terms.append(torch.full((B, -(-T // C), H, K), float("nan")))
     grid, scalars = trt_aot.kda_prepare_aot_launch(q.shape, v.shape)
     prepare.fn[grid](q, k, v, g, beta, *scalars, *terms, **prepare.constexprs, num_warps=prepare.num_warps)
-    grid, scalars = trt_aot.kda_chunk_recurrence_aot_launch(q.shape, v.shape, recurrence.constexprs["BV"])
+    grid, scalars = trt_aot.kda_chunk_recurrence_aot_launch(q.shape, v.shape, recurrence)
     o = torch.full_like(v, float("nan"))
     ht = torch.full_like(initial_state, float("nan")) if final_state is None else final_state
     recurrence.fn[grid](q, k, v, g, beta, *terms, initial_state, *scalars, o, ht, **recurrence.constexprs,
@@ -147,6 +147,25 @@ def test_aot_kernel(launcher: str, shape: tuple[int, ...], dtype: torch.dtype) -
     """The AOT kernels the KDA aot_impls embed (the one-node KDA's; KDAPrepare's and KDAChunkRecurrence's),
     against the eager op (float64), final state included."""
     check(AOT_LAUNCHERS[launcher], ref.recurrent_kda, shape, dtype, aot_tolerances(shape[1]))
+
+
+# KDAChunkRecurrence's step mappings (kda_chunk_recurrence_aot_launch): (B, T, H, K, V) and the value columns
+# a program: 16 where the stepped call's (row, head) pairs x 16-column blocks fit in 132 programs (the
+# published 12 heads at batch 1; K = 34 cuts a lane's window of 4 key channels, K = 1 is shorter than one:
+# NARROW_SHORT_K), else 64 (36 pairs x 4 blocks of V = 64 are 144; K = 36 cuts a window of 16, K = 5 is
+# shorter than one).
+STEP_MAPPINGS = [((1, 1, 12, 128, 128), 16), ((2, STEPPED, 3, 34, 40), 16), ((1, 2, 2, 1, 24), 16),
+                 ((3, 1, 12, 32, 64), 64), ((3, STEPPED, 12, 36, 64), 64), ((3, 2, 12, 5, 64), 64)]
+
+
+@pytest.mark.parametrize(("shape", "columns"), STEP_MAPPINGS, ids=str)
+def test_aot_step_mappings(shape: tuple[int, ...], columns: int) -> None:
+    """A stepped KDAChunkRecurrence call in each mapping its grid selects (float16), against the eager op."""
+    B, T, H, K, V = shape
+    recurrence = trt_aot.kda_two_node_aot_kernels("float16", K)[1]
+    grid, _ = trt_aot.kda_chunk_recurrence_aot_launch([B, T, H, K], [B, T, H, V], recurrence)
+    assert grid == (B * H, -(-V // columns))
+    check(aot_kda_two_nodes, ref.recurrent_kda, shape, torch.float16)
 
 
 @pytest.mark.parametrize(("kernel", "dtype"), [(aot_kda, torch.float16), (k3plugins.chunk_kda, torch.float16),
