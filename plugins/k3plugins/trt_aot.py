@@ -22,7 +22,8 @@ An AOT plugin is one kernel launch with no workspace and int32 scalar arguments 
   two launches: KDAPrepare runs kda.py's parallel prepare over (16-token chunk, batch x head), and
   KDAChunkRecurrence its recurrence over the chunks, the state on chip (chunk_kda's two kernels, at the
   JIT plugin's blocks). A call of at most KDA_STEP_TOKENS tokens (decode, a short verify call) steps the
-  recurrence from the token inputs in KDAChunkRecurrence, the state read and written once, and KDAPrepare
+  recurrence from the token inputs in KDAChunkRecurrence, the state read and written once (16 value columns
+  a program where the (row, head) pairs are few, KDA_NARROW_BV: the grid says which), and KDAPrepare
   writes nothing. The one-node KDA of earlier exports keeps its one-launch kernel (float16 and bfloat16
   walk chunks of 16 tokens with each chunk's prepare work in the dependent chain, `_fused_chunk_kda_kernel`;
   float32 runs the recurrence, its chunked form spilling registers).
