@@ -142,22 +142,22 @@ def test_the_kda_step_sums_within_a_warp(cache: Path) -> None:
     """The decode step at the published widths (bf16, K = V = 128) as the JIT plugin (recurrent_kda) and
     KDAChunkRecurrence's AOT kernel compile it for sm_90a: its sums over the key channels are in-thread adds
     and shuffles between the lanes along K, so a token's step has no barrier and at most log2(lanes) shuffles
-    a sum (8 lanes; the AOT kernel's two steps, each in its part of the code: 16 and 4). With Triton's own
-    layout for the state it had 11-17 barriers and 24-27 shuffles."""
+    a sum (8 lanes; the AOT kernel's two steps, each on its path through the code: 16 and 4). With Triton's
+    own layout for the state it had 11-17 barriers and 24-27 shuffles."""
     from k3plugins import trt_aot
 
     jit = next(v for v in k3plugins.kernel_variants() if v.name == "recurrent_kda_bf16_k128")
     aot = trt_aot.kda_two_node_aot_kernels("bfloat16", 128)[1]
     # KDAChunkRecurrence's steps: its NARROW_BV columns (16 lanes on K) and its BV (4), each in its part.
-    parts = kernel_estimate.KDA_AOT_PARTS
-    for variant, lanes, part in ((jit, jit.constexprs["LANES_K"], None),
-                                 (aot, aot.constexprs["NARROW_LANES_K"], parts["narrow step"]),
-                                 (aot, aot.constexprs["LANES_K"], parts["step"])):
+    paths = kernel_estimate.KDA_AOT_PATHS
+    for variant, lanes, path in ((jit, jit.constexprs["LANES_K"], None),
+                                 (aot, aot.constexprs["NARROW_LANES_K"], paths["narrow step"]),
+                                 (aot, aot.constexprs["LANES_K"], paths["step"])):
         analysis = kernel_estimate.analyse(variant, "sm90")
-        step = analysis.loops[analysis.loop("for t in range(T)", part)].own
+        step = analysis.loops[analysis.loop("for t in range(T)", path and analysis.part(path))].own
         shuffles = 3 * (lanes.bit_length() - 1)  # 3 sums, log2(lanes) shuffles each
         assert step.get("BAR", 0) == 0 and 0 < step["SHFL"] <= shuffles, (variant.name, step)
-    chunks = analysis.in_part(kernel_estimate.KDA_AOT_PARTS["chunks"])
+    chunks = analysis.part(paths["chunks"]).loops
     assert [analysis.loops[i].text for i in chunks] == ["for i_t in range(n_chunks)"]
 
 
@@ -173,22 +173,22 @@ def _two_paths_kernel(x, y, n, fast, BLOCK: tl.constexpr):
             tl.store(y + j0 + offs, tl.exp(v) + tl.sqrt(v))
 
 
-def test_a_launch_is_charged_only_the_part_it_runs(cache: Path) -> None:
-    """A kernel that picks its path at run time compiles to parts that each end the program; a launch naming
-    one is charged that part's code, the way to it and its loops, never the other path's."""
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+def test_a_launch_is_charged_only_the_path_it_runs(cache: Path, target: str) -> None:
+    """A kernel that picks its path at run time: a launch naming the loop it runs is charged the code on the
+    paths through it and that loop, never the other path's (sm_90a ends each path in an EXIT, sm_100a joins
+    them before one)."""
     signature = {"x": "*fp32", "y": "*fp32", "n": "i32", "fast": "i32"}
-    a = kernel_estimate.analyse(variant(_two_paths_kernel, signature, "paths"), "sm90")
-    assert len(a.parts) == 2
-    texts = {a.loops[i].text for p in range(2) for i in a.in_part(p)}
-    assert texts == {"for i0 in range(0, n, BLOCK)", "for j0 in range(0, n, 2 * BLOCK)"}
-    # Each instruction outside the loops is in one part or past the last (a trap): never in two.
-    assert sum(p.own["ALL"] for p in a.parts) <= a.straight["ALL"]
-    trips = {"for i0 in range(0, n, BLOCK)": 3, "for j0 in range(0, n, 2 * BLOCK)": 5}
-    for p, part in enumerate(a.parts):
-        [loop] = [a.loops[i] for i in a.in_part(p)]
-        assert kernel_estimate.program_instructions(a, trips, part=p) == \
-            part.own["ALL"] + part.via.get("ALL", 0) + loop.own["ALL"] * trips[loop.text]
-    assert a.parts[1].via  # the second part's way: the entry's code up to the branch
+    a = kernel_estimate.analyse(variant(_two_paths_kernel, signature, "paths"), target)
+    texts = ["for i0 in range(0, n, BLOCK)", "for j0 in range(0, n, 2 * BLOCK)"]
+    trips = dict(zip(texts, (3, 5), strict=True))
     whole = kernel_estimate.program_instructions(a, trips)
-    assert whole > max(kernel_estimate.program_instructions(a, trips, part=p) for p in range(2))
+    for text in texts:
+        part = a.part((text, 0))
+        [loop] = [a.loops[i] for i in part.loops]
+        assert loop.text == text and 0 < part.own["ALL"] < a.straight["ALL"]
+        charged = kernel_estimate.program_instructions(a, trips, part=part)
+        assert charged == part.own["ALL"] + loop.own["ALL"] * trips[text] < whole
+    # exp and sqrt (MUFU) are the other path's only, some of them compiled outside its loop.
+    assert "MUFU" not in a.part((texts[0], 0)).own and "MUFU" in a.part((texts[1], 0)).own
     assert not a.warnings

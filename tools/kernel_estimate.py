@@ -15,9 +15,9 @@ named by the source line of that branch: its `for` statement. The rows (`moe_row
 The model (printed with every table; `Machine` holds the figures, each cited):
 - issue: a program executes every SASS instruction of its straight-line code once and of each loop's
   own body (nested loops apart) once per trip; a branch not taken counts as taken, except that a launch
-  may name the part of the code it runs (`Part`: the code from the entry or a branch's target to an
-  EXIT; a kernel that picks its path at run time has one a path): then only that part, the code on the way
-  to it and its loops count. An SM issues
+  of a kernel that picks its path at run time may name the loop its programs run (`Launch.path`): then
+  only the code on the paths from the entry to an EXIT through that loop counts (`Part`), with the loops
+  on them. An SM issues
   min(4, resident warps) warp-instructions a clock; the busiest SM runs ceil(programs / SMs) programs,
   min(that, occupancy) at a time. Occupancy from registers (64K an SM, allocated per warp in units of
   256), shared memory (228 KB an SM, 1 KB reserved a block) and warps (64 an SM, 32 blocks).
@@ -68,7 +68,7 @@ from k3plugins import kernel_variants
 from k3plugins.aot import PTXAS, compile_variant, kernel_stats
 from k3plugins.variants import KernelVariant
 
-ANALYSIS_VERSION = 4  # bump when what `analyse` records changes: the cache is keyed on it
+ANALYSIS_VERSION = 5  # bump when what `analyse` records changes: the cache is keyed on it
 CACHE = Path(os.environ.get("K3_KERNEL_CACHE", Path.home() / ".cache" / "k3export" / "kernels"))
 NVDISASM = PTXAS.parent / "nvdisasm"
 
@@ -134,13 +134,12 @@ class Loop:
 
 @dataclass
 class Part:
-    """A part of the code that ends the program: from the entry or a branch's target to an unconditional EXIT
-    (a kernel that picks its path at run time, e.g. KDAChunkRecurrence's step or chunks, has one a path)."""
+    """The code on the paths from the entry to an EXIT through one outermost loop: what a program running
+    that loop executes in a kernel that picks its path at run time (the other paths' code is on none)."""
 
-    start: int  # SASS byte offsets
-    end: int
-    own: dict[str, int]  # opcode counts outside loops in the part
-    via: dict[str, int]  # the same on the way from the entry: the parts before it, up to the branch into it
+    loop: int  # the loop's index
+    own: dict[str, int]  # opcode counts outside loops
+    loops: list[int]  # the loops on the paths
 
 
 @dataclass
@@ -169,30 +168,40 @@ class Analysis:
         pipelining or warp specialisation: each is counted with the statement's full trips)."""
         texts = [lp.text for lp in self.loops]
         unnamed = [lp for lp in self.loops if lp.text == "?" and lp.own.get("ALL", 0) > 16]
-        # Loops of one `for` in different parts (paths picked at run time) are each a path's, not a split.
-        parts = [next((j for j, p in enumerate(self.parts) if p.start <= lp.start <= p.end), None)
-                 for lp in self.loops]
-        split = sorted({t for t, p in zip(texts, parts, strict=True)
-                        if t != "?" and list(zip(texts, parts, strict=True)).count((t, p)) > 1})
+        # Loops of one `for` on separate paths (picked at run time) are each a path's, not a split.
+        split = sorted({lp.text for i, lp in enumerate(self.loops) if lp.text != "?" and sum(
+            self.loops[j].text == lp.text for j in self.on_paths_with(i)) > 1})
         found = [f"`{t}` compiled into {texts.count(t)} loops, each counted" for t in split]
         if unnamed:
             found.insert(0, f"{len(unnamed)} unnamed loops of {sum(lp.own['ALL'] for lp in unnamed)} SASS "
                             "not counted")
         return found
 
-    def loop(self, text: str, part: int | None = None) -> int:
-        """The first loop `text` names (in `part` where given)."""
+    def loop(self, text: str, part: Part | None = None) -> int:
+        """The first loop `text` names (on `part`'s paths where given)."""
         matches = [i for i in self.in_part(part) if self.loops[i].text == text]
         if not matches:
             raise KeyError(f"{self.name}: no loop `{text}`; its loops: {[lp.text for lp in self.loops]}")
         return matches[0]
 
-    def in_part(self, part: int | None) -> list[int]:
-        """The loops of `part` (None: of the whole kernel)."""
-        if part is None:
-            return list(range(len(self.loops)))
-        p = self.parts[part]
-        return [i for i, lp in enumerate(self.loops) if p.start <= lp.start <= p.end]
+    def in_part(self, part: Part | None) -> list[int]:
+        """The loops on `part`'s paths (None: every loop of the kernel)."""
+        return list(range(len(self.loops))) if part is None else part.loops
+
+    def on_paths_with(self, index: int) -> list[int]:
+        """The loops on the paths through loop `index` (through its outermost enclosing loop)."""
+        while self.loops[index].parent is not None:
+            index = self.loops[index].parent
+        return next((p.loops for p in self.parts if p.loop == index), list(range(len(self.loops))))
+
+    def part(self, path: tuple[str, int]) -> Part:
+        """The paths through the loop `path` names: its `for` text and which of that text's loops, in code
+        order."""
+        text, nth = path
+        named = [p for p in self.parts if self.loops[p.loop].text == text]
+        if len(named) <= nth:
+            raise KeyError(f"{self.name}: no outermost loop {path}; loops: {[lp.text for lp in self.loops]}")
+        return named[nth]
 
     def inside(self, index: int) -> list[int]:
         """The loop and every loop nested in it."""
@@ -250,7 +259,7 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
     files are read from `sources` (the imported kernels' folder): the line numbers are those of the
     imported source (Triton's cache key holds them), the path in the line table the first compile's."""
     instructions: list[tuple[int, str, str, tuple[str, int] | None]] = []  # offset, opcode, target, line
-    exits: list[int] = []  # offsets of unconditional EXITs
+    conditional: set[int] = set()  # offsets of predicated instructions (uniform predicates included)
     labels: dict[str, int] = {}
     pending_labels: list[str] = []
     where: tuple[str, int] | None = None
@@ -268,8 +277,8 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
                 labels[name] = offset
             pending_labels = []
             target = re.search(r"\.(L_x_\d+)", m.group(4)) if opcode == "BRA" else None
-            if opcode == "EXIT" and not line.split("*/", 1)[1].lstrip().startswith("@"):
-                exits.append(offset)
+            if line.split("*/", 1)[1].lstrip().startswith("@") or re.match(r"\s*!?UP\d", m.group(4)):
+                conditional.add(offset)
             instructions.append((offset, opcode, target.group(1) if target else "", where))
     spans: dict[int, tuple[int, tuple[str, int] | None]] = {}  # start -> (last backward branch, its line)
     for offset, _, target, line in instructions:
@@ -305,36 +314,50 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
         counts = loops[inner[-1]].own if inner else straight
         for key in (opcode, "ALL"):
             counts[key] = counts.get(key, 0) + 1
-    return straight, loops, code_parts(instructions, labels, loops, exits)
+    return straight, loops, paths(instructions, labels, loops, conditional)
 
 
-def code_parts(instructions: Sequence[tuple[int, str, str, Any]], labels: dict[str, int], loops: list[Loop],
-               exits: list[int]) -> list[Part]:
-    """The parts of the code that end the program (see `Part`), in code order: the first from the entry, each
-    other from the target of the first branch into it; the code after the last EXIT (a trap) is in none."""
-    outside = [(offset, opcode, target) for offset, opcode, target, _ in instructions
-               if not any(lp.start <= offset <= lp.end for lp in loops)]
+def paths(instructions: Sequence[tuple[int, str, str, Any]], labels: dict[str, int], loops: list[Loop],
+          conditional: set[int]) -> list[Part]:
+    """A `Part` for each outermost loop: the instructions both on a path from the entry to the loop and on
+    one from the loop to an EXIT (a call's subroutine, past the kernel's EXITs, is on none)."""
+    offsets = [o for o, *_ in instructions]
+    index = {o: i for i, o in enumerate(offsets)}
+    after: list[list[int]] = []
+    for i, (offset, opcode, target, _) in enumerate(instructions):
+        ends = opcode in ("EXIT", "RET") or (opcode == "BRA" and target)
+        nxt = [] if (ends and offset not in conditional) or i + 1 == len(instructions) else [i + 1]
+        jump = [index[labels[target]]] if target and labels.get(target) in index else []
+        after.append(nxt + jump)
+    before: list[list[int]] = [[] for _ in instructions]
+    for i, nxt in enumerate(after):
+        for j in nxt:
+            before[j].append(i)
 
-    def counts(lo: int, hi: int) -> dict[str, int]:
-        found: dict[str, int] = {}
-        for offset, opcode, _ in outside:
-            if lo <= offset <= hi:
-                for key in (opcode, "ALL"):
-                    found[key] = found.get(key, 0) + 1
-        return found
+    def reach(starts: list[int], edges: list[list[int]]) -> set[int]:
+        seen, todo = set(starts), list(starts)
+        while todo:
+            for j in edges[todo.pop()]:
+                if j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        return seen
 
-    parts: list[Part] = []
-    for end in exits:
-        start = parts[-1].end + 1 if parts else 0
-        start = min((o for o, *_ in instructions if o >= start), default=start)
-        via: dict[str, int] = {}
-        if parts:
-            branch = next((o for o, _, t in outside if t and labels.get(t) == start and o < start), None)
-            before = next((p for p in parts if branch is not None and p.start <= branch <= p.end), None)
-            if before is not None:
-                via = {k: before.via.get(k, 0) + counts(before.start, branch).get(k, 0)
-                       for k in {*before.via, *counts(before.start, branch)}}
-        parts.append(Part(start, end, counts(start, end), via))
+    exits = [i for i, (o, opcode, *_) in enumerate(instructions) if opcode == "EXIT"]
+    entered, exiting = reach([0], after), reach(exits, before)
+    parts = []
+    for n, lp in enumerate(loops):
+        if lp.parent is not None or lp.start not in index:
+            continue
+        start = index[lp.start]
+        on = (entered & reach([start], before)) | (exiting & reach([start], after))
+        on_loops = [j for j, other in enumerate(loops) if other.start in index and index[other.start] in on]
+        own: dict[str, int] = {}
+        for i in on:
+            if not any(other.start <= offsets[i] <= other.end for other in loops):
+                for key in (instructions[i][1], "ALL"):
+                    own[key] = own.get(key, 0) + 1
+        parts.append(Part(n, own, on_loops))
     return parts
 
 
@@ -379,9 +402,9 @@ class Launch:
     the enclosing loops' trips (a loop absent from the dict or 0 is not taken). `hot`: the loop whose
     instructions per unit of work the table shows, and the units (weights or FLOPs) a trip does.
     `chain`: the loop whose trips depend on each other (a latency term), if any. `programs`: those
-    that do the work (default: the whole grid; the rest exit at once). `part`: the part of the code (`Part`,
-    by index in code order) the programs run, for a kernel that picks its path at run time: only its code,
-    the way to it and its loops are charged (default: the whole kernel)."""
+    that do the work (default: the whole grid; the rest exit at once). `path`: for a kernel that picks its
+    path at run time, the loop the programs run (its `for` text and which of that text's outermost loops, in
+    code order): only the code on the paths through it is charged (`Part`; default: the whole kernel)."""
 
     variant: KernelVariant
     grid: tuple[int, ...]
@@ -391,7 +414,7 @@ class Launch:
     unit: str = "weight"
     chain: str | None = None
     programs: int | None = None
-    part: int | None = None
+    path: tuple[str, int] | None = None
 
     @property
     def active(self) -> int:
@@ -444,15 +467,14 @@ def occupancy(a: Analysis, m: Machine) -> int:
 
 
 def program_instructions(a: Analysis, trips: dict[str, float], kind: str = "ALL",
-                         part: int | None = None) -> float:
+                         part: Part | None = None) -> float:
     """Warp-instructions of `kind` (an opcode or ALL) one warp of a program executes (running `part`)."""
     known = {lp.text for lp in a.loops}
     unknown = set(trips) - known
     if unknown:
         raise KeyError(f"{a.name}: trips for loops it does not have: {sorted(unknown)}; "
                        f"its loops: {sorted(known)}")
-    total = a.straight.get(kind, 0) if part is None else \
-        a.parts[part].own.get(kind, 0) + a.parts[part].via.get(kind, 0)
+    total = (a.straight if part is None else part.own).get(kind, 0)
     for i in a.in_part(part):
         total += a.loops[i].own.get(kind, 0) * trips.get(a.loops[i].text, 0)
     return total
@@ -461,7 +483,7 @@ def program_instructions(a: Analysis, trips: dict[str, float], kind: str = "ALL"
 def chain_step(a: Analysis, launch: Launch) -> dict[str, float]:
     """Per trip of the chain loop: its BAR and SHFL (nested loops included), and whether it loads global
     memory with no cp.async / TMA in it."""
-    index = a.loop(launch.chain, launch.part)
+    index = a.loop(launch.chain, None if launch.path is None else a.part(launch.path))
     steps = launch.trips[launch.chain]
     inner = a.inside(index)
     sums = {k: sum(a.loops[i].own.get(k, 0) * launch.trips.get(a.loops[i].text, 0) for i in inner) / steps
@@ -480,13 +502,14 @@ def estimate(row: Row, m: Machine, analyses: list[Analysis] | None = None) -> Es
         resident = occupancy(a, m)
         per_sm = math.ceil(launch.active / m.sms)
         at_once = max(1, min(resident, per_sm))
-        warp_instr = program_instructions(a, launch.trips, part=launch.part)
+        part = None if launch.path is None else a.part(launch.path)
+        warp_instr = program_instructions(a, launch.trips, part=part)
         issue = per_sm * a.num_warps * warp_instr / min(m.issue_per_sm, at_once * a.num_warps) / clock
         detail: dict[str, Any] = {"kernel": a.name, "grid": launch.grid, "programs": launch.active,
                                   "occupancy": resident, "waves": launch.active / max(1, resident * m.sms),
                                   "warp_instr": warp_instr, "issue_s": issue}
         if launch.hot:
-            hot = a.loops[a.loop(launch.hot, launch.part)]
+            hot = a.loops[a.loop(launch.hot, part)]
             detail["hot_per_unit"] = hot.size * a.num_warps * 32 / launch.hot_units
             detail["hot_bar"] = hot.own.get("BAR", 0)
         latency = 0.0
@@ -687,10 +710,10 @@ def kda_rows() -> list[Row]:
                     launches = [
                         Launch(prepare, kda_prepare_aot_launch(q, v)[0], {}, programs=0),
                         Launch(recurrence, grid, {loop: tokens}, loop, 7 * KDA_K * cdiv(KDA_V, grid[1]),
-                               "FLOP", chain=loop, part=KDA_AOT_PARTS["narrow step" if narrow else "step"])]
+                               "FLOP", chain=loop, path=KDA_AOT_PATHS["narrow step" if narrow else "step"])]
                 else:
                     launches = kda_chunk_launches(tokens, batch * heads, prepare, recurrence,
-                                                  KDA_AOT_PARTS["chunks"])
+                                                  KDA_AOT_PATHS["chunks"])
                 rows.append(Row("kda", "AOT", shape, launches, nbytes, flops,
                                 note="KDAPrepare + KDAChunkRecurrence", case={"kernel": "aot:kda", **case}))
                 jit = "chunk_kda" if tokens > 1 else "recurrent_kda"
@@ -712,14 +735,15 @@ def kda_recurrent_launches(tokens: int, heads: int) -> list[Launch]:
                    7 * KDA_K * kda.STEP_BLOCK_V, "FLOP", chain=loop)]
 
 
-# KDAChunkRecurrence's AOT kernel's parts (`Part`), in code order as sm_90a's compiled code holds them: the
-# step in NARROW_BV columns, the step in the chunk path's BV, then the chunks (tests/test_kernel_estimate.py
-# checks each part holds its path's loop).
-KDA_AOT_PARTS = {"narrow step": 0, "step": 1, "chunks": 2}
+# KDAChunkRecurrence's AOT kernel's paths (`Launch.path`): its token loops in code order, the step in
+# NARROW_BV columns first, then in the chunk path's BV (tests/test_kernel_estimate.py checks them by their
+# shuffles), and its chunk loop.
+KDA_AOT_PATHS = {"narrow step": ("for t in range(T)", 0), "step": ("for t in range(T)", 1),
+                 "chunks": ("for i_t in range(n_chunks)", 0)}
 
 
 def kda_chunk_launches(tokens: int, heads: int, prepare: KernelVariant, recurrence: KernelVariant,
-                       part: int | None = None) -> list[Launch]:
+                       path: tuple[str, int] | None = None) -> list[Launch]:
     """chunk_kda's launches for a prompt on `heads` (row, head) pairs, the JIT plugin's or the AOT nodes'
     (`prepare`, `recurrence`): the parallel prepare over (chunk, head), then the recurrence over the chunks
     (the dependent chain)."""
@@ -736,7 +760,7 @@ def kda_chunk_launches(tokens: int, heads: int, prepare: KernelVariant, recurren
                {"for c0 in range(0, K, BC)": cdiv(KDA_K, 16),
                 "for v0 in range(0, V, BV)": cdiv(KDA_V, prepare.constexprs["BV"])}),
         Launch(recurrence, (heads, cdiv(KDA_V, block_v)), {chain: chunks},
-               chain, 2 * chunk * (3 * KDA_K + chunk) * block_v, "FLOP", chain=chain, part=part),
+               chain, 2 * chunk * (3 * KDA_K + chunk) * block_v, "FLOP", chain=chain, path=path),
     ]
 
 
@@ -846,9 +870,9 @@ def kernels_report(rows: Sequence[Row], m: Machine) -> list[str]:
             lines.append(f"{a.name} ({m.target}a): {a.registers} registers, spills {a.spill_stores}/"
                          f"{a.spill_loads} B, {a.shared} B shared, {a.num_warps} warps; PTX {a.ptx}; "
                          f"{a.straight.get('ALL', 0)} SASS outside loops")
-            for i, part in enumerate(a.parts if len(a.parts) > 1 else []):
-                lines.append(f"  part {i} ({part.start:#x}-{part.end:#x}): {part.own.get('ALL', 0)} SASS "
-                             f"outside loops, {part.via.get('ALL', 0)} on the way; loops {a.in_part(i)}")
+            for part in a.parts if len(a.parts) > 1 else []:
+                lines.append(f"  paths through loop {part.loop}: {part.own.get('ALL', 0)} SASS outside "
+                             f"loops, loops {part.loops}")
             for i, lp in enumerate(a.loops):
                 counts = ", ".join(f"{k} {lp.own[k]}" for k in SASS_SHOWN if lp.own.get(k))
                 lines.append(f"  loop {i} `{lp.text}` ({lp.where}) in {lp.parent}: {lp.size} SASS "
