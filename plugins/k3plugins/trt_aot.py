@@ -118,9 +118,10 @@ DEFAULT_SHARED_BYTES = 48 * 1024
 
 # KDA's chunk (tokens; kda.py's, 16: a chunk's decay stays within e^-80 at the published gate bound g >= -5,
 # so the factored scores always apply) and value columns per program: 64 halves the programs against 32, and
-# with them the chunks' state-free work each repeats (237 registers, 32 KB of shared memory, no spills;
-# tools/kernel_estimate.py on an H100: prefill at T = 8192 5.2 ms at 96 heads against 7.7, decode at 78-100%
-# of the state-bytes bound against 62-64%).
+# with them the chunks' state-free work each repeats (measured on the one-node kernel, which keeps it:
+# tools/kernel_estimate.py on an H100, prefill at T = 8192 5.2 ms at 96 heads against 7.7 at 32 columns).
+# KDAChunkRecurrence's chunk path takes it too (224 registers, 35,328 B of shared memory, no spills; 1.11 ms
+# at 96 heads); its decode step takes 16 columns where the call has few (row, head) pairs (its launch's grid).
 KDA_CHUNK = CHUNK_SIZE
 BLOCK_V = 64
 # Calls of at most this many tokens (decode; a verify call of 3 drafts) step the recurrence in float16 and
