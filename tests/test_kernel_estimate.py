@@ -105,7 +105,8 @@ def test_a_loop_whose_body_is_an_inlined_helper_is_named_by_its_for(cache: Path,
 def test_the_estimate_of_a_row_against_figures_worked_by_hand() -> None:
     Loop, Analysis = kernel_estimate.Loop, kernel_estimate.Analysis
     # 4 warps at 128 registers: 4 blocks an SM; 100 instructions outside the loop, 50 a trip, 10 trips.
-    loop = Loop("for t in range(T)", "k.py:3", 16, 800, 50, {"ALL": 50, "BAR": 2, "SHFL": 1, "LDG": 1}, None)
+    loop = Loop("for t in range(T)", "k.py:3", 16, 800, 50, {"ALL": 50, "BAR": 2, "SHFL": 2, "LDG": 1}, None,
+                shuffle_depth=1)  # 2 shuffles, one path waiting for 1 of them
     analysis = Analysis("k", "sm90", 4, 128, 0, 0, 0, {"mma.sync": 0, "wgmma": 0, "tcgen05": 0},
                         {"ALL": 100}, [loop])
     launch = kernel_estimate.Launch(variant(_scale_kernel, {}, "k"), (264,), {"for t in range(T)": 10},
@@ -117,8 +118,8 @@ def test_the_estimate_of_a_row_against_figures_worked_by_hand() -> None:
     # 264 programs on 132 SMs: 2 an SM, both resident (8 warps, 4 issue slots); each warp 100 + 10 x 50.
     assert est.details[0]["occupancy"] == 4
     assert est.issue_s == pytest.approx(2 * 4 * 600 / 4 / clock)
-    # A trip waits 2 barriers and a shuffle at 30 clocks, and an unprefetched load at 600; the 2 programs
-    # overlap.
+    # A trip waits 2 barriers and the shuffle on its path at 30 clocks, and an unprefetched load at 600; the
+    # 2 programs overlap.
     assert est.latency_s == pytest.approx(10 * (2 * 30 + 30 + 600) / clock)
     assert est.memory_s == pytest.approx(1e6 / 3.35e12) and est.tensor_s == 0
     assert est.time_s == pytest.approx(4.6154e-6, rel=1e-4)  # issue 0.684 us + latency 3.932 us
@@ -155,10 +156,36 @@ def test_the_kda_step_sums_within_a_warp(cache: Path) -> None:
                                  (aot, aot.constexprs["LANES_K"], paths["step"])):
         analysis = kernel_estimate.analyse(variant, "sm90")
         step = analysis.loops[analysis.loop("for t in range(T)", path and analysis.part(path))].own
-        shuffles = 3 * (lanes.bit_length() - 1)  # 3 sums, log2(lanes) shuffles each
-        assert step.get("BAR", 0) == 0 and 0 < step["SHFL"] <= shuffles, (variant.name, step)
+        rounds = lanes.bit_length() - 1  # log2(lanes) shuffles a sum
+        assert step.get("BAR", 0) == 0 and 0 < step["SHFL"] <= 3 * rounds, (variant.name, step)
+        # The three sums are reduced side by side: their shuffles overlap, one sum's rounds on the path.
+        depth = analysis.loops[analysis.loop("for t in range(T)", path and analysis.part(path))].shuffle_depth
+        assert depth == rounds, (variant.name, depth)
     chunks = analysis.part(paths["chunks"]).loops
     assert [analysis.loops[i].text for i in chunks] == ["for i_t in range(n_chunks)"]
+
+
+def test_the_shuffle_depth_counts_the_shuffles_one_path_waits_for() -> None:
+    """SASS as nvdisasm prints it: three butterfly sums side by side (the KDA step's) wait for 2 shuffles,
+    not 6; a sum whose input comes through shared memory past a barrier waits for the shuffles before it."""
+    def butterfly(sums: list[str], rounds: int, first: int) -> list[tuple[str, str]]:
+        body, regs = [], {name: name for name in sums}
+        for r in range(rounds):
+            for n, name in enumerate(sums):
+                out = f"R{first + 10 * r + n}"
+                body += [("SHFL", f" PT, {out}, {regs[name]}, 0x{1 << r:x}, 0x1f"),
+                         ("FADD", f" {out}, {regs[name]}, {out}")]
+                regs[name] = out
+        return body
+    side_by_side = butterfly(["R1", "R2", "R3"], 2, 100)
+    assert kernel_estimate.shuffle_depth(side_by_side) == 2
+    chained = [*butterfly(["R1"], 2, 100), ("FMUL", " R5, R110, R110"), *butterfly(["R5"], 2, 200)]
+    assert kernel_estimate.shuffle_depth(chained) == 4
+    # Through shared memory: the store reads R110 and writes no register; the barrier orders the load after.
+    shared = [*butterfly(["R1"], 2, 100), ("STS", " [R9], R110"), ("BAR", " SYNC.DEFER_BLOCKING 0x0"),
+              ("LDS", " R6, [R9]"), *butterfly(["R6"], 2, 200)]
+    assert kernel_estimate.shuffle_depth(shared) == 4
+    assert kernel_estimate.shuffle_depth([*butterfly(["R1"], 2, 100), *butterfly(["R2"], 3, 200)]) == 3
 
 
 @triton.jit

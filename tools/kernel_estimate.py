@@ -22,9 +22,10 @@ The model (printed with every table; `Machine` holds the figures, each cited):
   min(that, occupancy) at a time. Occupancy from registers (64K an SM, allocated per warp in units of
   256), shared memory (228 KB an SM, 1 KB reserved a block) and warps (64 an SM, 32 blocks).
 - latency, for a launch with a dependent chain (a loop whose trips depend on the one before): a trip
-  waits BARRIER_CYCLES for each BAR and SHUFFLE_CYCLES for each SHFL it executes (nested loops
-  included), and LOAD_CYCLES once if it loads global memory without cp.async / TMA (no prefetch); the
-  programs resident on an SM at once overlap, the rest follow.
+  waits BARRIER_CYCLES for each BAR it executes and SHUFFLE_CYCLES for each SHFL on its longest register
+  dependency path (`shuffle_depth`: independent shuffles, such as three sums reduced side by side, overlap;
+  nested loops included), and LOAD_CYCLES once if it loads global memory without cp.async / TMA (no
+  prefetch); the programs resident on an SM at once overlap, the rest follow.
 - a launch takes issue + latency; a row the sum of its launches; the row's bound is the larger of its
   bytes over HBM bandwidth and its FLOPs over the bf16 tensor-core rate; the estimate is the larger
   of the bound and the launches' time; % of bound = bound / estimate.
@@ -68,7 +69,7 @@ from k3plugins import kernel_variants
 from k3plugins.aot import PTXAS, compile_variant, kernel_stats
 from k3plugins.variants import KernelVariant
 
-ANALYSIS_VERSION = 5  # bump when what `analyse` records changes: the cache is keyed on it
+ANALYSIS_VERSION = 6  # bump when what `analyse` records changes: the cache is keyed on it
 CACHE = Path(os.environ.get("K3_KERNEL_CACHE", Path.home() / ".cache" / "k3export" / "kernels"))
 NVDISASM = PTXAS.parent / "nvdisasm"
 
@@ -130,6 +131,7 @@ class Loop:
     size: int  # SASS instructions in the body, nested loops included
     own: dict[str, int]  # opcode counts in the body outside nested loops ("ALL": every instruction)
     parent: int | None  # index of the enclosing loop
+    shuffle_depth: int = 0  # the most SHFL on one dependency path through its own body (shuffle_depth)
 
 
 @dataclass
@@ -259,6 +261,7 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
     files are read from `sources` (the imported kernels' folder): the line numbers are those of the
     imported source (Triton's cache key holds them), the path in the line table the first compile's."""
     instructions: list[tuple[int, str, str, tuple[str, int] | None]] = []  # offset, opcode, target, line
+    operands: dict[int, str] = {}
     conditional: set[int] = set()  # offsets of predicated instructions (uniform predicates included)
     labels: dict[str, int] = {}
     pending_labels: list[str] = []
@@ -280,6 +283,7 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
             if line.split("*/", 1)[1].lstrip().startswith("@") or re.match(r"\s*!?UP\d", m.group(4)):
                 conditional.add(offset)
             instructions.append((offset, opcode, target.group(1) if target else "", where))
+            operands[offset] = m.group(4)
     spans: dict[int, tuple[int, tuple[str, int] | None]] = {}  # start -> (last backward branch, its line)
     for offset, _, target, line in instructions:
         if target and labels.get(target, offset) < offset and offset >= spans.get(labels[target], (-1,))[0]:
@@ -307,6 +311,7 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
             taken = taken | {statement}
         claimed[i] = taken
     straight: dict[str, int] = {}
+    bodies: list[list[tuple[str, str]]] = [[] for _ in loops]
     for offset, opcode, _, _ in instructions:
         inner = [i for i, lp in enumerate(loops) if lp.start <= offset <= lp.end]
         for i in inner:
@@ -314,7 +319,44 @@ def sass_loops(disassembly: str, sources: Path) -> tuple[dict[str, int], list[Lo
         counts = loops[inner[-1]].own if inner else straight
         for key in (opcode, "ALL"):
             counts[key] = counts.get(key, 0) + 1
+        if inner:
+            bodies[inner[-1]].append((opcode, operands[offset]))
+    for loop, body in zip(loops, bodies, strict=True):
+        loop.shuffle_depth = shuffle_depth(body)
     return straight, loops, paths(instructions, labels, loops, conditional)
+
+
+REGISTER = re.compile(r"\bR(\d+)(\.64)?\b")
+
+
+def registers(operand: str) -> set[str]:
+    """The general registers an operand names (a .64 pair as both)."""
+    found = set()
+    for m in REGISTER.finditer(operand):
+        found |= {f"R{m.group(1)}", f"R{int(m.group(1)) + 1}"} if m.group(2) else {f"R{m.group(1)}"}
+    return found
+
+
+def shuffle_depth(body: Sequence[tuple[str, str]]) -> int:
+    """The most SHFL on one dependency path through `body` (opcode, operands; in order, branches read as
+    straight-line code): shuffles on independent paths (three sums reduced side by side) overlap, those
+    on one path wait for each other. Dependencies are through general registers (the first operand is
+    the destination, SHFL's second after its predicate; stores write none); a BAR orders everything
+    after it behind everything before (shared memory carries values past it)."""
+    depth: dict[str, int] = {}
+    floor = 0
+    for opcode, text in body:
+        if opcode == "BAR":
+            floor = max([floor, *depth.values()])
+            continue
+        parts = [p.strip() for p in text.split(",")]
+        writes = not (opcode.startswith(("ST", "RED", "BRA")) or parts[0].startswith("["))
+        first = 2 if opcode == "SHFL" else 1
+        dests = set().union(*map(registers, parts[:first])) if writes else set()
+        sources = set().union(*map(registers, parts[first if writes else 0:]))
+        reached = max([floor, *(depth.get(r, 0) for r in sources)]) + (opcode == "SHFL")
+        depth.update(dict.fromkeys(dests, reached))
+    return max([floor, *depth.values()])
 
 
 def paths(instructions: Sequence[tuple[int, str, str, Any]], labels: dict[str, int], loops: list[Loop],
@@ -481,13 +523,15 @@ def program_instructions(a: Analysis, trips: dict[str, float], kind: str = "ALL"
 
 
 def chain_step(a: Analysis, launch: Launch) -> dict[str, float]:
-    """Per trip of the chain loop: its BAR and SHFL (nested loops included), and whether it loads global
-    memory with no cp.async / TMA in it."""
+    """Per trip of the chain loop: its BAR, the SHFL on its longest dependency path ("SHFL": each loop's
+    shuffle_depth; nested loops included, each trip after the last), and whether it loads global memory
+    with no cp.async / TMA in it."""
     index = a.loop(launch.chain, None if launch.path is None else a.part(launch.path))
     steps = launch.trips[launch.chain]
     inner = a.inside(index)
     sums = {k: sum(a.loops[i].own.get(k, 0) * launch.trips.get(a.loops[i].text, 0) for i in inner) / steps
-            for k in ("BAR", "SHFL", "LDG", "LDGSTS", "UTMALDG")}
+            for k in ("BAR", "LDG", "LDGSTS", "UTMALDG")}
+    sums["SHFL"] = sum(a.loops[i].shuffle_depth * launch.trips.get(a.loops[i].text, 0) for i in inner) / steps
     sums["unprefetched"] = 1.0 if sums["LDG"] and not (sums["LDGSTS"] or sums["UTMALDG"]) else 0.0
     return sums
 
@@ -846,12 +890,13 @@ def assumptions(m: Machine) -> list[str]:
             f"SM, {m.clock_ghz} GHz, {m.hbm_tbs} TB/s HBM, {m.bf16_tflops:,.0f} TFLOP/s dense bf16; "
             f"{m.registers_per_sm} registers, {m.shared_per_sm // 1024} KB shared, {m.warps_per_sm} warps an "
             f"SM (source: {m.source})",
-            f"latency a dependent step: {BARRIER_CYCLES} clocks a BAR, {SHUFFLE_CYCLES} a SHFL, "
+            f"latency a dependent step: {BARRIER_CYCLES} clocks a BAR, {SHUFFLE_CYCLES} a SHFL on its "
+            "longest dependency path, "
             f"{LOAD_CYCLES} once for an unprefetched global load (guesses to calibrate); not modelled: "
             "launch gaps, L2, bank conflicts, pipe throughput",
             "est = max(HBM, TC, issue + latency); % bound = max(HBM, TC) / est; hot SASS/unit = the hot "
             "loop's SASS x threads / the weights or FLOPs a trip does; chain = per step of the dependent "
-            "loop; "
+            "loop, BARs / the SHFL on its longest path; "
             "bytes: the fewest the op moves (MoE: the chosen experts' packed MXFP4, 4.25 bits a weight); "
             "a kernel marked ! has loops the model cannot place (listed under the table)",
             f"Triton {triton.__version__}; widths: MoE L {MOE_L}, I {MOE_I}, {MOE_HELD} of {MOE_EXPERTS} "
