@@ -148,7 +148,7 @@ def test_the_kda_step_sums_within_a_warp(cache: Path) -> None:
     from k3plugins import trt_aot
 
     jit = next(v for v in k3plugins.kernel_variants() if v.name == "recurrent_kda_bf16_k128")
-    aot = trt_aot.kda_two_node_aot_kernels("bfloat16", 128)[1]
+    aot = trt_aot.kda_two_node_aot_kernels("bfloat16", 128, 128)[1]
     # KDAChunkRecurrence's steps: its NARROW_BV columns (16 lanes on K) and its BV (4), each in its part.
     paths = kernel_estimate.KDA_AOT_PATHS
     for variant, lanes, path in ((jit, jit.constexprs["LANES_K"], None),

@@ -105,9 +105,9 @@ def test_kda_two_node_definitions() -> None:
     assert type_combinations(KDA_PREPARE, aot=True)[1] == "FP16, FP16, FP16, FP32, FP32, " + \
         "FP16, FP16, FP16, FP16, FP16, FP32"
     assert len(type_combinations(KDA_CHUNK_RECURRENCE, aot=True)) == 3
-    assert kda_prepare_aot_launch(q, v) == ((2, 2 * 3), [17, 3, 32, 8])  # chunks x rows and heads
-    recurrence = kda_two_node_aot_kernels("bfloat16", 32)[1]
-    assert kda_chunk_recurrence_aot_launch(q, v, recurrence) == ((2 * 3, 1), [17, 3, 32, 8])
+    assert kda_prepare_aot_launch(q) == ((2, 2 * 3), [17, 3])  # chunks x rows and heads; T, H
+    recurrence = kda_two_node_aot_kernels("bfloat16", 32, 8)[1]
+    assert kda_chunk_recurrence_aot_launch(q, v, recurrence) == ((2 * 3, 1), [17, 3])
 
 
 @pytest.mark.parametrize(("B", "T", "H", "blocks"), [
@@ -119,9 +119,9 @@ def test_kda_chunk_recurrence_grid(B: int, T: int, H: int, blocks: int) -> None:
     chunk path's 64 (2 blocks); float32's chunk path already takes 16. Evaluated on ints, as TensorRT
     evaluates the expression (tests/test_trt_plugin.py: through TensorRT)."""
     q, v = [B, T, H, 128], [B, T, H, 128]
-    recurrence = kda_two_node_aot_kernels("bfloat16", 128)[1]
-    assert kda_chunk_recurrence_aot_launch(q, v, recurrence) == ((B * H, blocks), [T, H, 128, 128])
-    fp32 = kda_two_node_aot_kernels("float32", 128)[1]
+    recurrence = kda_two_node_aot_kernels("bfloat16", 128, 128)[1]
+    assert kda_chunk_recurrence_aot_launch(q, v, recurrence) == ((B * H, blocks), [T, H])
+    fp32 = kda_two_node_aot_kernels("float32", 128, 128)[1]
     assert kda_chunk_recurrence_aot_launch(q, v, fp32)[0] == (B * H, 8)
 
 
@@ -188,11 +188,11 @@ def test_aot_kda_kernel_parameter_order(dtype: str) -> None:
 @needs_compiler
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_aot_kda_two_node_kernels_parameter_order(dtype: str) -> None:
-    """KDAPrepare: 5 inputs, T H K V, 6 outputs; KDAChunkRecurrence: 12 inputs, T H K V, 2 outputs; then
-    Triton's two scratch pointers."""
-    prepare, recurrence = (compile_variant(v).asm["ptx"] for v in kda_two_node_aot_kernels(dtype, 32))
-    assert parameter_kinds(prepare) == ["u64"] * 5 + ["u32"] * 4 + ["u64"] * 6 + ["u64"] * 2
-    assert parameter_kinds(recurrence) == ["u64"] * 12 + ["u32"] * 4 + ["u64"] * 2 + ["u64"] * 2
+    """KDAPrepare: 5 inputs, T H, 6 outputs; KDAChunkRecurrence: 12 inputs, T H, 2 outputs (K and V compiled
+    in); then Triton's two scratch pointers."""
+    prepare, recurrence = (compile_variant(v).asm["ptx"] for v in kda_two_node_aot_kernels(dtype, 32, 32))
+    assert parameter_kinds(prepare) == ["u64"] * 5 + ["u32"] * 2 + ["u64"] * 6 + ["u64"] * 2
+    assert parameter_kinds(recurrence) == ["u64"] * 12 + ["u32"] * 2 + ["u64"] * 2 + ["u64"] * 2
 
 
 def test_aot_latent_mla_launch() -> None:

@@ -129,10 +129,9 @@ def test_aot_launches_through_tensorrt(through_tensorrt: dict) -> None:
         # One program per (batch, head) and 32 value columns; scalars T, H, K, V.
         "KDA": ((B * H, math.ceil(V / trt_aot.BLOCK_V)), [T, H, V, V], "kda_aot_bf16_k128"),
         # KDA's two nodes: a program per (16-token chunk, batch x head); then per (batch x head, 64 value
-        # columns); scalars T, H, K, V.
-        "KDAPrepare": ((math.ceil(T / 16), B * H), [T, H, V, V], "kda_prepare_aot_bf16_k128"),
-        "KDAChunkRecurrence": ((B * H, math.ceil(V / 64)), [T, H, V, V],
-                               "kda_chunk_recurrence_aot_bf16_k128"),
+        # columns); scalars T, H (K and V compiled in).
+        "KDAPrepare": ((math.ceil(T / 16), B * H), [T, H], "kda_prepare_aot_bf16_k128_v128"),
+        "KDAChunkRecurrence": ((B * H, math.ceil(V / 64)), [T, H], "kda_chunk_recurrence_aot_bf16_k128_v128"),
         # One program per (batch, block of DECODE.block_t tokens) and block of heads; scalars T, C, H.
         "LatentMLA": ((B * math.ceil(T / DECODE.block_t), math.ceil(heads / DECODE.block_h)), [T, C, heads],
                       "latent_mla_aot_bf16_kvbf16_d576_v512_many_heads"),

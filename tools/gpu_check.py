@@ -528,11 +528,11 @@ def aot_trial(c: Case, gen: torch.Generator) -> Trial:
         inputs = kda_inputs(c, gen)
         q, v, h0 = inputs[0], inputs[2], inputs[5]
         reference = kda_reference(ops.recurrent_kda, inputs)
-        prepare, recurrence = kda_two_node_aot_kernels(c.dtype, KDA_K)
+        prepare, recurrence = kda_two_node_aot_kernels(c.dtype, KDA_K, KDA_V)
         B, T, H, K = q.shape
         terms = [v.new_full((B, T, H, n), float("nan")) for n in (K, K, K, KDA_V, KDA_CHUNK)]
         terms.append(torch.full((B, -(-T // KDA_CHUNK), H, K), float("nan"), device="cuda"))
-        grid, scalars = kda_prepare_aot_launch(list(q.shape), list(v.shape))
+        grid, scalars = kda_prepare_aot_launch(list(q.shape))
         recurrence_grid, _ = kda_chunk_recurrence_aot_launch(list(q.shape), list(v.shape), recurrence)
         outputs = [torch.full_like(v, float("nan")), torch.full_like(h0, float("nan"))]
         launches = [(prepare, grid, [*inputs[:5], *scalars, *terms]),

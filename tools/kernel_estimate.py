@@ -734,7 +734,7 @@ def kda_rows() -> list[Row]:
         kda_two_node_aot_kernels,
     )
 
-    prepare, recurrence = kda_two_node_aot_kernels("bfloat16", KDA_K)
+    prepare, recurrence = kda_two_node_aot_kernels("bfloat16", KDA_K, KDA_V)
     rows = []
     for tokens, phase, batches in ((8192, "prefill", (1,)), (1, "decode", (1, 8, 64))):
         for heads in (KDA_HEADS, KDA_HEADS // RANKS):
@@ -752,7 +752,7 @@ def kda_rows() -> list[Row]:
                     grid = kda_chunk_recurrence_aot_launch(q, v, recurrence)[0]
                     narrow = grid[1] > cdiv(KDA_V, recurrence.constexprs["BV"])
                     launches = [
-                        Launch(prepare, kda_prepare_aot_launch(q, v)[0], {}, programs=0),
+                        Launch(prepare, kda_prepare_aot_launch(q)[0], {}, programs=0),
                         Launch(recurrence, grid, {loop: tokens}, loop, 7 * KDA_K * cdiv(KDA_V, grid[1]),
                                "FLOP", chain=loop, path=KDA_AOT_PATHS["narrow step" if narrow else "step"])]
                 else:
@@ -797,12 +797,14 @@ def kda_chunk_launches(tokens: int, heads: int, prepare: KernelVariant, recurren
     chunks = cdiv(tokens, chunk)
     block_v = recurrence.constexprs["BV"]
     chain = "for i_t in range(n_chunks)"
+    # The scores' factored products take 16 key channels a trip; the steep chunks' loop is not taken; the
+    # 16-row solve compiles unrolled (straight-line code), and so do the value blocks where V is compiled in
+    # (the AOT kernel: a constant trip count).
+    trips = {"for c0 in range(0, K, BC)": cdiv(KDA_K, 16)}
+    if "V" not in prepare.constexprs:
+        trips["for v0 in range(0, V, BV)"] = cdiv(KDA_V, prepare.constexprs["BV"])
     return [
-        # The scores' factored products take 16 key channels a trip; the steep chunks' loop is not taken; the
-        # 16-row solve compiles unrolled (straight-line code).
-        Launch(prepare, (chunks, heads),
-               {"for c0 in range(0, K, BC)": cdiv(KDA_K, 16),
-                "for v0 in range(0, V, BV)": cdiv(KDA_V, prepare.constexprs["BV"])}),
+        Launch(prepare, (chunks, heads), trips),
         Launch(recurrence, (heads, cdiv(KDA_V, block_v)), {chain: chunks},
                chain, 2 * chunk * (3 * KDA_K + chunk) * block_v, "FLOP", chain=chain, path=path),
     ]

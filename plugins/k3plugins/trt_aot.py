@@ -198,19 +198,21 @@ def kda_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[
 
 
 @triton.jit
-def _kda_prepare_aot_kernel(q, k, v, g, beta, T, H, K, V, qg, kt, w, u, a_qk, decay_last, BT: tl.constexpr,
-                            BK: tl.constexpr, BV: tl.constexpr, STEP_TOKENS: tl.constexpr):
+def _kda_prepare_aot_kernel(q, k, v, g, beta, T, H, qg, kt, w, u, a_qk, decay_last, BT: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, STEP_TOKENS: tl.constexpr, K: tl.constexpr,
+                            V: tl.constexpr):
     # A call the recurrence node steps (T <= STEP_TOKENS) reads none of the terms: nothing to write.
     if T > STEP_TOKENS:
         _kda_prepare_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, T, H, K, V, BT, BK, BV)
 
 
 @triton.jit
-def _kda_chunk_recurrence_aot_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, h0, T, H, K, V, o, ht,
+def _kda_chunk_recurrence_aot_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, h0, T, H, o, ht,
                                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                      LANES_K: tl.constexpr, SHORT_K: tl.constexpr,
                                      STEP_TOKENS: tl.constexpr, NARROW_BV: tl.constexpr,
-                                     NARROW_LANES_K: tl.constexpr, NARROW_SHORT_K: tl.constexpr):
+                                     NARROW_LANES_K: tl.constexpr, NARROW_SHORT_K: tl.constexpr,
+                                     K: tl.constexpr, V: tl.constexpr):
     # As _kda_aot_chunk_kernel, T picks the path at run time: decode and short verify calls step the
     # recurrence from the token inputs (the state read and written once), longer calls walk the terms.
     if T <= STEP_TOKENS:
@@ -225,18 +227,23 @@ def _kda_chunk_recurrence_aot_kernel(q, k, v, g, beta, qg, kt, w, u, a_qk, decay
         _kda_chunk_recurrence_kernel(qg, kt, w, u, a_qk, decay_last, h0, o, ht, T, H, K, V, BT, BK, BV)
 
 
-def kda_two_node_aot_kernels(dtype: str, head_dim: int) -> tuple[KernelVariant, KernelVariant]:
+def kda_two_node_aot_kernels(dtype: str, head_dim: int,
+                             value_dim: int) -> tuple[KernelVariant, KernelVariant]:
     """The AOT kernels of KDAPrepare and KDAChunkRecurrence for q, k, v, o and the terms in `dtype` (g, beta,
     decay_last and the states float32): kda.py's prepare and chunk recurrence at the JIT plugin's blocks and
     stages (RECURRENCE_BLOCKS: 64 value columns and 2 stages in float16 / bfloat16, 16 and 1 in float32), in
-    TensorRT's parameter order, with the short-call rule (KDA_STEP_TOKENS)."""
+    TensorRT's parameter order, with the short-call rule (KDA_STEP_TOKENS). The head and value widths K and
+    V are compiled in, as the other ops' widths: their masks and address arithmetic fold (the recurrence's
+    one-token step, sm_90a bf16 at 128 x 128: 319 SASS a warp on its 16-column path, 346 with them
+    scalars)."""
     t = _TRITON_DTYPES[dtype]
     x, f32, block_k = f"*{t}", "*fp32", kda._block_k(head_dim)
-    sizes = {"T": "i32", "H": "i32", "K": "i32", "V": "i32"}
+    sizes = {"T": "i32", "H": "i32"}
+    widths = {"K": head_dim, "V": value_dim}
     tokens = {"q": x, "k": x, "v": x, "g": f32, "beta": f32}
     terms = {"qg": x, "kt": x, "w": x, "u": x, "a_qk": x, "decay_last": f32}
     recurrence_kernel = kda.RECURRENCE[t]
-    common = {"BT": KDA_CHUNK, "BK": block_k, "STEP_TOKENS": KDA_STEP_TOKENS}
+    common = {"BT": KDA_CHUNK, "BK": block_k, "STEP_TOKENS": KDA_STEP_TOKENS, **widths}
     prepare_constexprs = {**common, "BV": kda.PREPARE.blocks["BV"]}
     block_v = recurrence_kernel.blocks["BV"]
     lanes = kda.step_lanes(block_v, recurrence_kernel.num_warps)
@@ -246,42 +253,39 @@ def kda_two_node_aot_kernels(dtype: str, head_dim: int) -> tuple[KernelVariant, 
                              "SHORT_K": kda.short_k(head_dim, block_k, lanes), "NARROW_BV": narrow_v,
                              "NARROW_LANES_K": narrow_lanes,
                              "NARROW_SHORT_K": kda.short_k(head_dim, block_k, narrow_lanes)}
-    # Every preset's head_dim is a multiple of 16: the token rows' loads vectorise.
-    aligned = ("K", "V") if head_dim % 16 == 0 else ()
-    prepare = KernelVariant(f"kda_prepare_aot_{t}_k{block_k}", _kda_prepare_aot_kernel,
+    prepare = KernelVariant(f"kda_prepare_aot_{t}_k{head_dim}_v{value_dim}", _kda_prepare_aot_kernel,
                             {**tokens, **sizes, **terms, **dict.fromkeys(prepare_constexprs, "constexpr")},
-                            prepare_constexprs, kda.PREPARE.num_warps, kda.PREPARE.num_stages,
-                            divisible_by_16=aligned)
-    recurrence = KernelVariant(f"kda_chunk_recurrence_aot_{t}_k{block_k}", _kda_chunk_recurrence_aot_kernel,
+                            prepare_constexprs, kda.PREPARE.num_warps, kda.PREPARE.num_stages)
+    recurrence = KernelVariant(f"kda_chunk_recurrence_aot_{t}_k{head_dim}_v{value_dim}",
+                               _kda_chunk_recurrence_aot_kernel,
                                {**tokens, **terms, "h0": f32, **sizes, "o": x, "ht": f32,
                                 **dict.fromkeys(recurrence_constexprs, "constexpr")},
                                recurrence_constexprs, recurrence_kernel.num_warps,
-                               recurrence_kernel.num_stages,
-                               divisible_by_16=aligned)
+                               recurrence_kernel.num_stages)
     return prepare, recurrence
 
 
-def kda_prepare_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
-    """(grid: chunks x rows and heads, scalar args T, H, K, V) from q [B, T, H, K] and v [B, T, H, V]."""
-    B, T, H, K = q_dims
-    return ((T + KDA_CHUNK - 1) // KDA_CHUNK, B * H), [T, H, K, v_dims[3]]
+def kda_prepare_aot_launch(q_dims: Sequence[Any]) -> tuple[tuple[Any, Any], list[Any]]:
+    """(grid: chunks x rows and heads, scalar args T, H) from q [B, T, H, K]."""
+    B, T, H, _ = q_dims
+    return ((T + KDA_CHUNK - 1) // KDA_CHUNK, B * H), [T, H]
 
 
 def kda_chunk_recurrence_aot_launch(q_dims: Sequence[Any], v_dims: Sequence[Any], variant: KernelVariant,
                                     minimum: Any = min,
                                     maximum: Any = max) -> tuple[tuple[Any, Any], list[Any]]:
-    """(grid: rows and heads x blocks of value columns, scalar args T, H, K, V). The blocks are the kernel's
+    """(grid: rows and heads x blocks of value columns, scalar args T, H). The blocks are the kernel's
     BV columns, or NARROW_BV for a stepped call (T <= KDA_STEP_TOKENS) whose grid of NARROW_BV blocks is at
     most KDA_NARROW_PROGRAMS: the kernel reads which from its grid. The dims may be ints or `tensorrt.plugin`
     shape expressions (then `minimum`, `maximum` are tensorrt.plugin's min and max; its expressions take no
     int on the left of an operator): x > c is min(x // (c + 1), 1), 1 or 0 for x >= 0."""
-    B, T, H, K = q_dims
+    B, T, H, _ = q_dims
     V = v_dims[3]
     wide, narrow = ((V + variant.constexprs[bv] - 1) // variant.constexprs[bv] for bv in ("BV", "NARROW_BV"))
     # 1 where the call walks chunks or its narrow grid passes one wave: the chunk path's blocks.
     wide_call = maximum(minimum(T // (KDA_STEP_TOKENS + 1), 1),
                         minimum(B * H * narrow // (KDA_NARROW_PROGRAMS + 1), 1))
-    return (B * H, narrow - (narrow - wide) * wide_call), [T, H, K, V]
+    return (B * H, narrow - (narrow - wide) * wide_call), [T, H]
 
 
 # Value columns a float32 LatentMLA AOT program accumulates at once (a pass over the cache each).
@@ -516,7 +520,8 @@ def aot_kernels(config: Any, experts_held: int) -> list[KernelVariant]:
     for dtype in _TRITON_DTYPES:
         mla = (dtype, dtype, config.latent_dim, config.kv_lora_rank, scale)
         kernels += [kda_aot_kernel(dtype, config.linear_attn_config.head_dim),
-                    *kda_two_node_aot_kernels(dtype, config.linear_attn_config.head_dim),
+                    *kda_two_node_aot_kernels(dtype, config.linear_attn_config.head_dim,
+                                              config.linear_attn_config.head_dim),
                     *{v.name: v for heads in (1, config.num_attention_heads) for splits in (False, True)
                       for v in [latent_mla_aot_kernel(*mla, heads, splits)]}.values(),
                     latent_mla_combine_aot_kernel(dtype, mla[3])]
@@ -644,8 +649,9 @@ def register(trt: Any) -> dict[str, Any]:
 
     @trtp.aot_impl("k3::KDAPrepare")
     def kda_prepare_aot(q, k, v, g, beta, outputs, tactic: int) -> AotResult:
-        variant = kda_two_node_aot_kernels(names[v.dtype], q.shape_expr[3].constant_value())[0]
-        grid, scalars = kda_prepare_aot_launch(list(q.shape_expr), list(v.shape_expr))
+        variant = kda_two_node_aot_kernels(names[v.dtype], q.shape_expr[3].constant_value(),
+                                           v.shape_expr[3].constant_value())[0]
+        grid, scalars = kda_prepare_aot_launch(list(q.shape_expr))
         return _aot_result(trtp, variant, grid, scalars)
 
     @trtp.register("k3::KDAChunkRecurrence")
@@ -669,7 +675,8 @@ def register(trt: Any) -> dict[str, Any]:
     @trtp.aot_impl("k3::KDAChunkRecurrence")
     def kda_chunk_recurrence_aot(q, k, v, g, beta, qg, kt, w, u, a_qk, decay_last, initial_state, outputs,
                                  tactic: int) -> AotResult:
-        variant = kda_two_node_aot_kernels(names[v.dtype], q.shape_expr[3].constant_value())[1]
+        variant = kda_two_node_aot_kernels(names[v.dtype], q.shape_expr[3].constant_value(),
+                                           v.shape_expr[3].constant_value())[1]
         grid, scalars = kda_chunk_recurrence_aot_launch(list(q.shape_expr), list(v.shape_expr), variant,
                                                         trtp.min, trtp.max)
         return _aot_result(trtp, variant, grid, scalars)

@@ -108,11 +108,11 @@ def aot_kda_two_nodes(q, k, v, g, beta, initial_state, final_state=None):
     """KDA as exports hold it, the AOT kernels of KDAPrepare then KDAChunkRecurrence launched as TensorRT
     would, the chunk terms between them (NaN where the prepare writes nothing: a stepped call reads none)."""
     dtype = str(v.dtype).removeprefix("torch.")
-    prepare, recurrence = trt_aot.kda_two_node_aot_kernels(dtype, q.shape[-1])
+    prepare, recurrence = trt_aot.kda_two_node_aot_kernels(dtype, q.shape[-1], v.shape[-1])
     B, T, H, K = q.shape
     terms = [v.new_full((B, T, H, n), float("nan")) for n in (K, K, K, v.shape[-1], C)]
     terms.append(torch.full((B, -(-T // C), H, K), float("nan")))
-    grid, scalars = trt_aot.kda_prepare_aot_launch(q.shape, v.shape)
+    grid, scalars = trt_aot.kda_prepare_aot_launch(q.shape)
     prepare.fn[grid](q, k, v, g, beta, *scalars, *terms, **prepare.constexprs, num_warps=prepare.num_warps)
     grid, scalars = trt_aot.kda_chunk_recurrence_aot_launch(q.shape, v.shape, recurrence)
     o = torch.full_like(v, float("nan"))
@@ -162,7 +162,7 @@ STEP_MAPPINGS = [((1, 1, 12, 128, 128), 16), ((2, STEPPED, 3, 34, 40), 16), ((1,
 def test_aot_step_mappings(shape: tuple[int, ...], columns: int) -> None:
     """A stepped KDAChunkRecurrence call in each mapping its grid selects (float16), against the eager op."""
     B, T, H, K, V = shape
-    recurrence = trt_aot.kda_two_node_aot_kernels("float16", K)[1]
+    recurrence = trt_aot.kda_two_node_aot_kernels("float16", K, V)[1]
     grid, _ = trt_aot.kda_chunk_recurrence_aot_launch([B, T, H, K], [B, T, H, V], recurrence)
     assert grid == (B * H, -(-V // columns))
     check(aot_kda_two_nodes, ref.recurrent_kda, shape, torch.float16)
