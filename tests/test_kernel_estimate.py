@@ -155,12 +155,11 @@ def test_the_kda_step_sums_within_a_warp(cache: Path) -> None:
                                  (aot, aot.constexprs["NARROW_LANES_K"], paths["narrow step"]),
                                  (aot, aot.constexprs["LANES_K"], paths["step"])):
         analysis = kernel_estimate.analyse(variant, "sm90")
-        step = analysis.loops[analysis.loop("for t in range(T)", path and analysis.part(path))].own
+        loop = analysis.loops[analysis.loop("for t in range(T)", analysis.part(path))]
         rounds = lanes.bit_length() - 1  # log2(lanes) shuffles a sum
-        assert step.get("BAR", 0) == 0 and 0 < step["SHFL"] <= 3 * rounds, (variant.name, step)
+        assert loop.own.get("BAR", 0) == 0 and 0 < loop.own["SHFL"] <= 3 * rounds, (variant.name, loop.own)
         # The three sums are reduced side by side: their shuffles overlap, one sum's rounds on the path.
-        depth = analysis.loops[analysis.loop("for t in range(T)", path and analysis.part(path))].shuffle_depth
-        assert depth == rounds, (variant.name, depth)
+        assert loop.shuffle_depth == rounds, (variant.name, loop.shuffle_depth)
     chunks = analysis.part(paths["chunks"]).loops
     assert [analysis.loops[i].text for i in chunks] == ["for i_t in range(n_chunks)"]
 

@@ -164,6 +164,7 @@ def call_costs(folder: Path, prompt: list[int], drafts: int, threads: int,
            "after a verify rejected at its last": 2 * drafts + 1,
            "after consecutive rejections (the cap)": CALL_TOKENS_PER_DRAFT * drafts + 1}
     times: dict[str, list[float]] = {name: [] for name in fed}
+    longest = max(fed.values())
     cached = len(prompt)
     for _ in range(calls):
         # Each drafting call taken back to the verify's cache length (the kept state is the row's own then);
@@ -171,8 +172,8 @@ def call_costs(folder: Path, prompt: list[int], drafts: int, threads: int,
         for name, tokens in fed.items():
             if name != "decode":
                 times[name].append(call(tokens, cached, drafts))
-        times["decode"].append(call(1, cached + fed[max(fed, key=fed.get)], 0))
-        cached += max(fed.values()) + 1
+        times["decode"].append(call(1, cached + longest, 0))
+        cached += longest + 1
     runner.deactivate()
     return {name: (fed[name], statistics.median(t)) for name, t in times.items()}
 

@@ -196,9 +196,11 @@ class Analysis:
             index = self.loops[index].parent
         return next((p.loops for p in self.parts if p.loop == index), list(range(len(self.loops))))
 
-    def part(self, path: tuple[str, int]) -> Part:
+    def part(self, path: tuple[str, int] | None) -> Part | None:
         """The paths through the loop `path` names: its `for` text and which of that text's loops, in code
-        order."""
+        order (None: the whole kernel)."""
+        if path is None:
+            return None
         text, nth = path
         named = [p for p in self.parts if self.loops[p.loop].text == text]
         if len(named) <= nth:
@@ -526,7 +528,7 @@ def chain_step(a: Analysis, launch: Launch) -> dict[str, float]:
     """Per trip of the chain loop: its BAR, the SHFL on its longest dependency path ("SHFL": each loop's
     shuffle_depth; nested loops included, each trip after the last), and whether it loads global memory
     with no cp.async / TMA in it."""
-    index = a.loop(launch.chain, None if launch.path is None else a.part(launch.path))
+    index = a.loop(launch.chain, a.part(launch.path))
     steps = launch.trips[launch.chain]
     inner = a.inside(index)
     sums = {k: sum(a.loops[i].own.get(k, 0) * launch.trips.get(a.loops[i].text, 0) for i in inner) / steps
@@ -546,7 +548,7 @@ def estimate(row: Row, m: Machine, analyses: list[Analysis] | None = None) -> Es
         resident = occupancy(a, m)
         per_sm = math.ceil(launch.active / m.sms)
         at_once = max(1, min(resident, per_sm))
-        part = None if launch.path is None else a.part(launch.path)
+        part = a.part(launch.path)
         warp_instr = program_instructions(a, launch.trips, part=part)
         issue = per_sm * a.num_warps * warp_instr / min(m.issue_per_sm, at_once * a.num_warps) / clock
         detail: dict[str, Any] = {"kernel": a.name, "grid": launch.grid, "programs": launch.active,

@@ -120,7 +120,7 @@ DEFAULT_SHARED_BYTES = 48 * 1024
 # so the factored scores always apply) and value columns per program: 64 halves the programs against 32, and
 # with them the chunks' state-free work each repeats (measured on the one-node kernel, which keeps it:
 # tools/kernel_estimate.py on an H100, prefill at T = 8192 5.2 ms at 96 heads against 7.7 at 32 columns).
-# KDAChunkRecurrence's chunk path takes it too (224 registers, 35,328 B of shared memory, no spills; 1.11 ms
+# KDAChunkRecurrence's chunk path takes it too (213 registers, 35,328 B of shared memory, no spills; 1.06 ms
 # at 96 heads); its decode step takes 16 columns where the call has few (row, head) pairs (its launch's grid).
 KDA_CHUNK = CHUNK_SIZE
 BLOCK_V = 64
@@ -131,7 +131,7 @@ BLOCK_V = 64
 KDA_STEP_TOKENS = 4
 # A stepped call whose (row, head) pairs are few (12 heads a rank at batch 1) steps NARROW_BV value columns a
 # program, not the chunk path's 64, while those programs fit in one wave of an H100 (132 SMs; the kernel holds
-# one program an SM at the chunk path's 224 registers): 96 programs at 12 heads and batch 1, not 24, each
+# one program an SM at the chunk path's 213 registers): 96 programs at 12 heads and batch 1, not 24, each
 # stepping a quarter of the state (16 lanes along the key channels: 4 shuffles a sum, not 2). Past one wave
 # the chunk path's 64 columns take less issue a column (tools/kernel_estimate.py, docs/kernels.md).
 KDA_NARROW_BV = 16
